@@ -1,0 +1,135 @@
+"""Degrees -> rank groups -> DeviceMesh, owned by one object.
+
+The rank arithmetic is pure (testable at any simulated world size); :class:`RankLayout.mesh` is the
+single place that builds ``DeviceMesh`` objects, and it caches them so every layer with the same
+factorization shares one set of process groups.
+
+Rank numbering (as in Galvatron): pipeline stages are the outermost dimension, so stage ``s`` owns
+global ranks ``[s*S, (s+1)*S)`` with ``S = world_size // pp``. Inside a stage a layer factorizes the
+``S`` ranks as ``dp x tp``:
+
+* consecutive tp groups (default): local rank ``l`` has ``tp_index = l % tp``, ``dp_index = l // tp``;
+* strided tp groups: ``tp_index = l // dp``, ``dp_index = l % dp``.
+
+A layer's *activation layout* is which batch shard a rank holds: shard ``dp_index`` of ``dp`` equal
+shards, replicated over the rank's tp group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .plan import LayerStrategy, ParallelPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Pure rank arithmetic for one world of ``world_size`` ranks split into ``pp`` stages."""
+
+    world_size: int
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.pp < 1 or self.world_size % self.pp:
+            raise ValueError(f"world_size={self.world_size}, pp={self.pp}: pp must divide the world size. "
+                             "HINT: pick pp from the divisors of the world size.")
+
+    @property
+    def stage_size(self) -> int:
+        return self.world_size // self.pp
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.stage_size
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        start = stage * self.stage_size
+        return list(range(start, start + self.stage_size))
+
+    def grid(self, s: LayerStrategy, stage: int = 0) -> list[list[int]]:
+        """Global ranks of ``stage`` arranged ``[dp_index][tp_index]`` for strategy ``s``."""
+        if s.width != self.stage_size:
+            raise ValueError(f"strategy {s.short()} spans {s.width} ranks but a stage has {self.stage_size}. "
+                             "HINT: tp*dp must equal world_size/pp.")
+        base = stage * self.stage_size
+        if s.tp_consecutive:
+            return [[base + d * s.tp + t for t in range(s.tp)] for d in range(s.dp)]
+        return [[base + t * s.dp + d for t in range(s.tp)] for d in range(s.dp)]
+
+    def coords(self, s: LayerStrategy, rank: int) -> tuple[int, int]:
+        """(dp_index, tp_index) of ``rank`` under strategy ``s``."""
+        local = rank - self.stage_of(rank) * self.stage_size
+        if s.tp_consecutive:
+            return local // s.tp, local % s.tp
+        return local % s.dp, local // s.dp
+
+    def tp_group(self, s: LayerStrategy, rank: int) -> list[int]:
+        d, _ = self.coords(s, rank)
+        return self.grid(s, self.stage_of(rank))[d]
+
+    def dp_group(self, s: LayerStrategy, rank: int) -> list[int]:
+        _, t = self.coords(s, rank)
+        return [row[t] for row in self.grid(s, self.stage_of(rank))]
+
+    def batch_shard(self, s: LayerStrategy, rank: int) -> tuple[int, int]:
+        """(shard index, shard count) of the batch that ``rank`` holds under ``s``."""
+        return self.coords(s, rank)[0], s.dp
+
+    def data_strategy(self, plan: ParallelPlan) -> LayerStrategy:
+        """The layout the data loader serves: the finest dp in the plan, consecutive replicas."""
+        dp = plan.data_parallel_size
+        return LayerStrategy(tp=self.stage_size // dp, dp=dp)
+
+
+@dataclass
+class MeshFactory:
+    """Builds and caches the DeviceMeshes a plan needs (the only place meshes are created).
+
+    For a factorization ``(tp, dp, consecutive)`` it builds one world mesh ``("pp", "dp", "tp")`` and
+    hands out the current stage's ``("dp", "tp")`` sub-mesh. Every rank must request meshes in the
+    same order (mesh creation is collective); :meth:`build_all` does that for a whole plan up front.
+    """
+
+    layout: RankLayout
+    device_type: str
+    rank: int
+    _cache: dict[tuple[int, int, bool], Any] = field(default_factory=dict)
+
+    def world_mesh(self, s: LayerStrategy) -> "DeviceMesh":
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        key = (s.tp, s.dp, s.tp_consecutive)
+        if key not in self._cache:
+            grids = [self.layout.grid(s, stage) for stage in range(self.layout.pp)]
+            mesh = torch.tensor(grids, dtype=torch.int)  # [pp, dp, tp]
+            self._cache[key] = DeviceMesh(self.device_type, mesh, mesh_dim_names=("pp", "dp", "tp"))
+        return self._cache[key]
+
+    def mesh(self, s: LayerStrategy) -> "DeviceMesh":
+        """This rank's ``("dp", "tp")`` mesh for strategy ``s``."""
+        return self.world_mesh(s)["dp", "tp"]
+
+    def data_mesh(self, s: LayerStrategy) -> "DeviceMesh":
+        """1-D mesh over which ``s`` reduces gradients (dp, or dp*tp for Ulysses)."""
+        mesh = self.mesh(s)
+        if s.ulysses:
+            return mesh._flatten(f"dp_tp_{s.tp}_{s.dp}_{int(s.tp_consecutive)}")
+        return mesh["dp"]
+
+    def pp_mesh(self) -> "DeviceMesh":
+        s = LayerStrategy(dp=self.layout.stage_size)
+        return self.world_mesh(s)["pp"]
+
+    def build_all(self, plan: ParallelPlan) -> None:
+        seen: set[tuple[int, int, bool]] = set()
+        for s in (self.layout.data_strategy(plan), *plan.all_strategies()):
+            key = (s.tp, s.dp, s.tp_consecutive)
+            if key not in seen:
+                seen.add(key)
+                self.world_mesh(s)
+            if s.ulysses:
+                self.data_mesh(s)

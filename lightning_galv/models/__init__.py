@@ -1,0 +1,7 @@
+"""Reference decoders addressed block by block by a ParallelPlan (see `protocol`)."""
+
+from .gpt2 import GPT2, GPT2Config
+from .llama import Llama, LlamaConfig
+from .protocol import ModelParts, find_parts
+
+__all__ = ["GPT2", "GPT2Config", "Llama", "LlamaConfig", "ModelParts", "find_parts"]

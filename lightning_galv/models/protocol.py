@@ -1,0 +1,78 @@
+"""How the runtime finds the parts of a model it parallelizes.
+
+A model opts in by exposing five attributes (the reference models in this package do):
+
+``galv_blocks``      an ``nn.ModuleList`` of transformer blocks; ``plan.layers[i]`` addresses block ``i``.
+                     A block is called as ``block(x, *extras)`` where ``x`` is ``[batch, seq, hidden]``
+                     and ``extras`` do not depend on the batch (rotary tables, ...).
+``galv_embedding``   the token ``nn.Embedding`` (vocab-parallel when the embed strategy has tp > 1).
+``galv_final_norm``  the norm before the head (may be ``None``); it runs under the head strategy.
+``galv_head``        the output ``nn.Linear`` (vocab-parallel when the head strategy has tp > 1).
+``galv_shape()``     a :class:`~lightning_galv.plan.ModelShape`.
+
+and each block class carries two class attributes:
+
+``galv_tp_plan``     ``{submodule path: "colwise" | "rowwise" | "norm"}``: Megatron column / row
+                     splits of the projections, and the norms that Megatron-SP shards on the sequence.
+``galv_attention``   path of the *core attention* submodule, called ``core(q, k, v)`` with
+                     ``[batch, seq, heads, head_dim]`` tensors. Attention code must infer the local
+                     head count from the projection output (``view(b, s, -1, head_dim)``), so the
+                     same code runs with all heads or with its tensor-parallel share.
+
+A model without these attributes still gets DP / ZeRO / activation checkpointing: its blocks are
+found as the longest ``nn.ModuleList`` of identical module types, and requesting TP or SP for it
+raises a ``ValueError`` with a hint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..plan import ModelShape
+
+
+@dataclass
+class ModelParts:
+    blocks: nn.ModuleList
+    embedding: nn.Embedding | None
+    final_norm: nn.Module | None
+    head: nn.Linear | None
+    shape: ModelShape | None
+    understood: bool  # True when the model implements the protocol (TP/SP allowed)
+
+    def block_tp_plan(self, i: int) -> dict[str, str]:
+        return dict(getattr(type(self.blocks[i]), "galv_tp_plan", {}))
+
+    def block_attention(self, i: int) -> str | None:
+        return getattr(type(self.blocks[i]), "galv_attention", None)
+
+
+def find_parts(model: nn.Module) -> ModelParts:
+    """The protocol parts of ``model``, or a best-effort guess for models that do not implement it."""
+    inner = _unwrap(model)
+    if hasattr(inner, "galv_blocks"):
+        shape = inner.galv_shape() if hasattr(inner, "galv_shape") else None
+        return ModelParts(inner.galv_blocks, getattr(inner, "galv_embedding", None),
+                          getattr(inner, "galv_final_norm", None), getattr(inner, "galv_head", None),
+                          shape, understood=True)
+    best: nn.ModuleList | None = None
+    for mod in inner.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) and len({type(m) for m in mod}) == 1:
+            if best is None or len(mod) > len(best):
+                best = mod
+    if best is None:
+        raise ValueError(f"model {type(inner).__name__}: found no list of blocks to address with a plan. "
+                         "HINT: keep the transformer blocks in an nn.ModuleList, or expose `galv_blocks` "
+                         "(see lightning_galv.models.protocol).")
+    return ModelParts(best, None, None, None, None, understood=False)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """A LightningModule usually holds the network as a child; follow a single `.model`/`.net`."""
+    for name in ("model", "net", "module"):
+        child = getattr(model, name, None)
+        if isinstance(child, nn.Module) and not hasattr(model, "galv_blocks"):
+            return _unwrap(child)
+    return model
