@@ -1,0 +1,29 @@
+"""Per-layer activation checkpointing.
+
+The block's ``forward`` is replaced (on the instance) by a non-reentrant ``torch.utils.checkpoint``
+call around the original. Unlike ``checkpoint_wrapper`` this leaves the module tree and therefore the
+state-dict keys untouched, and module hooks (FSDP2's all-gather, the layout re-distribution) stay
+outside the recomputed region, so a recompute never repeats a collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def apply_checkpointing(block: nn.Module) -> None:
+    if getattr(block, "_galv_checkpointed", False):
+        return
+    inner = block.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    block.forward = forward  # type: ignore[method-assign]
+    block._galv_checkpointed = True  # type: ignore[attr-defined]

@@ -1,0 +1,147 @@
+"""Data parallelism and ZeRO 1/2/3 for one unit (block, embedding, head) of a plan.
+
+* ZeRO-2/3: FSDP2 ``fully_shard`` on the unit's data-parallel mesh, ``reshard_after_forward`` False/True
+  (ZeRO, Rajbhandari et al. SC'20: stage 2 shards gradients+optimizer state, stage 3 also parameters).
+* ZeRO-0/1: parameters stay replicated; :class:`GradientSync` sums their gradients over the unit's
+  data group after the last backward of a step. ZeRO-1 additionally gives each parameter one owner in
+  its group (:class:`OptimizerStateSharding`): only the owner keeps optimizer state and updates it,
+  then broadcasts the new value.
+
+Gradient scale. Layers of one plan may split the batch ``dp`` ways with different ``dp``; the loss each
+rank back-propagates is the mean over the shard the data loader gave it (``plan.data_parallel_size``
+shards). Summing a layer's gradient over its data group and dividing by ``data_parallel_size`` (not by
+the layer's own ``dp``) therefore gives every layer the gradient of the global mean loss.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..plan import LayerStrategy
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local storage of a tensor or DTensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def apply_fsdp(modules: nn.Module | list[nn.Module], mesh: Any, strategy: LayerStrategy, divide_factor: int,
+               mp_policy: Any | None = None) -> None:
+    """ZeRO-2/3 for one unit via FSDP2 on its 1-D data mesh."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.zero == 3}
+    kwargs["mp_policy"] = mp_policy or MixedPrecisionPolicy()
+    fully_shard(modules, **kwargs)
+    fsdp_mod: Any = modules if isinstance(modules, nn.Module) else modules[0]  # a list shares one state
+    # sum then divide by the loader's dp (see module docstring); sum-only collectives also run on gloo
+    fsdp_mod.set_force_sum_reduction_for_comms(True)
+    fsdp_mod.set_gradient_divide_factor(float(divide_factor))
+
+
+@dataclass
+class GradientSync:
+    """Sums replicated (ZeRO-0/1) gradients over each unit's data group, divided by the loader's dp."""
+
+    divide_factor: int
+    groups: dict[Any, list[nn.Parameter]] = field(default_factory=lambda: defaultdict(list))
+
+    def add(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, group_size: int) -> None:
+        for p in params:
+            if p.requires_grad:
+                self.groups[(group, group_size)].append(p)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        for (group, size), params in self.groups.items():
+            grads = [local(p.grad) for p in params if p.grad is not None]
+            if not grads:
+                continue
+            if size > 1:
+                # bucket by dtype: one flat all-reduce per dtype and group
+                by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+                for g in grads:
+                    by_dtype[g.dtype].append(g)
+                for gs in by_dtype.values():
+                    flat = torch.cat([g.reshape(-1) for g in gs])
+                    dist.all_reduce(flat, group=group)
+                    flat.div_(self.divide_factor)
+                    offset = 0
+                    for g in gs:
+                        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                        offset += g.numel()
+            elif self.divide_factor != 1:
+                for g in grads:
+                    g.div_(self.divide_factor)
+
+
+@dataclass
+class OptimizerStateSharding:
+    """ZeRO-1: each replicated parameter has one owner rank (global rank) in its data group."""
+
+    owner: dict[nn.Parameter, tuple[int, Any]] = field(default_factory=dict)  # param -> (owner, group)
+
+    def add(self, params: list[nn.Parameter], ranks: list[int], group: dist.ProcessGroup) -> None:
+        """Greedy balance by element count (largest first), deterministic on every rank."""
+        load = {r: 0 for r in ranks}
+        order = sorted(range(len(params)), key=lambda i: (-local(params[i]).numel(), i))
+        for i in order:
+            r = min(load, key=lambda k: (load[k], k))
+            load[r] += local(params[i]).numel()
+            self.owner[params[i]] = (r, group)
+
+    def owns(self, p: nn.Parameter) -> bool:
+        return self.owner.get(p, (dist.get_rank(), None))[0] == dist.get_rank()
+
+    def wrap(self, optimizer: torch.optim.Optimizer) -> None:
+        """Patch ``optimizer.step`` so only owners update, then owners broadcast (any torch optimizer)."""
+        if not self.owner or getattr(optimizer, "_galv_zero1", False):
+            return
+        inner_step = optimizer.step
+        sharding = self
+
+        def step(closure: Any = None, **kwargs: Any) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()  # forward, backward, gradient sync and clipping happen in here
+            saved = {}
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p in sharding.owner and not sharding.owns(p):
+                        saved[p], p.grad = p.grad, None  # torch optimizers skip params without grad
+            inner_step(**kwargs)
+            for p, g in saved.items():
+                p.grad = g
+            sharding.broadcast()
+            return loss
+
+        optimizer.step = step  # type: ignore[method-assign]
+        optimizer._galv_zero1 = True  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def broadcast(self) -> None:
+        for p, (owner, group) in self.owner.items():
+            dist.broadcast(local(p.data), src=owner, group=group)
+
+    def consolidate(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give every rank the optimizer state of every parameter (before saving a checkpoint)."""
+        for p, (owner, group) in self.owner.items():
+            if p not in {q for g in optimizer.param_groups for q in g["params"]}:
+                continue
+            state = [optimizer.state.get(p) if dist.get_rank() == owner else None]
+            dist.broadcast_object_list(state, src=owner, group=group)
+            if state[0] is not None:
+                optimizer.state[p] = state[0]
+
+    def reshard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the state of parameters this rank does not own (after loading a checkpoint)."""
+        for p in list(optimizer.state):
+            if p in self.owner and not self.owns(p):
+                del optimizer.state[p]

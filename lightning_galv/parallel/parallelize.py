@@ -1,0 +1,267 @@
+"""Apply a :class:`ParallelPlan` to a model, in one documented order.
+
+Order, and why:
+
+1. **Replicated start** - broadcast every parameter and buffer from rank 0 so replicas agree even if
+   the user forgot to seed (shards are cut from identical tensors).
+2. **Tensor / sequence parallelism** per unit (``apply_tp``, ``apply_ulysses``, vocab-parallel
+   embedding and head): turns weights into DTensors on the unit's ``tp`` mesh dim; must precede FSDP,
+   which then shards the DTensors further on the ``dp`` dim.
+3. **Activation checkpointing** per block: wraps the block's own forward only, so the hooks added next
+   stay outside the recomputed region.
+4. **Layout re-distribution hooks** between units whose batch sharding differs (and from/to the data
+   loader's layout at the model's input and output).
+5. **Data parallelism / ZeRO** per unit: FSDP2 for ZeRO-2/3 (registered last so its pre-forward
+   all-gather runs after our re-distribution), gradient sum + ZeRO-1 ownership for the rest.
+
+Everything is collected into a :class:`ParallelRuntime` that the strategy drives (gradient sync, clipping,
+optimizer wrapping, checkpoint consolidation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layout import MeshFactory, RankLayout
+from ..models.protocol import ModelParts, find_parts
+from ..plan import LayerStrategy, ParallelPlan
+from .checkpointing import apply_checkpointing
+from .data import GradientSync, OptimizerStateSharding, apply_fsdp, local
+from .redistribute import BatchLayout, add_input_redistribution, add_output_redistribution
+
+
+@dataclass
+class Unit:
+    """A piece of the model that one strategy addresses."""
+
+    name: str
+    modules: list[nn.Module]
+    strategy: LayerStrategy
+    extra: list[nn.Parameter] = field(default_factory=list)  # loose parameters, always replicated
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for m in self.modules:
+            for p in m.parameters():
+                seen.setdefault(id(p), p)
+        for p in self.extra:
+            seen.setdefault(id(p), p)
+        return list(seen.values())
+
+
+@dataclass
+class ParallelRuntime:
+    """What the strategy needs after parallelization."""
+
+    plan: ParallelPlan
+    layout: RankLayout
+    factory: MeshFactory
+    rank: int
+    units: list[Unit]
+    data_strategy: LayerStrategy
+    grad_sync: GradientSync
+    zero1: OptimizerStateSharding
+    fsdp_roots: list[nn.Module] = field(default_factory=list)
+    replicas: dict[nn.Parameter, int] = field(default_factory=dict)
+
+    # -- data loading ------------------------------------------------------------------------------
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """(index, count) of the sample shard this rank's loader serves."""
+        return self.layout.batch_shard(self.data_strategy, self.rank)
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Skip (accumulation micro-steps) or perform gradient reduction on the next backward."""
+        for m in self.fsdp_roots:
+            m.set_requires_gradient_sync(enabled)  # type: ignore[operator]
+
+    def sync_gradients(self) -> None:
+        self.grad_sync.sync()
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm over every mesh and stage, each element counted once."""
+        norm_type = float(norm_type)
+        total = torch.zeros((), dtype=torch.float64)
+        for p, copies in self.replicas.items():
+            if p.grad is None:
+                continue
+            g = local(p.grad).detach().to(torch.float64)
+            if math.isinf(norm_type):
+                total = torch.maximum(total, g.abs().max().cpu() if g.numel() else total)
+            else:
+                total += g.abs().pow(norm_type).sum().cpu() / copies
+        device = _device_of(self.replicas)
+        total = total.to(device)
+        if math.isinf(norm_type):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+            return total
+        dist.all_reduce(total)
+        return total.pow(1.0 / norm_type)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        norm = self.grad_norm(norm_type)
+        coef = float(max_norm) / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for p in self.replicas:
+                if p.grad is not None:
+                    local(p.grad).mul_(coef)
+        return norm
+
+    # -- optimizers --------------------------------------------------------------------------------
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.zero1.wrap(optimizer)
+
+
+def _device_of(params: Iterable[nn.Parameter]) -> torch.device:
+    for p in params:
+        return local(p).device
+    return torch.device("cpu")
+
+
+def model_units(parts: ModelParts, plan: ParallelPlan, root: nn.Module) -> list[Unit]:
+    """embed (+ every parameter outside blocks/head), blocks, head (final norm + output)."""
+    assert plan.embed is not None and plan.head is not None
+    units: list[Unit] = []
+    if parts.embedding is not None:
+        units.append(Unit("embed", [parts.embedding], plan.embed))
+    units += [Unit(f"layers.{i}", [b], plan.layers[i]) for i, b in enumerate(parts.blocks)]
+    head_mods = [m for m in (parts.final_norm, parts.head) if m is not None]
+    if head_mods:
+        units.append(Unit("head", head_mods, plan.head))
+    owned = {id(p) for u in units for p in u.parameters()}
+    rest = [p for p in root.parameters() if id(p) not in owned]
+    if rest:
+        if units and units[0].name == "embed":
+            units[0].extra += rest
+        else:
+            units.insert(0, Unit("embed", [], plan.embed, extra=rest))
+    return units
+
+
+def check_plan_for_model(plan: ParallelPlan, parts: ModelParts) -> None:
+    if len(plan.layers) != len(parts.blocks):
+        raise ValueError(f"plan with {len(plan.layers)} layer strategies: the model has {len(parts.blocks)} blocks. "
+                         "HINT: give one LayerStrategy per block (ParallelPlan.uniform(world, num_layers, ...)).")
+    if not parts.understood:
+        bad = [s.short() for s in plan.all_strategies() if s.tp > 1]
+        if bad:
+            raise ValueError(f"tensor/sequence parallel strategies {sorted(set(bad))}: the model does not implement "
+                             "the lightning_galv block protocol, so its projections cannot be split. HINT: use "
+                             "tp=1 (DP/ZeRO/checkpointing work on any model) or expose galv_blocks/galv_tp_plan "
+                             "(see lightning_galv.models.protocol).")
+    elif parts.shape is not None:
+        plan.check_model(parts.shape)
+
+
+@torch.no_grad()
+def broadcast_module(module: nn.Module, src: int = 0) -> None:
+    """Make parameters and buffers identical on every rank (rank ``src`` wins)."""
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        dist.broadcast(flat, src=src)
+        offset = 0
+        for t in ts:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
+                mp_policy: Any | None = None, sync_init: bool = True) -> ParallelRuntime:
+    """Apply ``plan`` to ``model`` in place (order in the module docstring)."""
+    layout, rank = factory.layout, factory.rank
+    if plan.pp > 1:
+        raise ValueError(f"pp={plan.pp}: pipeline stages are applied by parallel.pipeline, not here. "
+                         "HINT: use GalvatronStrategy, which splits stages before calling parallelize().")
+    parts = find_parts(model)
+    check_plan_for_model(plan, parts)
+    factory.build_all(plan)
+    if sync_init:
+        broadcast_module(model)  # 1. replicated start
+    units = model_units(parts, plan, model)
+
+    # 2. tensor / sequence parallelism
+    for unit in units:
+        s = unit.strategy
+        if s.tp == 1:
+            continue
+        mesh = factory.mesh(s)
+        from . import sequence, tensor
+
+        if unit.name == "embed":
+            tensor.apply_tp_embedding(parts.embedding, mesh, s)  # type: ignore[arg-type]
+        elif unit.name == "head":
+            tensor.apply_tp_head(parts.final_norm, parts.head, mesh, s)  # type: ignore[arg-type]
+        elif s.ulysses:
+            sequence.apply_ulysses(unit.modules[0], mesh, s)
+        else:
+            tensor.apply_tp(unit.modules[0], mesh, s)
+
+    # 3. activation checkpointing
+    for unit in units:
+        if unit.strategy.checkpoint and unit.name.startswith("layers."):
+            apply_checkpointing(unit.modules[0])
+
+    # 4. layout re-distribution between units, and from/to the data loader's layout
+    stage = layout.stage_of(rank)
+    stage_rank = rank - stage * layout.stage_size
+    group = factory.world_mesh(LayerStrategy(dp=layout.stage_size))["dp"].get_group()
+    data_s = layout.data_strategy(plan)
+    data_layout = BatchLayout.of(layout, data_s, stage)
+    prev = data_layout
+    for unit in units:
+        cur = BatchLayout.of(layout, unit.strategy, stage)
+        if not unit.modules:  # loose parameters only: they have no input to re-lay-out
+            continue
+        add_input_redistribution(unit.modules[0], prev, cur, stage_rank, group)
+        prev = cur
+    last = units[-1]
+    exit_mod = parts.head if (last.name == "head" and parts.head is not None) else last.modules[-1]
+    add_output_redistribution(exit_mod, prev, data_layout, stage_rank, group)
+
+    # 5. data parallelism / ZeRO
+    runtime = ParallelRuntime(plan, layout, factory, rank, units, data_s,
+                              GradientSync(plan.data_parallel_size), OptimizerStateSharding())
+    for unit in units:
+        s = unit.strategy
+        data_mesh = factory.data_mesh(s)
+        params = unit.parameters()
+        fsdp_mods = [m for m in unit.modules if any(True for _ in m.parameters())] if s.zero >= 2 else []
+        if fsdp_mods:
+            for m in fsdp_mods:  # one FSDP state each: siblings cannot share a root
+                apply_fsdp(m, data_mesh, s, plan.data_parallel_size, mp_policy)
+            runtime.fsdp_roots += fsdp_mods
+            params = list(unit.extra)  # loose parameters stay replicated
+        group_ranks = data_mesh.mesh.flatten().tolist()
+        runtime.grad_sync.add(params, data_mesh.get_group(), len(group_ranks))
+        if s.zero == 1:
+            runtime.zero1.add([p for p in params if p.requires_grad], group_ranks, data_mesh.get_group())
+
+    for p in model.parameters():
+        runtime.replicas[p] = layout.stage_size // _shard_count(p)
+    return runtime
+
+
+def _shard_count(p: torch.Tensor) -> int:
+    """How many distinct pieces the full tensor is cut into (1 for a plain tensor)."""
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return 1
+    mesh = p.device_mesh  # type: ignore[attr-defined]
+    n = 1
+    for i, pl in enumerate(placements):
+        if pl.is_shard():
+            n *= mesh.size(i)
+    return n

@@ -1,0 +1,113 @@
+"""Activation re-layout between layers whose strategies differ (the heart of per-layer plans).
+
+Between blocks an activation is a plain local tensor ``[local_batch, seq, hidden]``: rank ``r`` holds
+batch shard ``i`` of ``n`` equal shards (``(i, n) = layout.batch_shard(strategy, r)``), replicated over
+the ranks of its tp group. When block ``k+1`` shards the batch differently from block ``k`` the
+activation must be re-laid-out, and its gradient must flow back exactly.
+
+Forward: gather the shards over the stage (one copy of each), take the shard the next layer wants; when
+the wanted shard lies inside the one already held, this is a local slice with no communication.
+Backward: every rank holds the *full* gradient of its shard (the boundary contract of
+``parallel.tensor``), so replicas are identical: gather the gradient shards, take one replica of each
+and slice out the shard this rank fed forward. Taking one replica (rather than summing) is what keeps
+a tp group's identical copies from being counted tp times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layout import RankLayout
+from ..plan import LayerStrategy
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Which batch shard each rank of a stage holds: ``owner[i]`` = shard index of stage-local rank i."""
+
+    shards: int
+    owner: tuple[int, ...]
+
+    @classmethod
+    def of(cls, layout: RankLayout, s: LayerStrategy, stage: int) -> "BatchLayout":
+        ranks = layout.stage_ranks(stage)
+        return cls(s.dp, tuple(layout.batch_shard(s, r)[0] for r in ranks))
+
+    def first_holder(self, shard: int) -> int:
+        return self.owner.index(shard)
+
+
+def _gather_full(local: torch.Tensor, src: BatchLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All shards of ``src`` concatenated along dim 0 (one replica each) -> ``[B, ...]``."""
+    parts = [torch.empty_like(local) for _ in src.owner]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat([parts[src.first_holder(i)] for i in range(src.shards)], dim=0)
+
+
+def _take(full: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
+    size = full.shape[0] // shards
+    return full[shard * size:(shard + 1) * size]
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, src: BatchLayout, dst: BatchLayout, me: int,  # type: ignore[override]
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.src, ctx.dst, ctx.me, ctx.group = src, dst, me, group
+        ctx.batch = x.shape[0] * src.shards
+        mine, want = src.owner[me], dst.owner[me]
+        if dst.shards % src.shards == 0 and want // (dst.shards // src.shards) == mine:
+            # the wanted (finer) shard is inside the one held: slice locally, no communication
+            k = dst.shards // src.shards
+            return _take(x, want % k, k).clone()
+        return _take(_gather_full(x, src, group), want, dst.shards)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        full = _gather_full(grad.contiguous(), ctx.dst, ctx.group)  # [B, ...] one replica per shard
+        return _take(full, ctx.src.owner[ctx.me], ctx.src.shards).contiguous(), None, None, None, None
+
+
+def redistribute(x: torch.Tensor, src: BatchLayout, dst: BatchLayout, stage_rank: int,
+                 group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Move ``x`` from batch layout ``src`` to ``dst`` (identity when they are equal)."""
+    if src == dst:
+        return x
+    if x.shape[0] * src.shards % dst.shards:
+        raise ValueError(f"batch of {x.shape[0] * src.shards} samples: cannot split into {dst.shards} "
+                         "equal shards for the next layer. HINT: make the global batch (per micro-batch) a "
+                         "multiple of every layer's dp degree.")
+    if not x.requires_grad or not torch.is_floating_point(x):
+        with torch.no_grad():
+            return _Redistribute.apply(x, src, dst, stage_rank, group)
+    return _Redistribute.apply(x, src, dst, stage_rank, group)
+
+
+def add_input_redistribution(module: nn.Module, src: BatchLayout, dst: BatchLayout, stage_rank: int,
+                             group: dist.ProcessGroup | None) -> None:
+    """Re-lay-out the first positional input of ``module`` before it runs."""
+    if src == dst:
+        return
+
+    def hook(_mod: nn.Module, args: tuple) -> tuple:
+        if not args:
+            return args
+        return (redistribute(args[0], src, dst, stage_rank, group), *args[1:])
+
+    module.register_forward_pre_hook(hook)
+
+
+def add_output_redistribution(module: nn.Module, src: BatchLayout, dst: BatchLayout, stage_rank: int,
+                              group: dist.ProcessGroup | None) -> None:
+    """Re-lay-out the (tensor) output of ``module`` after it runs."""
+    if src == dst:
+        return
+
+    def hook(_mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return redistribute(out, src, dst, stage_rank, group)
+
+    module.register_forward_hook(hook)

@@ -1,0 +1,101 @@
+"""Functions that run inside gloo ranks (launched by lightning_galv.testing.run_distributed).
+
+Each rank also trains the single-process reference itself (tiny models), so a check compares the
+parallel run with an exact single-device run of the same data, in the same process.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_galv.layout import MeshFactory, RankLayout
+from lightning_galv.models import GPT2, GPT2Config, Llama, LlamaConfig
+from lightning_galv.parallel.data import local
+from lightning_galv.plan import ParallelPlan
+
+
+def make_model(kind: str, layers: int = 3, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if kind == "llama":
+        return Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2,
+                                 ffn_hidden=64, max_seq_len=16))
+    return GPT2(GPT2Config(vocab_size=64, dim=32, n_layers=layers, n_heads=4, max_seq_len=16))
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().clone()
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max abs difference relative to the reference tensor's scale.
+
+    The scale is floored at 0.01 because some parameters have a true gradient of exactly zero (a
+    key bias shifts every score of a softmax row equally), so they only carry ~1e-9 rounding noise;
+    the floor turns rtol 1e-5 into an absolute 1e-7 for such tensors.
+    """
+    return float((a - b).abs().max() / max(float(b.abs().max()), 0.01))
+
+
+def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: int = 10,
+                  global_batch: int = 8, seq: int = 16, clip: float | None = None,
+                  momentum: float = 0.9) -> dict[str, Any]:
+    plan = ParallelPlan.from_dict(plan_dict)
+    rank = dist.get_rank()
+    model = make_model(kind, layers)
+    ref = copy.deepcopy(model)
+    factory = MeshFactory(RankLayout(plan.world_size, plan.pp), "cpu", rank)
+    from lightning_galv.parallel.parallelize import parallelize
+
+    rt = parallelize(model, plan, factory)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=momentum)
+    rt.wrap_optimizer(opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=momentum)
+    shard, nshards = rt.data_shard
+    gen = torch.Generator().manual_seed(123)
+    losses, ref_losses = [], []
+    for _ in range(steps):
+        data = torch.randint(0, 64, (global_batch, seq + 1), generator=gen)
+        x, y = data[:, :-1], data[:, 1:]
+        b = global_batch // nshards
+        xl, yl = x[shard * b:(shard + 1) * b], y[shard * b:(shard + 1) * b]
+        logits = model(xl)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yl.reshape(-1))
+        loss.backward()
+        rt.sync_gradients()
+        if clip is not None:
+            rt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+        g = loss.detach().clone()
+        dist.all_reduce(g)
+        losses.append(float(g) / dist.get_world_size())
+        rl = ref(x)
+        rloss = F.cross_entropy(rl.reshape(-1, rl.shape[-1]), y.reshape(-1))
+        rloss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(rloss))
+    got, want = full_state(model), dict(ref.named_parameters())
+    errs = {k: rel_err(got[k], want[k].detach()) for k in want}
+    worst = max(errs, key=errs.get)
+    weight_err = errs[worst]
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    return {"loss_err": loss_err, "weight_err": weight_err, "losses": losses, "ref_losses": ref_losses,
+            "keys_equal": sorted(got) == sorted(want), "worst": worst}
+
+
+def run_many(cases: list[tuple[str, dict, dict]]) -> dict[str, Any]:
+    """Several plan checks in one launch (start-up dominates on CPU)."""
+    return {name: train_compare(plan, **kw) for name, plan, kw in cases}
+
