@@ -1,0 +1,319 @@
+"""Megatron tensor parallelism (and Megatron sequence parallelism) for one block, via DTensor.
+
+Every function here works *in place* on one module and keeps the **boundary contract** the
+redistribution code relies on:
+
+    A parallelized block is called as ``block(x, *extras)`` with ``x`` a plain local tensor
+    ``[local_batch, full_seq, hidden]``, identical on all ranks of the block's tp group, and returns
+    a plain local tensor of the same shape, identical on all ranks of the group. The gradient w.r.t.
+    ``x`` comes back full (not partial) and identical on every rank of the group.
+
+How each mode honours it (``P`` = tp degree):
+
+* ``sp="none"`` (Megatron TP, Shoeybi et al. 2019): the projections in the block class's
+  ``galv_tp_plan`` become ``ColwiseParallel`` / ``RowwiseParallel``. The module that *consumes* ``x``
+  for a group of column-parallel projections (e.g. ``attention`` for ``attention.wq``) turns its input
+  into a ``Replicate`` DTensor once, so its backward is a single all-reduce of the partial input
+  gradients of all its projections (Megatron's "f" operator). Row-parallel outputs are all-reduced
+  to a plain full tensor ("g" operator). Norms stay plain, replicated modules.
+* ``sp="megatron"`` (Korthikanti et al. 2022): at block entry ``x`` is sliced to this rank's sequence
+  chunk (``Replicate -> Shard(1)``: no communication, backward all-gather); norms run as
+  ``SequenceParallel`` on the chunk; consumers of column-parallel projections all-gather the chunk
+  (backward reduce-scatter); row-parallel outputs are reduce-scattered to the chunk; at block exit the
+  chunk is all-gathered (backward: a local slice). The residual stream inside the block is a plain
+  ``[b, s/P, hidden]`` chunk.
+* ``sp="ulysses"`` is not tensor parallelism (weights are not split): :func:`apply_tp` hands it to
+  :func:`lightning_galv.parallel.sequence.apply_ulysses`.
+
+Gradients of parameters after ``backward``:
+
+* column/row-parallel weights (and column-parallel biases) are ``Shard`` DTensors: each rank holds
+  the exact gradient of its shard;
+* replicated DTensor parameters (row-parallel biases; norm weights under Megatron-SP) get their
+  gradient as a ``Replicate`` DTensor holding the full sum over the tp group (a post-accumulate hook
+  resolves DTensor's ``Partial`` placement, so optimizers, clipping and the data-parallel reduction
+  see an ordinary replicated gradient);
+* plain parameters (norms without SP) get the full gradient by construction, identical on all ranks.
+
+Reducing gradients over the data-parallel dimension is the data-parallel code's job, not this one's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from ..plan import LayerStrategy
+
+__all__ = ["apply_tp", "apply_tp_embedding", "apply_tp_head", "tp_submesh"]
+
+_KINDS = ("colwise", "rowwise", "norm")
+_APPLIED_ATTR = "_galv_parallel"  # set on a block once it is parallelized (guards double application)
+
+
+# ---------------------------------------------------------------------------------------------------
+# helpers shared with sequence.py
+# ---------------------------------------------------------------------------------------------------
+def tp_submesh(mesh: DeviceMesh, strategy: LayerStrategy, what: str) -> DeviceMesh:
+    """The 1-D ``"tp"`` mesh of ``mesh`` (or ``mesh`` itself if it is 1-D), checked against ``strategy.tp``.
+
+    A mismatch means the caller built the mesh for another strategy; failing here names it instead of
+    letting a collective hang or silently split weights by the wrong degree.
+    """
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names:
+        sub = mesh["tp"]
+    elif mesh.ndim == 1:
+        sub = mesh
+    else:
+        raise ValueError(f"{what}: mesh with dims {names}: needs a 'tp' dimension. HINT: build it with "
+                         "MeshFactory.mesh(strategy), whose dims are ('dp', 'tp').")
+    if sub.size() != strategy.tp:
+        raise ValueError(f"{what}: tp mesh of size {sub.size()} for strategy {strategy.short()} (tp={strategy.tp}): "
+                         "the mesh's tp dimension must equal the strategy's tp degree. HINT: pass "
+                         "MeshFactory.mesh(strategy) for this very strategy.")
+    return sub
+
+
+def check_protocol(block: nn.Module, strategy: LayerStrategy, attr: str) -> Any:
+    """The block class's protocol attribute ``attr``, or a ValueError explaining the protocol."""
+    value = getattr(type(block), attr, None)
+    if not value:
+        raise ValueError(
+            f"block {type(block).__name__}: has no class attribute `{attr}`, so {strategy.short()} "
+            f"(tp={strategy.tp}, sp={strategy.sp!r}) cannot be applied; tensor/sequence parallelism needs the "
+            "model protocol. HINT: give the block class `galv_tp_plan = {'attn.q': 'colwise', ..., "
+            "'attn.o': 'rowwise', 'norm1': 'norm'}` and `galv_attention = 'attn.core'` (see "
+            "lightning_galv.models.protocol), or use a plan with tp=1 (DP/ZeRO only) for this model.")
+    return value
+
+
+def mark_applied(block: nn.Module, kind: str) -> None:
+    """Refuse to parallelize a block twice (a second DTensor wrap would split already-split weights)."""
+    prev = getattr(block, _APPLIED_ATTR, None)
+    if prev is not None:
+        raise ValueError(f"block {type(block).__name__}: already parallelized with {prev}, now asked for {kind}. "
+                         "HINT: parallelize each block once, on a fresh (unparallelized) model.")
+    setattr(block, _APPLIED_ATTR, kind)
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def _redistribute_first_arg(args: tuple, mesh: DeviceMesh, src: Placement, dst: Placement,
+                            use_local: bool) -> tuple:
+    """Convert ``args[0]`` from layout ``src`` (plain local tensor or DTensor) to ``dst``.
+
+    ``from_local`` + ``redistribute`` are differentiable, and their backward is the transposed
+    collective (slice <-> all-gather, all-gather <-> reduce-scatter), which is what keeps gradients
+    exact across the layout changes.
+    """
+    if not args or not isinstance(args[0], torch.Tensor):
+        return args
+    x = args[0]
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, (src,), run_check=False)
+    if x.placements != (dst,):
+        x = x.redistribute(mesh, (dst,))
+    return (x.to_local() if use_local else x, *args[1:])
+
+
+def _first_arg_pre_hook(mesh: DeviceMesh, src: Placement, dst: Placement, use_local: bool) -> Callable:
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        return _redistribute_first_arg(args, mesh, src, dst, use_local)
+    return hook
+
+
+def _seq_check_pre_hook(tp: int, what: str) -> Callable:
+    def hook(module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            x = args[0]
+            if x.dim() != 3 or x.shape[1] % tp:
+                raise ValueError(f"{what}: input of shape {tuple(x.shape)}: sequence parallelism of degree {tp} "
+                                 f"needs a [batch, seq, hidden] input with seq divisible by {tp}. HINT: pad or "
+                                 f"crop the sequence to a multiple of {tp}, or use sp='none' for this layer.")
+    return hook
+
+
+def _exit_hook(mesh: DeviceMesh) -> Callable:
+    """Block exit under Megatron-SP: plain ``[b, s/P, h]`` chunk -> plain full ``[b, s, h]``."""
+    def hook(module: nn.Module, args: tuple, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return _redistribute_first_arg((out,), mesh, Shard(1), Replicate(), True)[0]
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+            return _redistribute_first_arg(out, mesh, Shard(1), Replicate(), True)
+        raise TypeError(f"block {type(module).__name__}: returned {type(out).__name__}; Megatron-SP needs the "
+                        "block to return the hidden states tensor (or a tuple starting with it). HINT: return "
+                        "x from the block's forward.")
+    return hook
+
+
+def _replicate_grad_hook(param: torch.Tensor) -> None:
+    """Resolve a ``Partial`` gradient of a replicated DTensor parameter into a full ``Replicate`` one.
+
+    DTensor leaves the gradient of a ``Replicate`` parameter used against sharded activations as
+    ``Partial`` (each rank holds a summand). Summing it here, once per backward, means everything after
+    backward (optimizer, clipping, DP all-reduce, checkpoints) sees an ordinary replicated gradient.
+    """
+    g = param.grad
+    if isinstance(g, DTensor) and isinstance(param, DTensor) and g.placements != param.placements:
+        param.grad = g.redistribute(g.device_mesh, param.placements)
+
+
+def _install_replicate_grad_hooks(module: nn.Module) -> None:
+    for p in module.parameters():
+        if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements) \
+                and not getattr(p, "_galv_grad_hook", False):
+            p.register_post_accumulate_grad_hook(_replicate_grad_hook)
+            p._galv_grad_hook = True  # type: ignore[attr-defined]
+
+
+def _check_linear(block: nn.Module, path: str, mod: nn.Module, kind: str, tp: int) -> None:
+    """Divisibility checks with a readable message (DTensor would otherwise shard unevenly)."""
+    what = f"block {type(block).__name__}: {path!r} ({kind})"
+    if not isinstance(mod, nn.Linear):
+        raise ValueError(f"{what} is a {type(mod).__name__}: only nn.Linear layers can be split column/row-wise. "
+                         "HINT: list only nn.Linear projections as 'colwise'/'rowwise' in galv_tp_plan.")
+    n = mod.out_features if kind == "colwise" else mod.in_features
+    dim = "out_features" if kind == "colwise" else "in_features"
+    if n % tp:
+        raise ValueError(f"{what}: {dim}={n} is not divisible by tp={tp}. HINT: choose tp from the divisors of {n}.")
+    if kind == "colwise":
+        head_dim = getattr(block.get_submodule(_parent(path)), "head_dim", None) if _parent(path) else None
+        if isinstance(head_dim, int) and head_dim > 0 and n % head_dim == 0 and (n // head_dim) % tp:
+            raise ValueError(f"{what}: {n // head_dim} heads (out_features={n}, head_dim={head_dim}) are not "
+                             f"divisible by tp={tp}. HINT: tp must divide num_heads and num_kv_heads.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------------------
+def apply_tp(block: nn.Module, mesh: DeviceMesh, strategy: LayerStrategy) -> None:
+    """Split ``block`` in place over ``mesh["tp"]`` following its class's ``galv_tp_plan``.
+
+    ``strategy.sp`` selects plain Megatron TP (``"none"``), TP + Megatron sequence parallelism
+    (``"megatron"``), or Ulysses (``"ulysses"``, delegated to :func:`~.sequence.apply_ulysses` since its
+    weights are not split). ``strategy.tp == 1`` is a no-op. The block keeps the boundary contract (see
+    the module docstring): plain full-sequence tensors in and out, identical on the tp group.
+    """
+    if strategy.tp == 1:
+        return
+    if strategy.ulysses:
+        from .sequence import apply_ulysses
+
+        apply_ulysses(block, mesh, strategy)
+        return
+    tp_plan: dict[str, str] = dict(check_protocol(block, strategy, "galv_tp_plan"))
+    tp_mesh = tp_submesh(mesh, strategy, f"block {type(block).__name__}")
+    tp = strategy.tp
+    sp = strategy.sp == "megatron"
+    name = type(block).__name__
+
+    for path, kind in tp_plan.items():
+        if kind not in _KINDS:
+            raise ValueError(f"block {name}: galv_tp_plan[{path!r}] = {kind!r}: must be one of {_KINDS}. "
+                             "HINT: mark projections 'colwise'/'rowwise' and norms 'norm'.")
+        try:
+            mod = block.get_submodule(path)
+        except AttributeError as exc:
+            raise ValueError(f"block {name}: galv_tp_plan names {path!r}, which is not a submodule. HINT: use "
+                             "dotted paths relative to the block, as in block.named_modules().") from exc
+        if kind != "norm":
+            _check_linear(block, path, mod, kind, tp)
+    mark_applied(block, strategy.short())
+
+    # Layout of the residual stream inside the block: full (Replicate) or this rank's chunk (Shard(1)).
+    stream: Placement = Shard(1) if sp else Replicate()
+    colwise_parents = {_parent(p) for p, k in tp_plan.items() if k == "colwise"}
+    styles: dict[str, ParallelStyle] = {}
+    for path, kind in tp_plan.items():
+        if kind == "colwise":
+            # A colwise layer whose consumer module is gathered below receives a Replicate DTensor and
+            # needs no input conversion; one that sits directly in the block converts the stream itself.
+            styles[path] = ColwiseParallel(input_layouts=stream, use_local_output=True)
+        elif kind == "rowwise":
+            styles[path] = RowwiseParallel(output_layouts=stream, use_local_output=True)
+        elif sp:  # a norm under Megatron-SP runs on the sequence chunk with replicated weights
+            styles[path] = SequenceParallel(sequence_dim=1, use_local_output=True)
+    parallelize_module(block, tp_mesh, styles)
+
+    # Consumers of colwise projections: one layout change for all their projections (one collective
+    # forward and backward instead of one per projection). They receive a Replicate DTensor, which the
+    # projections consume without further conversion; a consumer only reads its shape and feeds it to
+    # linears (true of the reference models and of the torchtitan-style plans this mirrors).
+    for parent in sorted(colwise_parents - {""}, key=len):
+        block.get_submodule(parent).register_forward_pre_hook(
+            _first_arg_pre_hook(tp_mesh, stream, Replicate(), use_local=False))
+
+    if sp:
+        # Entry: full x -> this rank's chunk (backward: all-gather); exit: chunk -> full (backward: slice).
+        # The check hook is registered first so a bad sequence length fails before any collective.
+        block.register_forward_pre_hook(_seq_check_pre_hook(tp, f"block {name} (tp={tp}, sp='megatron')"))
+        block.register_forward_pre_hook(_first_arg_pre_hook(tp_mesh, Replicate(), Shard(1), use_local=True))
+        block.register_forward_hook(_exit_hook(tp_mesh))
+    _install_replicate_grad_hooks(block)
+
+
+def apply_tp_embedding(embedding: nn.Embedding, mesh: DeviceMesh, strategy: LayerStrategy) -> None:
+    """Vocab-parallel embedding: rows (vocabulary) split over ``mesh["tp"]``.
+
+    Token ids come in replicated; each rank looks up the ids in its vocabulary range (zeros elsewhere)
+    and the partial results are all-reduced, so the output is a plain full ``[b, s, hidden]`` tensor,
+    identical on the tp group (the next block's boundary contract). The weight gradient is exact per
+    shard. ``sp`` is ignored: the following block converts the layout itself.
+    """
+    if strategy.tp == 1:
+        return
+    if strategy.ulysses:
+        raise ValueError(f"embedding strategy {strategy.short()}: sp='ulysses' cannot apply to an embedding "
+                         "(there is no attention to exchange). HINT: use tp with sp='none' (vocab-parallel) "
+                         "or tp=1 for the embedding.")
+    if not isinstance(embedding, nn.Embedding):
+        raise TypeError(f"embedding of type {type(embedding).__name__}: vocab parallelism needs an nn.Embedding. "
+                        "HINT: expose the token nn.Embedding as `galv_embedding`, or use tp=1 for it.")
+    if embedding.num_embeddings % strategy.tp:
+        raise ValueError(f"embedding: vocab_size={embedding.num_embeddings} is not divisible by tp={strategy.tp}. "
+                         f"HINT: pad the vocabulary to a multiple of {strategy.tp} or lower the embed tp.")
+    tp_mesh = tp_submesh(mesh, strategy, "embedding")
+    mark_applied(embedding, strategy.short())
+    parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(),
+                                                           use_local_output=True))
+
+
+def apply_tp_head(final_norm: nn.Module | None, head: nn.Linear, mesh: DeviceMesh, strategy: LayerStrategy) -> None:
+    """Vocab-parallel output head: ``head`` column-split over the vocabulary, logits gathered.
+
+    The output is a plain full-vocabulary ``[b, s, vocab]`` tensor identical on the tp group, so a
+    user's plain ``F.cross_entropy`` works unchanged (this trades the memory saving of a vocab-parallel
+    loss for compatibility). The input gradient is all-reduced, so ``final_norm`` stays an ordinary
+    replicated module whose gradient is full on every rank; it is accepted here only to be validated.
+    """
+    if strategy.tp == 1:
+        return
+    if strategy.ulysses:
+        raise ValueError(f"head strategy {strategy.short()}: sp='ulysses' cannot apply to the output head. "
+                         "HINT: use tp with sp='none' (vocab-parallel) or tp=1 for the head.")
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"head of type {type(head).__name__}: vocab parallelism needs an nn.Linear. "
+                        "HINT: expose the output nn.Linear as `galv_head`, or use tp=1 for it.")
+    if final_norm is not None and not isinstance(final_norm, nn.Module):
+        raise TypeError(f"final_norm of type {type(final_norm).__name__}: must be an nn.Module or None.")
+    if head.out_features % strategy.tp:
+        raise ValueError(f"head: vocab_size={head.out_features} is not divisible by tp={strategy.tp}. "
+                         f"HINT: pad the vocabulary to a multiple of {strategy.tp} or lower the head tp.")
+    tp_mesh = tp_submesh(mesh, strategy, "head")
+    mark_applied(head, strategy.short())
+    parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(),
+                                                      use_local_output=True))
