@@ -1,0 +1,274 @@
+"""Read Galvatron's profiles and plans; write Galvatron plan JSON.
+
+Galvatron (Hetu-Galvatron, PKU DAIR lab, Apache-2.0) stores what it measured as small JSON files and
+its plans as a flat JSON object with comma-separated per-layer lists. This module maps them to and
+from our :class:`~lightning_galv.planner.profiles.ModelProfile` /
+:class:`~lightning_galv.planner.profiles.HardwareProfile` and :class:`~lightning_galv.plan.ParallelPlan`
+so both planners can be run on identical inputs. Pure: no torch.
+
+Caveats carried over from the data (see the reference README):
+
+* computation profiles hold **forward** time per sample only; backward is taken as 2x forward, as
+  Galvatron assumes (our own profiler measures it);
+* "other" (embedding/head) memory was measured for vocab-TP 1 only;
+* the gpt profiles use the pre-2.4 layout (``..._seqlen1024.json``), which is what we read;
+* bandwidths are GB/s (10^9 bytes) bus bandwidths; ``consec_1`` groups of at most one node are
+  intra-node, ``consec_0`` groups on several nodes are inter-node.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..plan import LayerStrategy, ModelShape, ParallelPlan
+from ..planner.profiles import (HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, TimeFit, act_key,
+                                link_key)
+
+MB = float(2**20)
+GB = 1e9
+_DP_TYPES = {"ddp": 0, "zero2": 2, "zero3": 3}
+_PIPELINES = {"pipedream_flush": "1f1b", "gpipe": "gpipe"}
+
+
+def _bad(value: object, rule: str, hint: str) -> ValueError:
+    return ValueError(f"{value!r}: {rule}. HINT: {hint}")
+
+
+def _load(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise _bad(str(p), "file does not exist", "point at Galvatron's configs/ or hardware_configs/ directory.")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise _bad(str(p), f"is not valid JSON ({exc})", "re-copy the file from Galvatron.") from exc
+    if not isinstance(data, dict):
+        raise _bad(str(p), "top level must be a JSON object", "is this a Galvatron profile?")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------------------------------
+def read_meta_config(path: str | Path, seq_len: int | None = None) -> ModelShape:
+    """Galvatron's GPT meta config (n_layer, n_embd, n_head, vocab_size, n_positions) as a ModelShape."""
+    d = _load(path)
+    try:
+        h = int(d["n_embd"])
+        heads = int(d["n_head"])
+        return ModelShape(num_layers=int(d["n_layer"]), hidden=h, num_heads=heads,
+                          num_kv_heads=int(d.get("n_kv_head", heads)), ffn_hidden=int(d.get("n_inner") or 4 * h),
+                          vocab_size=int(d["vocab_size"]), seq_len=int(seq_len or d["n_positions"]))
+    except KeyError as exc:
+        raise _bad(str(path), f"meta config lacks {exc}", "expected GPT keys n_layer, n_embd, n_head, vocab_size.") from None
+
+
+def profile_paths(config_dir: str | Path, shape: ModelShape, precision: str = "bf16") -> tuple[Path, Path]:
+    """Paths of the computation and memory profiles for a shape (pre-2.4 naming)."""
+    stem = f"{precision}_hidden{shape.hidden}_head{shape.num_heads}_seqlen{shape.seq_len}.json"
+    d = Path(config_dir)
+    return d / f"computation_profiling_{stem}", d / f"memory_profiling_{stem}"
+
+
+def read_model_profile(meta_config: str | Path, config_dir: str | Path, precision: str = "bf16",
+                       seq_len: int | None = None, name: str | None = None) -> ModelProfile:
+    """Build a ModelProfile from Galvatron's meta config + computation/memory profiles."""
+    shape = read_meta_config(meta_config, seq_len)
+    comp_path, mem_path = profile_paths(config_dir, shape, precision)
+    comp, mem = _load(comp_path), _load(mem_path)
+    s = shape.seq_len
+    if "layertype_0" not in comp or "layertype_0" not in mem:
+        raise _bad(str(comp_path), "no 'layertype_0' entry (only the pre-2.4 layout is understood)",
+                   "re-key a 2.4 profile to 'layertype_0' (ms per sample) or profile with ModelProfiler.")
+    fwd_ms = float(comp["layertype_0"])  # forward ms per sample per layer
+    fwd = TimeFit(0.0, fwd_ms / 1e3 / s, 0.0)
+    bwd = fwd.scaled(2.0)  # Galvatron's assumption: backward = 2x forward
+    # "layernum[n]_bsz{b}": whole-model forward ms; the part not explained by n layers is embedding + head
+    other_ms_per_sample = []
+    for k, v in comp.items():
+        mt = re.fullmatch(r"layernum\[(\d+)\]_bsz(\d+)", k)
+        if mt:
+            n, b = int(mt.group(1)), int(mt.group(2))
+            other_ms_per_sample.append(max(0.0, float(v) / b - n * fwd_ms))
+    other_ms = min(other_ms_per_sample) if other_ms_per_sample else 0.0
+    lt_mem = mem["layertype_0"]
+    acts = {act_key(int(t), "none", False): float(v) * MB for t, v in lt_mem["tp_activation_per_bsz_dict"].items()
+            if t != "checkpoint"}
+    if "checkpoint" in lt_mem["tp_activation_per_bsz_dict"]:
+        acts[act_key(1, "none", True)] = float(lt_mem["tp_activation_per_bsz_dict"]["checkpoint"]) * MB
+    params = int(float(lt_mem["parameter_size"]) * MB / 4)  # fp32 MB
+    layer = LayerTypeProfile("layertype_0", fwd, bwd, params, acts, shape.hidden)
+    first = mem.get("other_memory_pp_on_first", {})
+    last = mem.get("other_memory_pp_on_last", {})
+    off = mem.get("other_memory_pp_off", {})
+    state_bytes = 16.0  # model states per parameter at ZeRO-0 (2+2+12 mixed, 4+4+8 fp32)
+    embed_params = int(float(first.get("model_states", 0.0)) * MB / state_bytes)
+    head_params = int(float(last.get("model_states", 0.0)) * MB / state_bytes)
+    embed_act = float(first.get("activation", 0.0)) * MB
+    head_act = max(float(last.get("activation", 0.0)), float(off.get("activation", 0.0)) - float(first.get("activation", 0.0))) * MB
+    return ModelProfile(name or Path(meta_config).stem, shape, (layer,), (0,) * shape.num_layers, precision,
+                        embed_params=embed_params, head_params=head_params, embed_act_bytes=embed_act,
+                        head_act_bytes=head_act, embed_forward=TimeFit(),
+                        head_forward=TimeFit(0.0, other_ms / 1e3 / s, 0.0),
+                        framework_bytes=0.0, source=f"galvatron:{comp_path.name}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# hardware
+# ---------------------------------------------------------------------------------------------------
+def read_hardware_profile(hardware_dir: str | Path, num_nodes: int, gpus_per_node: int,
+                          device_memory_bytes: float = 40 * 2**30, memory_bandwidth: float = 1.555e12,
+                          allreduce_latency: bool = False) -> HardwareProfile:
+    """Galvatron's allreduce / p2p bandwidth, overlap coefficient and sp_time files as a HardwareProfile.
+
+    ``memory_bandwidth`` (HBM, A100: 1.555 TB/s) is not in Galvatron's files; it prices the optimizer step.
+    All-reduce is bandwidth-only by default, like Galvatron's own model; ``allreduce_latency=True`` adds
+    the per-call latency fitted from ``sp_time_*`` (about 0.07-0.17 ms on these A100s), which makes
+    small tensor-parallel all-reduces (pp2/tp2 plans with 1-sample micro-batches) ~25 % slower.
+    """
+    d = Path(hardware_dir)
+    tag = f"{num_nodes}nodes_{gpus_per_node}gpus_per_node"
+    ar = _load(d / f"allreduce_bandwidth_{tag}.json")
+    p2p_raw = _load(d / f"p2p_bandwidth_{tag}.json")
+    overlap = float(_load(d / "overlap_coefficient.json").get("overlap_coe", 1.0))
+    sp_file = d / f"sp_time_{tag}.json"
+    if not sp_file.is_file():  # as Galvatron does: the 1-node file stands in for more nodes
+        sp_file = d / f"sp_time_1nodes_{gpus_per_node}gpus_per_node.json"
+    sp = _load(sp_file) if sp_file.is_file() else {}
+    fits = _fit_sp_time(sp)
+    links: dict[str, LinkFit] = {}
+    for k, v in ar.items():
+        mt = re.fullmatch(r"allreduce_size_(\d+)_consec_([01])", k)
+        if not mt:
+            continue
+        size, consec = int(mt.group(1)), mt.group(2) == "1"
+        intra = num_nodes == 1 or (consec and size <= gpus_per_node)
+        latency = fits.get(("allreduce", size), LinkFit(1.0)).latency_s if (intra and allreduce_latency) else 0.0
+        links[link_key("allreduce", size, consec, intra)] = LinkFit(float(v) * GB, latency)
+    for (op, size), fit in fits.items():
+        if op == "alltoall":
+            links[link_key("alltoall", size, True, True)] = fit
+    p2p: dict[str, LinkFit] = {}
+    sizes = sorted((int(k.split("_")[-1]), float(v)) for k, v in p2p_raw.items() if k.startswith("pp_size_"))
+    if sizes:
+        p2p["inter" if num_nodes > 1 else "intra"] = LinkFit(sizes[0][1] * GB)
+    return HardwareProfile(num_nodes, gpus_per_node, device_memory_bytes, links, p2p, overlap, memory_bandwidth,
+                           name=f"galvatron:{tag}")
+
+
+def _fit_sp_time(sp: Mapping[str, Any]) -> dict[tuple[str, int], LinkFit]:
+    """alpha-beta fits of the all-reduce / all-to-all times per group size (ms per message size)."""
+    points: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for k, v in sp.items():
+        mt = re.fullmatch(r"(allreduce|all2all)_size_(\d+)_(\d+)MB_time", k)
+        if not mt:
+            continue
+        op = "allreduce" if mt.group(1) == "allreduce" else "alltoall"
+        size, nbytes = int(mt.group(2)), int(mt.group(3)) * MB
+        factor = 2.0 * (size - 1) / size if op == "allreduce" else (size - 1) / size
+        points.setdefault((op, size), []).append((factor * nbytes, float(v) / 1e3))
+    return {k: LinkFit.fit(p) for k, p in points.items() if len(p) >= 2}
+
+
+# ---------------------------------------------------------------------------------------------------
+# plans
+# ---------------------------------------------------------------------------------------------------
+def _ints(value: Any, n: int | None, key: str) -> list[int]:
+    if isinstance(value, int):
+        return [value] * (n or 1)
+    try:
+        out = [int(x) for x in str(value).split(",") if x.strip() != ""]
+    except ValueError:
+        raise _bad(f"{key}={value}", "must be comma-separated integers", "e.g. \"1,1,2,2\".") from None
+    if n is not None and len(out) != n:
+        raise _bad(f"{key} has {len(out)} entries", f"expected one per layer ({n})", "check tp_sizes_enc length.")
+    return out
+
+
+def read_plan(source: str | Path | Mapping[str, Any], world_size: int) -> ParallelPlan:
+    """A Galvatron plan JSON (path or dict) as a ParallelPlan for ``world_size`` devices."""
+    d = dict(_load(source) if isinstance(source, (str, Path)) else source)
+    for key in ("pp_deg", "tp_sizes_enc", "global_bsz", "chunks"):
+        if key not in d:
+            raise _bad(sorted(d), f"Galvatron plan lacks '{key}'", "is this a galvatron_config_*.json file?")
+    pp = int(d["pp_deg"])
+    if world_size % pp:
+        raise _bad(f"world_size={world_size}, pp_deg={pp}", "pp_deg must divide the world size",
+                   "pass the world size the plan was made for.")
+    stage = world_size // pp
+    tps = _ints(d["tp_sizes_enc"], None, "tp_sizes_enc")
+    n = len(tps)
+    consec = _ints(d.get("tp_consecutive_flags", 1), n, "tp_consecutive_flags")
+    dp_types = _ints(d.get("dp_types_enc", 0), n, "dp_types_enc")
+    use_sp = _ints(d.get("use_sp", 0), n, "use_sp")
+    ckpt = _ints(d.get("checkpoint", 0), n, "checkpoint")
+    default = str(d.get("default_dp_type", "ddp"))
+    if default not in _DP_TYPES:
+        raise _bad(f"default_dp_type={default}", f"must be one of {sorted(_DP_TYPES)}", "Galvatron writes 'zero2' or 'ddp'.")
+    megatron_sp = bool(int(d.get("sequence_parallel", 0)))
+    layers = []
+    for i, tp in enumerate(tps):
+        if stage % tp:
+            raise _bad(f"tp_sizes_enc[{i}]={tp}", f"must divide the stage size {stage}", "check world_size and pp_deg.")
+        sp = "none" if tp == 1 else ("ulysses" if use_sp[i] else ("megatron" if megatron_sp else "none"))
+        dp = stage // tp
+        group = dp * tp if sp == "ulysses" else dp
+        zero = 3 if dp_types[i] == 1 else _DP_TYPES[default]
+        layers.append(LayerStrategy(tp=tp, dp=dp, sp=sp, zero=zero if group > 1 else 0, checkpoint=bool(ckpt[i]),
+                                    tp_consecutive=bool(consec[i])))
+    vtp = int(d.get("vtp", 1))
+    if stage % vtp:
+        raise _bad(f"vtp={vtp}", f"must divide the stage size {stage}", "use vtp=1.")
+    edp = stage // vtp
+    ezero = 3 if int(d.get("embed_sdp", 0)) else _DP_TYPES[default]
+    emb = LayerStrategy(tp=vtp, dp=edp, zero=ezero if edp > 1 else 0)
+    pipeline = str(d.get("pipeline_type", "pipedream_flush"))
+    if pipeline not in _PIPELINES:
+        raise _bad(f"pipeline_type={pipeline}", f"must be one of {sorted(_PIPELINES)}", "use 'pipedream_flush'.")
+    division = tuple(_ints(d["pp_division"], pp, "pp_division")) if "pp_division" in d else None
+    return ParallelPlan(world_size=world_size, layers=tuple(layers), pp=pp, pp_division=division,
+                        micro_batches=int(d["chunks"]), global_batch=int(d["global_bsz"]),
+                        pipeline_schedule=_PIPELINES[pipeline], embed=emb, head=emb)
+
+
+def write_plan(plan: ParallelPlan) -> dict[str, Any]:
+    """A ParallelPlan as Galvatron plan JSON (a dict; ``json.dumps`` it to save)."""
+    if plan.pipeline_schedule not in ("1f1b", "gpipe") or plan.virtual_stages != 1:
+        raise _bad(f"pipeline_schedule={plan.pipeline_schedule}", "Galvatron plans know GPipe and 1F1B only",
+                   "search with schedules=('1f1b', 'gpipe') to export to Galvatron.")
+    if plan.global_batch is None:
+        raise _bad("global_batch=None", "Galvatron plans carry global_bsz", "set plan.global_batch.")
+    assert plan.embed is not None
+    zeros = {s.zero for s in plan.all_strategies() if s.zero != 3 and s.data_group > 1}
+    if len(zeros) > 1 or zeros & {1}:
+        raise _bad(f"ZeRO stages {sorted(zeros)}", "Galvatron has one default DP type (ddp or zero2) plus "
+                   "per-layer zero3", "use zero 0 or 2 uniformly, and 3 per layer.")
+    default = {0: "ddp", 2: "zero2"}[zeros.pop() if zeros else 2]
+    sps = {s.sp for s in plan.layers if s.tp > 1}
+    megatron = "megatron" in sps
+    if megatron and "none" in sps:
+        raise _bad("sp mix of 'megatron' and 'none'", "Galvatron switches Megatron-SP on for all layers",
+                   "use sp='megatron' on every tp layer or on none.")
+    csv = lambda xs: ",".join(str(int(x)) for x in xs)  # noqa: E731
+    out: dict[str, Any] = {
+        "pp_deg": plan.pp,
+        "tp_sizes_enc": csv(s.tp for s in plan.layers),
+        "tp_consecutive_flags": csv(s.tp_consecutive for s in plan.layers),
+        "dp_types_enc": csv(s.zero == 3 for s in plan.layers),
+        "use_sp": csv(s.sp == "ulysses" for s in plan.layers),
+        "checkpoint": csv(s.checkpoint for s in plan.layers),
+        "global_bsz": plan.global_batch,
+        "chunks": plan.micro_batches,
+        "pp_division": csv(plan.pp_division or ()),
+        "pipeline_type": "pipedream_flush" if plan.pipeline_schedule == "1f1b" else "gpipe",
+        "default_dp_type": default,
+        "vtp": plan.embed.tp,
+        "vsp": 0,
+        "embed_sdp": int(plan.embed.zero == 3),
+    }
+    if megatron:
+        out["sequence_parallel"] = 1  # not a Galvatron plan key: Galvatron takes it as a launch flag
+    return out

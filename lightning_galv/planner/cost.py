@@ -1,0 +1,401 @@
+"""Time and memory of hybrid-parallel plans, from profiles (no torch, no processes).
+
+:class:`CostModel` is the small interface the search needs; :class:`GalvatronCostModel` is the
+Galvatron-style implementation (VLDB'23, refined in Galvatron-BMW, TKDE'24): a plan's step time is
+built from per-layer costs, each layer's cost from its strategy, and the layers are glued together by
+inter-layer transition costs and the pipeline schedule.
+
+Every formula is a short function with a one-line comment naming the source it follows. Units are
+seconds and bytes; ``mb`` is the number of samples in one pipeline micro-batch (the whole stage's),
+``b = mb / dp`` the samples one rank sees.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ..plan import LayerStrategy, ParallelPlan
+from .profiles import HardwareProfile, LayerTypeProfile, ModelProfile
+
+
+def _bad(value: object, rule: str, hint: str) -> ValueError:
+    return ValueError(f"{value!r}: {rule}. HINT: {hint}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageContext:
+    """Where a layer runs: its stage and the pipeline around it."""
+
+    stage_size: int
+    micro_batch: int  # samples per pipeline micro-batch
+    micro_batches: int  # m
+    pp: int = 1
+    stage: int = 0
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    @property
+    def inflight(self) -> float:
+        return inflight_microbatches(self.pp, self.stage, self.micro_batches, self.schedule, self.virtual_stages)
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer under one strategy: per-micro-batch times, per-step extra, memory."""
+
+    fwd: float  # s per micro-batch, compute + exposed communication
+    bwd: float  # s per micro-batch (includes recomputation)
+    step_extra: float  # s per step: gradient sync not hidden by backward + optimizer step
+    states: float  # bytes: parameters, gradients, optimizer states
+    act: float  # bytes of activations kept per in-flight micro-batch
+    transient: float = 0.0  # bytes briefly alive while recomputing a checkpointed layer
+
+    def step_time(self, m: int) -> float:
+        return m * (self.fwd + self.bwd) + self.step_extra
+
+    def memory(self, inflight: float) -> float:
+        return self.states + inflight * self.act
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """Prediction for a whole plan."""
+
+    step_time_s: float
+    stage_mb_time_s: tuple[float, ...]  # per micro-batch, per stage
+    stage_extra_s: tuple[float, ...]  # per step, per stage
+    stage_memory_bytes: tuple[float, ...]
+    global_batch: int
+    breakdown: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def throughput(self) -> float:
+        return self.global_batch / self.step_time_s
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(self.stage_memory_bytes)
+
+
+class CostModel(ABC):
+    """What the search needs from a cost model: per-layer costs, transitions and a whole-plan check."""
+
+    @abstractmethod
+    def layer_cost(self, layer: int, s: LayerStrategy, ctx: StageContext) -> LayerCost:
+        """Cost of transformer block ``layer`` under strategy ``s`` in context ``ctx``."""
+
+    @abstractmethod
+    def transition_time(self, a: LayerStrategy, b: LayerStrategy, ctx: StageContext) -> float:
+        """Seconds per micro-batch (fwd + bwd) to re-layout activations between layers ``a`` -> ``b``."""
+
+    @abstractmethod
+    def evaluate(self, plan: ParallelPlan) -> PlanCost:
+        """Predicted step time and per-stage peak memory of a complete plan."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# formulas
+# ---------------------------------------------------------------------------------------------------
+# Mixed-precision Adam keeps 2 (param) + 2 (grad) + 12 (fp32 master, momentum, variance) bytes per
+# parameter; plain fp32 keeps 4 + 4 + 8 (ZeRO, Rajbhandari et al. SC'20, Sec. 3.1).
+STATE_BYTES = {"mixed": (2.0, 2.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
+# The optimizer step reads master weights, both moments and the gradient and writes three of them back
+# plus the 16-bit copy: about 28 bytes of memory traffic per parameter (memory-bound update).
+OPTIMIZER_TRAFFIC_BYTES = 28.0
+
+
+def state_bytes_per_param(zero: int, d: int, precision: str) -> float:
+    """Bytes of model states per parameter under ZeRO stage ``zero`` over ``d`` ranks (ZeRO SC'20, Fig. 1)."""
+    p, g, o = STATE_BYTES["fp32" if precision == "fp32" else "mixed"]
+    if zero == 0:
+        return p + g + o
+    if zero == 1:
+        return p + g + o / d
+    if zero == 2:
+        return p + (g + o) / d
+    return (p + g + o) / d
+
+
+def inflight_microbatches(pp: int, stage: int, m: int, schedule: str, v: int = 1) -> float:
+    """Micro-batches whose activations a stage holds at peak (Narayanan SC'21; Korthikanti '22 Sec. 4.2.3)."""
+    if pp == 1:
+        return 1.0  # gradient accumulation runs one micro-batch at a time
+    if schedule == "gpipe":
+        return float(m)  # all forwards before any backward
+    if schedule == "1f1b":
+        return float(min(m, pp - stage))  # warm-up depth of stage i
+    # interleaved: (2(p-i-1) + (v-1)p + 1) chunk-forwards in warm-up, each 1/v of the stage's layers
+    return float(min(m, (2 * (pp - stage - 1) + (v - 1) * pp + 1) / v))
+
+
+def overlapped(compute: float, comm: float, slowdown: float) -> float:
+    """Compute and communication run concurrently, both slowed by ``slowdown`` while overlapped (Galvatron VLDB'23, Sec. 3.3)."""
+    return max(compute, comm) + (slowdown - 1.0) * min(compute, comm)
+
+
+def pipeline_time(stage_mb: list[float], stage_extra: list[float], m: int, v: int = 1) -> float:
+    """Step time of a pipeline with per-stage micro-batch times: bubble (p-1)/v stage-times (Narayanan SC'21, Sec. 2.2)."""
+    slowest = max(stage_mb)
+    return m * slowest + (sum(stage_mb) - slowest) / v + max(stage_extra)
+
+
+def sharded_compute(fit_const: float, fit_total: float, ways: int) -> float:
+    """Tensor/sequence parallel ranks each do 1/ways of the math; launch overhead is not shared (Megatron-LM SC'21)."""
+    return fit_const + (fit_total - fit_const) / ways
+
+
+def megatron_tp_comm(hw: HardwareProfile, nbytes: float, tp: int, stride: int, n_allreduce: int) -> float:
+    """``n_allreduce`` all-reduces of the layer activations over the tp group: 2 fwd + 2 bwd per block (Megatron-LM SC'19/SC'21)."""
+    return n_allreduce * hw.collective_time("allreduce", nbytes, tp, stride)
+
+
+def megatron_sp_comm(hw: HardwareProfile, nbytes: float, tp: int, stride: int, n_allreduce: int) -> float:
+    """Sequence parallelism turns each all-reduce into all-gather + reduce-scatter, same volume (Korthikanti '22, Sec. 4.2.2)."""
+    return n_allreduce * (hw.collective_time("allgather", nbytes, tp, stride)
+                          + hw.collective_time("reducescatter", nbytes, tp, stride))
+
+
+def ulysses_comm(hw: HardwareProfile, nbytes: float, sp: int, stride: int, kv_ratio: float, passes: int) -> float:
+    """q, k, v in and the output back by all-to-all, each 1/sp of the activations per rank (DeepSpeed-Ulysses '23, Sec. 3)."""
+    per_pass = (2.0 + 2.0 * kv_ratio) * hw.collective_time("alltoall", nbytes / sp, sp, stride)
+    return passes * per_pass
+
+
+def dp_sync_bytes_time(hw: HardwareProfile, grad_bytes: float, d: int, stride: int) -> float:
+    """Gradient all-reduce (ZeRO-0/1) or reduce-scatter + parameter all-gather (ZeRO-2): equal volume (ZeRO SC'20, Sec. 7)."""
+    return hw.collective_time("allreduce", grad_bytes, d, stride)
+
+
+def zero3_gather_time(hw: HardwareProfile, param_bytes: float, d: int, stride: int) -> float:
+    """ZeRO-3 all-gathers parameters before forward and again before backward (ZeRO SC'20, Sec. 7.2.2)."""
+    return hw.collective_time("allgather", param_bytes, d, stride)
+
+
+def p2p_time(hw: HardwareProfile, nbytes: float, stage_size: int) -> float:
+    """One activation (or gradient) send between neighbouring stages (Galvatron VLDB'23, pipeline cost)."""
+    return hw.p2p_time(nbytes, hw.is_intra_node(2, stage_size))
+
+
+def layout(s: LayerStrategy) -> tuple[int, bool]:
+    """Which batch shard each rank holds: its dp degree and rank arrangement (lightning_galv.layout)."""
+    return s.dp, (s.tp_consecutive or s.tp == 1 or s.dp == 1)
+
+
+def transition_bytes_time(hw: HardwareProfile, a: LayerStrategy, b: LayerStrategy, sample_bytes: float,
+                          mb: int) -> float:
+    """Re-shard activations when the batch layout changes: all-gather of the larger shard, once fwd or bwd (Galvatron VLDB'23, Sec. 3.4)."""
+    if layout(a) == layout(b):
+        return 0.0
+    lo, hi = min(a.dp, b.dp), max(a.dp, b.dp)
+    size = mb / lo * sample_bytes
+    if lo == hi:  # same shard size, different arrangement: a permutation inside the stage
+        return hw.collective_time("alltoall", size, a.width, 1)
+    return hw.collective_time("allgather", size, hi // lo, 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the Galvatron-style model
+# ---------------------------------------------------------------------------------------------------
+class GalvatronCostModel(CostModel):
+    """Layer-wise time and memory following Galvatron (VLDB'23) and Galvatron-BMW (TKDE'24).
+
+    Differences from Galvatron's own model, on purpose: backward time comes from the profile (not
+    assumed 2x forward); gradient sync overlaps only the *last* micro-batch's backward (with gradient
+    accumulation it runs once per step); the optimizer step is priced by memory bandwidth, so larger
+    batches amortize it; in-flight micro-batches follow the schedule.
+    """
+
+    def __init__(self, model: ModelProfile, hw: HardwareProfile, embed_head_zero: int | None = None) -> None:
+        if not isinstance(model, ModelProfile):
+            raise TypeError(f"model={type(model).__name__}: expected ModelProfile. HINT: build one with "
+                            "ModelProfile.from_shape(shape) or the ModelProfiler.")
+        if not isinstance(hw, HardwareProfile):
+            raise TypeError(f"hw={type(hw).__name__}: expected HardwareProfile. HINT: HardwareProfile.uniform(...)"
+                            " or the HardwareProfiler.")
+        self.model = model
+        self.hw = hw
+        self.embed_head_zero = embed_head_zero
+        self._cache: dict[tuple, LayerCost] = {}
+
+    # -- per layer --------------------------------------------------------------------------------------
+    def layer_cost(self, layer: int, s: LayerStrategy, ctx: StageContext) -> LayerCost:
+        key = (self.model.layer_type_of[layer], s, ctx.stage_size, ctx.micro_batch)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._block_cost(self.model.layer(layer), s, ctx.micro_batch)
+            self._cache[key] = hit
+        return hit
+
+    def _block_cost(self, lt: LayerTypeProfile, s: LayerStrategy, mb: int) -> LayerCost:
+        m, hw = self.model, self.hw
+        b = mb / s.dp
+        seq = m.seq_len
+        t = s.tp
+        fwd = sharded_compute(lt.forward.const, lt.forward(b, seq), t)
+        bwd = sharded_compute(lt.backward.const, lt.backward(b, seq), t)
+        rec = sharded_compute(lt.recompute_fit().const, lt.recompute_fit()(b, seq), t) if s.checkpoint else 0.0
+        act_bytes = b * seq * lt.hidden * m.act_dtype_bytes
+        tp_stride = 1 if s.tp_consecutive else s.dp
+        fwd_passes = 2 if s.checkpoint else 1  # recomputation repeats the forward collectives
+        if t > 1 and s.sp == "none":
+            fwd_comm = megatron_tp_comm(hw, act_bytes, t, tp_stride, 2)
+        elif t > 1 and s.sp == "megatron":
+            fwd_comm = megatron_sp_comm(hw, act_bytes, t, tp_stride, 2)
+        elif t > 1:
+            kv = m.shape.num_kv_heads / m.shape.num_heads
+            fwd_comm = ulysses_comm(hw, act_bytes, t, tp_stride, kv, 1)
+        else:
+            fwd_comm = 0.0
+        fwd_t = fwd + fwd_comm
+        bwd_t = bwd + rec + fwd_comm * fwd_passes  # backward mirrors the forward collectives
+        # data parallel: gradients of this rank's weight shard over the data group
+        d = s.data_group
+        dp_stride = 1 if (s.ulysses or t == 1 or not s.tp_consecutive) else t
+        local_params = lt.params / s.tensor_parallel
+        grad_el = 4.0 if m.precision == "fp32" else 2.0
+        precision = "fp32" if m.precision == "fp32" else "mixed"
+        gamma = hw.overlap_slowdown
+        extra = self._optimizer_time(local_params, s.zero, d)
+        if d > 1 and s.zero == 3:
+            gather = zero3_gather_time(hw, local_params * grad_el, d, dp_stride)
+            scatter = hw.collective_time("reducescatter", local_params * grad_el, d, dp_stride)
+            fwd_t = overlapped(fwd_t, gather, gamma)
+            bwd_t = overlapped(bwd_t, gather + scatter, gamma)
+        elif d > 1:
+            sync = dp_sync_bytes_time(hw, local_params * grad_el, d, dp_stride)
+            extra += overlapped(bwd_t, sync, gamma) - bwd_t
+        states = local_params * state_bytes_per_param(s.zero, d, precision)
+        full_act = lt.activation(t, s.sp, False) * b
+        act = lt.activation(t, s.sp, s.checkpoint) * b
+        return LayerCost(fwd_t, bwd_t, extra, states, act, full_act - act if s.checkpoint else 0.0)
+
+    def _optimizer_time(self, local_params: float, zero: int, d: int) -> float:
+        """Memory-bound optimizer update of this rank's shard (ZeRO SC'20: stages >= 1 shard the update)."""
+        if self.hw.memory_bandwidth <= 0:
+            return 0.0
+        shard = local_params / d if zero >= 1 else local_params
+        return OPTIMIZER_TRAFFIC_BYTES * shard / self.hw.memory_bandwidth
+
+    def transition_time(self, a: LayerStrategy, b: LayerStrategy, ctx: StageContext) -> float:
+        sample_bytes = self.model.seq_len * self.model.shape.hidden * self.model.act_dtype_bytes
+        return transition_bytes_time(self.hw, a, b, sample_bytes, ctx.micro_batch)
+
+    # -- embedding + head ----------------------------------------------------------------------------
+    def other_cost(self, s: LayerStrategy, ctx: StageContext, first: bool, last: bool) -> LayerCost:
+        """Embedding (first stage) and final norm + output projection + loss (last stage)."""
+        m, hw = self.model, self.hw
+        b = ctx.micro_batch / s.dp
+        seq = m.seq_len
+        fwd = bwd = extra = states = act = 0.0
+        precision = "fp32" if m.precision == "fp32" else "mixed"
+        grad_el = 4.0 if m.precision == "fp32" else 2.0
+        d = s.dp
+        dp_stride = s.tp if (s.tp_consecutive and s.tp > 1) else 1
+        for present, params, fit, act_per_sample, bwd_ratio in (
+                (first, m.embed_params, m.embed_forward, m.embed_act_bytes, 1.0),
+                (last, m.head_params, m.head_forward, m.head_act_bytes, 2.0)):
+            if not present:
+                continue
+            local = params / s.tp
+            f = sharded_compute(fit.const, fit(b, seq), s.tp)
+            fwd += f
+            bwd += bwd_ratio * f  # embedding backward is a scatter-add; head backward = 2 matmuls (SC'21)
+            states += local * state_bytes_per_param(s.zero, d, precision)
+            act += act_per_sample * b / (s.tp if last else 1)
+            extra += self._optimizer_time(local, s.zero, d)
+            if d > 1 and local > 0:
+                if s.zero == 3:
+                    g = zero3_gather_time(hw, local * grad_el, d, dp_stride)
+                    fwd = overlapped(fwd, g, hw.overlap_slowdown)
+                    bwd = overlapped(bwd, g + hw.collective_time("reducescatter", local * grad_el, d, dp_stride),
+                                     hw.overlap_slowdown)
+                else:
+                    sync = dp_sync_bytes_time(hw, local * grad_el, d, dp_stride)
+                    extra += overlapped(bwd_ratio * f, sync, hw.overlap_slowdown) - bwd_ratio * f
+        if s.tp > 1 and last:  # vocab-parallel cross entropy: all-reduce of max / sum-exp (Megatron-LM SC'19)
+            fwd += 2 * hw.collective_time("allreduce", b * seq * 4.0, s.tp, 1 if s.tp_consecutive else s.dp)
+        return LayerCost(fwd, bwd, extra, states, act)
+
+    def stage_fixed(self, plan_embed: LayerStrategy, plan_head: LayerStrategy, ctx: StageContext) -> tuple[float, float, float]:
+        """(mb time, step extra, memory) of everything on a stage that is not a transformer block."""
+        first, last = ctx.stage == 0, ctx.stage == ctx.pp - 1
+        mb_t = extra = 0.0
+        mem = self.model.framework_bytes
+        inflight = ctx.inflight
+        costs = []
+        if first and last and plan_embed == plan_head:
+            costs.append(self.other_cost(plan_embed, ctx, True, True))
+        else:
+            if first:
+                costs.append(self.other_cost(plan_embed, ctx, True, False))
+            if last:
+                costs.append(self.other_cost(plan_head, ctx, False, True))
+        for c in costs:
+            mb_t += c.fwd + c.bwd
+            extra += c.step_extra
+            mem += c.memory(inflight)
+        if ctx.pp > 1:  # send activations forward and gradients backward across each stage boundary
+            # p2p carries the boundary layer's local shard; use the stage size as the shard count bound
+            sample = self.model.seq_len * self.model.shape.hidden * self.model.act_dtype_bytes
+            nbytes = ctx.micro_batch / max(1, plan_head.dp if last else plan_embed.dp) * sample
+            hops = (0 if first else 1) + (0 if last else 1)
+            mb_t += hops * p2p_time(self.hw, nbytes, ctx.stage_size) * ctx.virtual_stages
+        return mb_t, extra, mem
+
+    # -- whole plan -----------------------------------------------------------------------------------
+    def evaluate(self, plan: ParallelPlan) -> PlanCost:
+        if plan.global_batch is None:
+            raise _bad("global_batch=None", "the cost of a plan depends on its global batch",
+                       "set plan.global_batch (e.g. plan.with_(global_batch=64)).")
+        if len(plan.layers) != self.model.num_layers:
+            raise _bad(f"{len(plan.layers)} layers in plan", f"the profile has {self.model.num_layers}",
+                       "evaluate the plan against the profile of the same model.")
+        m = plan.micro_batches
+        mb = plan.global_batch // m
+        v = plan.virtual_stages
+        assert plan.embed is not None and plan.head is not None
+        stage_of = [0] * len(plan.layers)
+        for chunk in range(plan.pp * v):
+            for i in plan.stage_layers(chunk):
+                stage_of[i] = chunk % plan.pp
+        mb_times, extras, mems = [], [], []
+        breakdown = {"compute_and_comm": 0.0, "transitions": 0.0, "other": 0.0}
+        for st in range(plan.pp):
+            ctx = StageContext(plan.stage_size, mb, m, plan.pp, st, plan.pipeline_schedule, v)
+            t, e, mem = self.stage_fixed(plan.embed, plan.head, ctx)
+            breakdown["other"] += t
+            transient = 0.0
+            prev: LayerStrategy | None = None
+            for i, s in enumerate(plan.layers):
+                if stage_of[i] != st:
+                    prev = None
+                    continue
+                c = self.layer_cost(i, s, ctx)
+                t += c.fwd + c.bwd
+                breakdown["compute_and_comm"] += c.fwd + c.bwd
+                e += c.step_extra
+                mem += c.memory(ctx.inflight)
+                transient = max(transient, c.transient)
+                if prev is not None:
+                    tr = self.transition_time(prev, s, ctx)
+                    t += tr
+                    breakdown["transitions"] += tr
+                prev = s
+            mb_times.append(t)
+            extras.append(e)
+            mems.append(mem + transient)
+        step = pipeline_time(mb_times, extras, m, v)
+        return PlanCost(step, tuple(mb_times), tuple(extras), tuple(mems), plan.global_batch, breakdown)
+
+    def predict(self, plan: ParallelPlan) -> ParallelPlan:
+        """The plan with its ``prediction`` filled in."""
+        from ..plan import Prediction
+
+        c = self.evaluate(plan)
+        return plan.with_(prediction=Prediction(c.step_time_s, c.throughput, c.stage_memory_bytes))

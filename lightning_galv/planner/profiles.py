@@ -1,0 +1,520 @@
+"""Hardware and model profiles as plain, frozen data.
+
+The cost model never measures anything: it reads a :class:`HardwareProfile` (how fast collectives
+and point-to-point transfers are on this cluster) and a :class:`ModelProfile` (how long each layer
+type takes and how much memory it needs). Keeping them as data means they can be produced by the
+profilers in :mod:`lightning_galv.profiling`, imported from Galvatron's JSON files
+(:mod:`lightning_galv.compat.galvatron`), derived analytically from a :class:`~lightning_galv.plan.ModelShape`,
+saved, fingerprinted and cached -- all without torch.
+
+Units: seconds, bytes, bytes/second, samples. Bandwidths are *bus* bandwidths (the NCCL-tests
+convention), so a ring all-reduce of ``n`` bytes over ``g`` ranks takes ``2 (g-1)/g * n / bw``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..plan import ModelShape
+
+COLLECTIVES = ("allreduce", "allgather", "reducescatter", "alltoall")
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def _bad(value: object, rule: str, hint: str) -> ValueError:
+    return ValueError(f"{value!r}: {rule}. HINT: {hint}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# hardware
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinkFit:
+    """``time(bytes) = latency_s + volume(bytes) / bandwidth`` for one collective on one kind of group.
+
+    ``volume`` is the per-rank traffic of the algorithm (2(g-1)/g n for all-reduce, (g-1)/g n for
+    all-gather / reduce-scatter / all-to-all, n for p2p): a latency-bandwidth (alpha-beta) model.
+    """
+
+    bandwidth: float  # bytes / s (bus bandwidth)
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
+            raise _bad(f"bandwidth={self.bandwidth}", "must be a positive finite number of bytes/s",
+                       "a profile with bandwidth 0 would make every plan infinitely slow; re-profile.")
+        if self.latency_s < 0:
+            raise _bad(f"latency_s={self.latency_s}", "must be >= 0", "use 0 when unknown.")
+
+    def time(self, volume_bytes: float) -> float:
+        return self.latency_s + volume_bytes / self.bandwidth if volume_bytes > 0 else 0.0
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[float, float]]) -> "LinkFit":
+        """Least-squares alpha-beta fit of ``(volume_bytes, seconds)`` points (latency clipped at 0)."""
+        if len(points) < 2:
+            raise _bad(points, "need at least 2 (bytes, seconds) points to fit a link", "measure >= 2 sizes.")
+        xs = [p[0] for p in points]
+        ys = [p[1] for p in points]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else my / max(mx, 1.0)
+        if slope <= 0:
+            slope = max(ys) / max(xs)
+        latency = max(0.0, my - slope * mx)
+        return cls(bandwidth=1.0 / slope, latency_s=latency)
+
+
+def link_key(op: str, size: int, consecutive: bool, intra_node: bool) -> str:
+    """Canonical key of a collective measurement, e.g. ``allreduce/8/consec/intra``."""
+    return f"{op}/{size}/{'consec' if consecutive else 'strided'}/{'intra' if intra_node else 'inter'}"
+
+
+def _parse_link_key(key: str) -> tuple[str, int, bool, bool]:
+    try:
+        op, size, consec, where = key.split("/")
+        if op not in COLLECTIVES or consec not in ("consec", "strided") or where not in ("intra", "inter"):
+            raise ValueError
+        return op, int(size), consec == "consec", where == "intra"
+    except ValueError:
+        raise _bad(key, "collective key must look like 'allreduce/8/consec/intra'",
+                   f"op in {COLLECTIVES}, then group size, consec|strided, intra|inter.") from None
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Communication and memory facts of one cluster shape (``num_nodes x gpus_per_node``)."""
+
+    num_nodes: int
+    gpus_per_node: int
+    device_memory_bytes: float
+    links: Mapping[str, LinkFit]  # link_key(...) -> fit
+    p2p: Mapping[str, LinkFit] = field(default_factory=dict)  # "intra" / "inter" -> fit
+    overlap_slowdown: float = 1.0  # compute and communication each run this much slower while overlapped
+    memory_bandwidth: float = 0.0  # device memory bytes/s, prices the optimizer step (0 = ignore)
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for attr in ("num_nodes", "gpus_per_node"):
+            v = getattr(self, attr)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise _bad(f"{attr}={v}", "must be a positive int", "e.g. num_nodes=2, gpus_per_node=8.")
+        if not self.device_memory_bytes > 0:
+            raise _bad(f"device_memory_bytes={self.device_memory_bytes}", "must be > 0",
+                       "pass the per-device memory in bytes, e.g. 40 * 2**30.")
+        if self.overlap_slowdown < 1.0:
+            raise _bad(f"overlap_slowdown={self.overlap_slowdown}", "must be >= 1 (overlap cannot speed "
+                       "both sides up)", "use 1.0 for perfect overlap.")
+        links = {}
+        for k, v in dict(self.links).items():
+            _parse_link_key(k)
+            links[k] = v if isinstance(v, LinkFit) else LinkFit(**v)
+        object.__setattr__(self, "links", links)
+        p2p = {}
+        for k, v in dict(self.p2p).items():
+            if k not in ("intra", "inter"):
+                raise _bad(f"p2p key {k}", "must be 'intra' or 'inter'", "key p2p fits by node locality.")
+            p2p[k] = v if isinstance(v, LinkFit) else LinkFit(**v)
+        object.__setattr__(self, "p2p", p2p)
+        if not links:
+            raise _bad("links={}", "a hardware profile needs at least one collective measurement",
+                       "use HardwareProfile.uniform(...) or run HardwareProfiler.")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    # -- lookups ------------------------------------------------------------------------------------
+    def is_intra_node(self, size: int, stride: int) -> bool:
+        """A group of ``size`` ranks ``stride`` apart (aligned) stays inside one node."""
+        return size * stride <= self.gpus_per_node
+
+    def link(self, op: str, size: int, consecutive: bool, intra_node: bool) -> LinkFit:
+        """Best available fit: exact key, else same op/locality (nearest size), else all-reduce's."""
+        if op not in COLLECTIVES:
+            raise _bad(op, f"unknown collective (known: {COLLECTIVES})", "use 'allreduce', 'alltoall', ...")
+        for o in (op, "allreduce"):
+            for c in (consecutive, not consecutive):
+                hit = self.links.get(link_key(o, size, c, intra_node))
+                if hit is not None:
+                    return hit
+        for o in (op, "allreduce"):
+            same = [(_parse_link_key(k)[1], v) for k, v in self.links.items()
+                    if _parse_link_key(k)[0] == o and _parse_link_key(k)[3] == intra_node]
+            if same:
+                return min(same, key=lambda sv: (abs(math.log(sv[0] / size)), -sv[0]))[1]
+        # no measurement with this locality at all: the slowest link we know (conservative)
+        return min(self.links.values(), key=lambda f: f.bandwidth)
+
+    def collective_time(self, op: str, nbytes: float, size: int, stride: int = 1) -> float:
+        """Seconds for ``op`` on ``nbytes`` (per-rank buffer, full tensor for all-gather output)."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        fit = self.link(op, size, stride == 1, self.is_intra_node(size, stride))
+        factor = 2.0 * (size - 1) / size if op == "allreduce" else (size - 1) / size
+        return fit.time(factor * nbytes)
+
+    def p2p_time(self, nbytes: float, intra_node: bool) -> float:
+        if nbytes <= 0:
+            return 0.0
+        fit = self.p2p.get("intra" if intra_node else "inter") or self.p2p.get("inter") or self.p2p.get("intra")
+        if fit is None:  # no p2p profile: a send is about a 2-rank all-gather of the same buffer
+            fit = self.link("allgather", 2, True, intra_node)
+        return fit.time(nbytes)
+
+    # -- constructors / serialization --------------------------------------------------------------------
+    @classmethod
+    def uniform(cls, num_nodes: int, gpus_per_node: int, device_memory_bytes: float,
+                intra_bw: float = 150e9, inter_bw: float = 20e9, latency_s: float = 20e-6,
+                overlap_slowdown: float = 1.1, memory_bandwidth: float = 1.5e12,
+                name: str = "uniform") -> "HardwareProfile":
+        """A synthetic profile: one intra-node and one inter-node bandwidth for every collective.
+
+        Useful for simulated large clusters (tests, what-if planning) where no measurement exists.
+        """
+        links: dict[str, LinkFit] = {}
+        world = num_nodes * gpus_per_node
+        size = 2
+        sizes = sorted({d for d in range(2, world + 1) if world % d == 0})
+        for op in COLLECTIVES:
+            for size in sizes:
+                for consec in (True, False):
+                    links[link_key(op, size, consec, True)] = LinkFit(intra_bw, latency_s)
+                    links[link_key(op, size, consec, False)] = LinkFit(inter_bw, 2 * latency_s)
+        return cls(num_nodes, gpus_per_node, device_memory_bytes, links,
+                   {"intra": LinkFit(intra_bw, latency_s), "inter": LinkFit(inter_bw, 2 * latency_s)},
+                   overlap_slowdown, memory_bandwidth, name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "HardwareProfile", "name": self.name, "num_nodes": self.num_nodes,
+                "gpus_per_node": self.gpus_per_node, "device_memory_bytes": self.device_memory_bytes,
+                "overlap_slowdown": self.overlap_slowdown, "memory_bandwidth": self.memory_bandwidth,
+                "links": {k: asdict(v) for k, v in sorted(self.links.items())},
+                "p2p": {k: asdict(v) for k, v in sorted(self.p2p.items())}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "HardwareProfile":
+        data = dict(data)
+        if data.pop("kind", "HardwareProfile") != "HardwareProfile":
+            raise _bad(data.get("kind"), "not a HardwareProfile document", "load it with ModelProfile.from_dict.")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HardwareProfile":
+        return cls.from_dict(_loads(text, "HardwareProfile"))
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.to_dict())
+
+
+# ---------------------------------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TimeFit:
+    """Seconds of one layer pass: ``const + per_token * b*s + per_token_ctx * b*s*s``.
+
+    Affine in tokens plus the attention term quadratic in sequence length (Narayanan et al. SC'21
+    count 24bsh^2 + 4bs^2h FLOPs per layer). ``const`` is the per-call launch overhead: it is what
+    makes larger micro-batches more efficient, and it is *zero* when only per-sample times are known.
+    """
+
+    const: float = 0.0
+    per_token: float = 0.0
+    per_token_ctx: float = 0.0
+
+    def __call__(self, batch: float, seq: float) -> float:
+        return self.const + self.per_token * batch * seq + self.per_token_ctx * batch * seq * seq
+
+    def scaled(self, factor: float) -> "TimeFit":
+        return TimeFit(self.const, self.per_token * factor, self.per_token_ctx * factor)
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[float, float, float]]) -> "TimeFit":
+        """Non-negative least squares fit of ``(batch, seq, seconds)`` measurements.
+
+        With one sequence length the quadratic term is not identifiable and is left at 0; with one
+        batch size the constant is not identifiable either (a pure per-sample fit).
+        """
+        if not samples:
+            raise _bad(samples, "need at least one (batch, seq, seconds) measurement", "profile >= 2 batch sizes.")
+        seqs = {s for _, s, _ in samples}
+        tokens = {b * s for b, s, _ in samples}
+        cols = [lambda b, s: b * s]
+        names = ["per_token"]
+        if len(tokens) > 1:
+            cols.insert(0, lambda b, s: 1.0)
+            names.insert(0, "const")
+        if len(seqs) > 1:
+            cols.append(lambda b, s: b * s * s)
+            names.append("per_token_ctx")
+        coef = _nnls([[c(b, s) for c in cols] for b, s, _ in samples], [t for _, _, t in samples])
+        return cls(**dict(zip(names, coef)))
+
+
+def _nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Tiny non-negative least squares (active set by dropping negative columns); no numpy needed."""
+    active = list(range(len(rows[0])))
+    while True:
+        a = [[r[j] for j in active] for r in rows]
+        # normal equations, scaled per column for conditioning
+        n = len(active)
+        scale = [max(1e-300, max(abs(r[j]) for r in a)) for j in range(n)]
+        a = [[r[j] / scale[j] for j in range(n)] for r in a]
+        ata = [[sum(r[i] * r[j] for r in a) for j in range(n)] for i in range(n)]
+        aty = [sum(r[i] * y for r, y in zip(a, ys)) for i in range(n)]
+        for i in range(n):
+            ata[i][i] += 1e-12
+        x = _solve(ata, aty)
+        x = [xi / scale[i] for i, xi in enumerate(x)]
+        neg = [active[i] for i, xi in enumerate(x) if xi < 0]
+        if not neg or len(active) == 1:
+            out = [0.0] * len(rows[0])
+            for j, xi in zip(active, x):
+                out[j] = max(0.0, xi)
+            return out
+        active = [j for j in active if j != neg[0]]
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[p] = m[p], m[c]
+        if abs(m[c][c]) < 1e-300:
+            continue
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                m[r] = [x - f * y for x, y in zip(m[r], m[c])]
+    return [m[i][n] / m[i][i] if abs(m[i][i]) > 1e-300 else 0.0 for i in range(n)]
+
+
+def act_key(tp: int, sp: str, checkpoint: bool) -> str:
+    """Key of an activation measurement, e.g. ``tp2/none`` or ``tp1/none/ckpt``."""
+    return f"tp{tp}/{sp}" + ("/ckpt" if checkpoint else "")
+
+
+@dataclass(frozen=True)
+class LayerTypeProfile:
+    """One kind of layer (e.g. a decoder block): time fits, parameters, activation memory."""
+
+    name: str
+    forward: TimeFit
+    backward: TimeFit
+    params: int
+    activation_bytes: Mapping[str, float]  # act_key -> bytes per local sample at the profile seq_len
+    hidden: int
+    recompute: TimeFit | None = None  # None: recomputation costs one more forward
+
+    def __post_init__(self) -> None:
+        if "tp1/none" not in self.activation_bytes:
+            raise _bad(sorted(self.activation_bytes), "activation_bytes needs the 'tp1/none' entry",
+                       "profile at least the unsharded layer.")
+        for attr in ("forward", "backward", "recompute"):
+            v = getattr(self, attr)
+            if isinstance(v, Mapping):
+                object.__setattr__(self, attr, TimeFit(**v))
+        object.__setattr__(self, "activation_bytes", dict(self.activation_bytes))
+
+    def recompute_fit(self) -> TimeFit:
+        return self.recompute if self.recompute is not None else self.forward
+
+    def activation(self, tp: int, sp: str, checkpoint: bool) -> float:
+        """Bytes per local sample; missing entries follow Korthikanti et al. '22 (Table 2)."""
+        table = self.activation_bytes
+        hit = table.get(act_key(tp, sp, checkpoint))
+        if hit is not None:
+            return hit
+        full = table["tp1/none"]
+        if checkpoint:  # only the layer input is kept: 2sbh (bf16), sharded on sequence by SP
+            base = table.get(act_key(1, "none", True), full / 17.0)
+            return base / tp if sp != "none" else base
+        if sp != "none":  # sequence parallel shards everything: 34sbh / t
+            return full / tp
+        # plain TP shards only part: sbh(10 + 24/t) out of 34sbh
+        return full * (10.0 + 24.0 / tp) / 34.0
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Everything the cost model needs about one model at one sequence length and precision."""
+
+    name: str
+    shape: ModelShape
+    layer_types: tuple[LayerTypeProfile, ...]
+    layer_type_of: tuple[int, ...]  # per transformer block: index into layer_types
+    precision: str = "bf16"  # "bf16"/"fp16" = mixed precision with fp32 master weights, or "fp32"
+    embed_params: int = 0
+    head_params: int = 0
+    embed_act_bytes: float = 0.0  # per local sample, on the first stage
+    head_act_bytes: float = 0.0  # per local sample, on the last stage (logits, loss)
+    embed_forward: TimeFit = TimeFit()
+    head_forward: TimeFit = TimeFit()
+    framework_bytes: float = 0.0  # CUDA/CPU context, allocator slack, workspace: per rank
+    source: str = "custom"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shape, Mapping):
+            object.__setattr__(self, "shape", ModelShape(**self.shape))
+        lts = tuple(LayerTypeProfile(**lt) if isinstance(lt, Mapping) else lt for lt in self.layer_types)
+        object.__setattr__(self, "layer_types", lts)
+        object.__setattr__(self, "layer_type_of", tuple(self.layer_type_of))
+        for attr in ("embed_forward", "head_forward"):
+            v = getattr(self, attr)
+            if isinstance(v, Mapping):
+                object.__setattr__(self, attr, TimeFit(**v))
+        if self.precision not in PRECISIONS:
+            raise _bad(f"precision={self.precision}", f"must be one of {PRECISIONS}", "use 'bf16' for mixed precision.")
+        if len(self.layer_type_of) != self.shape.num_layers:
+            raise _bad(f"{len(self.layer_type_of)} layer types", f"the shape has {self.shape.num_layers} layers",
+                       "give layer_type_of one entry per transformer block.")
+        if any(not 0 <= t < len(lts) for t in self.layer_type_of):
+            raise _bad(list(self.layer_type_of), f"layer_type_of must index layer_types (0..{len(lts) - 1})",
+                       "check the profile file.")
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape.num_layers
+
+    @property
+    def seq_len(self) -> int:
+        return self.shape.seq_len
+
+    @property
+    def act_dtype_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def homogeneous(self) -> bool:
+        return len(set(self.layer_type_of)) == 1
+
+    def layer(self, i: int) -> LayerTypeProfile:
+        return self.layer_types[self.layer_type_of[i]]
+
+    @property
+    def per_sample_only(self) -> bool:
+        """True when no time fit has a per-call constant: throughput cannot depend on micro-batch size."""
+        fits = [lt.forward for lt in self.layer_types] + [lt.backward for lt in self.layer_types]
+        return all(f.const == 0.0 for f in fits)
+
+    @property
+    def total_params(self) -> int:
+        return sum(self.layer(i).params for i in range(self.num_layers)) + self.embed_params + self.head_params
+
+    # -- analytic profile ------------------------------------------------------------------------------
+    @classmethod
+    def from_shape(cls, shape: ModelShape, flops_per_s: float = 150e12, precision: str = "bf16",
+                   gated_mlp: bool = True, tied_embeddings: bool = False, launch_s: float = 50e-6,
+                   framework_bytes: float = 1.0 * 2**30, name: str = "analytic") -> "ModelProfile":
+        """A profile from the shape alone (no measurement): FLOPs / achieved throughput.
+
+        Forward FLOPs follow Narayanan et al. SC'21 (2 x params x tokens + 4 b s^2 h for attention);
+        backward is 2x forward (weight + input gradients). Activations follow Korthikanti et al. '22
+        with flash attention (no s^2 term): 34 s h bytes per sample in 16-bit precision.
+        """
+        h, f = shape.hidden, shape.ffn_hidden
+        hd = h // shape.num_heads
+        attn_params = h * h * 2 + 2 * h * hd * shape.num_kv_heads
+        mlp_params = h * f * (3 if gated_mlp else 2)
+        params = attn_params + mlp_params + 4 * h
+        per_token = 2.0 * params / flops_per_s
+        per_token_ctx = 4.0 * h / flops_per_s
+        fwd = TimeFit(launch_s, per_token, per_token_ctx)
+        bwd = TimeFit(2 * launch_s, 2 * per_token, 2 * per_token_ctx)
+        el = 4 if precision == "fp32" else 2
+        s = shape.seq_len
+        acts = {act_key(1, "none", False): 17.0 * el * s * h, act_key(1, "none", True): el * s * h}
+        layer = LayerTypeProfile("block", fwd, bwd, params, acts, h)
+        vocab_params = shape.vocab_size * h
+        head_fwd = TimeFit(launch_s, 2.0 * vocab_params / flops_per_s, 0.0)
+        return cls(name, shape, (layer,), (0,) * shape.num_layers, precision,
+                   embed_params=vocab_params, head_params=0 if tied_embeddings else vocab_params,
+                   embed_act_bytes=el * s * h, head_act_bytes=(4 + el) * s * shape.vocab_size,
+                   embed_forward=TimeFit(launch_s, 0.0, 0.0), head_forward=head_fwd,
+                   framework_bytes=framework_bytes, source="analytic")
+
+    # -- serialization ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"] = "ModelProfile"
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelProfile":
+        data = dict(data)
+        if data.pop("kind", "ModelProfile") != "ModelProfile":
+            raise _bad(data.get("kind"), "not a ModelProfile document", "load it with HardwareProfile.from_dict.")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelProfile":
+        return cls.from_dict(_loads(text, "ModelProfile"))
+
+    def with_(self, **changes: Any) -> "ModelProfile":
+        return replace(self, **changes)
+
+
+def _loads(text: str, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} JSON: cannot parse ({exc}). HINT: re-profile or delete the cached file.") from exc
+    if not isinstance(data, dict):
+        raise TypeError(f"{what} JSON: top level is {type(data).__name__}, expected an object. HINT: re-profile.")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------
+# fingerprints and cache
+# ---------------------------------------------------------------------------------------------------
+def fingerprint(facts: Mapping[str, Any] | Iterable[Any]) -> str:
+    """A short stable hash of JSON-able facts (machine, model, software versions, ...)."""
+    blob = json.dumps(facts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """``$GALV_CACHE_DIR`` or ``~/.cache/lightning_galv`` (created on first use)."""
+    return Path(os.environ.get("GALV_CACHE_DIR") or Path.home() / ".cache" / "lightning_galv")
+
+
+class ProfileCache:
+    """Profiles on disk keyed by the fingerprint of what was measured, so re-runs skip profiling."""
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else cache_dir()
+
+    def path(self, kind: str, key: str) -> Path:
+        if not key.isalnum() or not kind.isidentifier():
+            raise _bad(f"{kind}/{key}", "cache kind must be an identifier and key alphanumeric",
+                       "pass fingerprint(...) as the key.")
+        return self.directory / f"{kind}-{key}.json"
+
+    def load(self, kind: str, key: str) -> HardwareProfile | ModelProfile | None:
+        p = self.path(kind, key)
+        if not p.is_file():
+            return None
+        data = _loads(p.read_text(), kind)
+        return HardwareProfile.from_dict(data) if data.get("kind") == "HardwareProfile" else ModelProfile.from_dict(data)
+
+    def save(self, kind: str, key: str, profile: HardwareProfile | ModelProfile) -> Path:
+        p = self.path(kind, key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(profile.to_json())
+        tmp.replace(p)  # atomic: concurrent ranks never read half a file
+        return p

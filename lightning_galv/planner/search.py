@@ -1,0 +1,723 @@
+"""Search for the fastest hybrid-parallel plan that fits in memory.
+
+Structure (Galvatron VLDB'23, Galvatron-BMW TKDE'24), outermost first:
+
+1. **Outer loop** over global batch (fixed or a range), pipeline degree (any divisor of the world
+   size), schedule (GPipe / 1F1B / interleaved 1F1B) and micro-batch count. Configurations are
+   visited in order of an optimistic lower bound on step time and skipped once the bound cannot
+   beat the k-th best plan found so far.
+2. **Decision tree** per stage size: the per-layer strategy space (tp x dp factorizations, Megatron
+   or Ulysses sequence parallelism, ZeRO stage, checkpointing, tp rank order) is enumerated and pruned:
+   Galvatron's guideline rules (tp inside a node, consecutive tp groups; ``heuristic_pruning``) plus
+   an exact dominance rule (a strategy slower *and* larger than another with the same activation
+   layout can never be part of an optimum).
+3. **Dynamic programming over layers** per stage under the memory budget with inter-layer transition
+   costs, vectorized with numpy over (memory, strategy). One run yields the best cost for *every*
+   layer count, which makes step 4 cheap.
+4. **Joint stage partition** (beyond Galvatron, after BMW's bi-objective idea): stages differ in
+   memory (1F1B keeps p - i micro-batches in stage i; embedding and head sit on the ends), so the
+   layer counts per stage are chosen to minimize the pipeline step time given each stage's
+   memory-constrained cost -- uneven partitions come out when they are faster.
+
+Memory is accounted on a grid of ``budget / memory_bins`` bytes, rounding every layer *up*: the
+search is conservative (a plan it returns fits) and exact with respect to that grid.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ..plan import SCHEDULES, SP_MODES, LayerStrategy, ModelShape, ParallelPlan, Prediction, even_division
+from .cost import CostModel, GalvatronCostModel, LayerCost, PlanCost, StageContext
+from .profiles import HardwareProfile, ModelProfile
+
+GiB = float(2**30)
+
+
+def _bad(value: object, rule: str, hint: str) -> ValueError:
+    return ValueError(f"{value!r}: {rule}. HINT: {hint}")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search may choose from. Defaults: the full space."""
+
+    max_tp: int | None = None  # None: up to the stage size
+    max_pp: int | None = None
+    pp_degrees: tuple[int, ...] | None = None  # None: every divisor of the world size
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b")
+    virtual_stages: tuple[int, ...] = (2,)
+    micro_batches: tuple[int, ...] | None = None  # None: every divisor of the global batch
+    max_micro_batches: int | None = None
+    sp_modes: tuple[str, ...] = SP_MODES
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    checkpoint: tuple[bool, ...] = (False, True)
+    tp_consecutive: tuple[bool, ...] = (True, False)
+    uniform: bool = False  # one strategy for every layer (the "3-D" space)
+    uneven_partition: bool = True
+    heuristic_pruning: bool = True
+    memory_bins: int = 2048
+    embed_tp: int = 1  # vocabulary-parallel degree of embedding and head
+    embed_zero: int | None = None  # None: the largest ZeRO stage <= 2 in zero_stages
+    vocab_padding: bool = False  # allow vocab-parallel degrees that do not divide the vocabulary (Megatron pads it)
+
+    def __post_init__(self) -> None:
+        for s in self.schedules:
+            if s not in SCHEDULES:
+                raise _bad(f"schedule={s}", f"must be one of {SCHEDULES}", "e.g. schedules=('1f1b',).")
+        for s in self.sp_modes:
+            if s not in SP_MODES:
+                raise _bad(f"sp_mode={s}", f"must be one of {SP_MODES}", "e.g. sp_modes=('none', 'megatron').")
+        for z in self.zero_stages:
+            if z not in (0, 1, 2, 3):
+                raise _bad(f"zero={z}", "ZeRO stages are 0..3", "e.g. zero_stages=(0, 2, 3).")
+        if not self.zero_stages or not self.schedules or not self.checkpoint or not self.tp_consecutive:
+            raise _bad(self, "zero_stages, schedules, checkpoint and tp_consecutive need >= 1 choice",
+                       "leave a field at its default to search it.")
+        if self.memory_bins < 16:
+            raise _bad(f"memory_bins={self.memory_bins}", "must be >= 16", "use 2048 (default) or more.")
+
+    @property
+    def default_embed_zero(self) -> int:
+        if self.embed_zero is not None:
+            return self.embed_zero
+        return max([z for z in self.zero_stages if z <= 2] or [min(self.zero_stages)])
+
+    @classmethod
+    def three_d(cls, zero: int = 2, **kw: object) -> "SearchSpace":
+        """Galvatron's "3-D" space: one (pp, tp, dp) for all layers, one ZeRO stage, no SP or recomputation."""
+        return cls(sp_modes=("none",), zero_stages=(zero,), checkpoint=(False,), tp_consecutive=(True,),
+                   uniform=True, **kw)  # type: ignore[arg-type]
+
+
+class SearchResult(list):
+    """The top-k plans (best first), plus how the search went. A plain ``list[ParallelPlan]`` otherwise."""
+
+    def __init__(self, plans: Iterable[ParallelPlan], explanation: str, stats: dict[str, float]) -> None:
+        super().__init__(plans)
+        self.explanation = explanation
+        self.stats = stats
+
+    @property
+    def best(self) -> ParallelPlan:
+        return self[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# decision tree
+# ---------------------------------------------------------------------------------------------------
+def candidate_strategies(shape: ModelShape, stage_size: int, micro_batch: int, space: SearchSpace,
+                         hw: HardwareProfile | None = None) -> list[LayerStrategy]:
+    """Every per-layer strategy of a stage that is valid for this model and micro-batch.
+
+    With ``space.heuristic_pruning`` (Galvatron VLDB'23 Sec. 3.2 guidelines): tensor/sequence groups
+    stay inside a node, and tp groups are consecutive ranks.
+    """
+    out: list[LayerStrategy] = []
+    max_tp = space.max_tp or stage_size
+    for tp in divisors(stage_size):
+        dp = stage_size // tp
+        if tp > max_tp or micro_batch % dp:
+            continue
+        for sp in (("none",) if tp == 1 else space.sp_modes):
+            need = [shape.num_heads, shape.num_kv_heads]
+            if sp != "ulysses":
+                need.append(shape.ffn_hidden)
+            if sp != "none":
+                need.append(shape.seq_len)
+            if any(n % tp for n in need):
+                continue
+            consecs = (True,) if tp == 1 or dp == 1 else space.tp_consecutive
+            for consec in consecs:
+                if space.heuristic_pruning and tp > 1:
+                    if not consec:
+                        continue
+                    if hw is not None and not hw.is_intra_node(tp, 1) and dp > 1:
+                        continue
+                d = dp * tp if sp == "ulysses" else dp
+                for zero in ((0,) if d == 1 else space.zero_stages):
+                    for ck in space.checkpoint:
+                        out.append(LayerStrategy(tp, dp, sp, zero, ck, consec))
+    return out
+
+
+@dataclass
+class _Table:
+    """Per-candidate costs of one (stage size, micro-batch, micro-batch count) context."""
+
+    strategies: list[LayerStrategy]
+    fb: np.ndarray  # [type, j] fwd+bwd seconds per micro-batch
+    extra: np.ndarray  # [type, j] seconds per step
+    states: np.ndarray  # [type, j] bytes
+    act: np.ndarray  # [type, j] bytes per in-flight micro-batch
+    transient: np.ndarray  # [type, j] bytes
+    cls: np.ndarray  # [j] layout class
+    trans: np.ndarray  # [K, K] seconds per micro-batch
+
+
+# ---------------------------------------------------------------------------------------------------
+# dynamic programming over layers
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class _StageDP:
+    """Best cost of the first ``n`` layers of one stage for every n, under one memory budget."""
+
+    value: np.ndarray  # [n] best objective (m * per-mb time + per-step extra), inf if infeasible
+    tau: np.ndarray  # [n] index of the transient level achieving it
+
+    def __init__(self, n_max: int) -> None:
+        self.value = np.full(n_max + 1, np.inf)
+        self.tau = np.zeros(n_max + 1, dtype=np.int64)
+
+
+def _dominance_keep(c: np.ndarray, q: np.ndarray, r: np.ndarray, cls: np.ndarray) -> np.ndarray:
+    """Exact pruning: drop j if some j' of the same layout class is no slower, no larger, no more transient."""
+    le = (c[None, :] <= c[:, None]) & (q[None, :] <= q[:, None]) & (r[None, :] <= r[:, None]) & (cls[None, :] == cls[:, None])
+    strict = (c[None, :] < c[:, None]) | (q[None, :] < q[:, None]) | (r[None, :] < r[:, None])
+    idx = np.arange(len(c))
+    earlier = idx[None, :] < idx[:, None]
+    dominated = (le & (strict | earlier)).any(axis=1)
+    return ~dominated
+
+
+def layer_dp(c: np.ndarray, q: np.ndarray, cls: np.ndarray, trans: np.ndarray, n_max: int, capacity: int,
+             want_path: int | None = None) -> tuple[np.ndarray, list[int] | None]:
+    """min over strategy sequences s_1..s_n of sum c[s_i] + sum trans[cls s_{i-1}, cls s_i] s.t. sum q <= capacity.
+
+    ``c``/``q`` are [n, J] (per layer position) so heterogeneous layers work. Returns the best value for
+    every prefix length 1..n_max (index 0 unused) and, if ``want_path``, the argmin sequence for that
+    length. Vectorized over (memory, strategy): O(n * M * (J + K^2)).
+    """
+    n_layers, J = c.shape
+    K = trans.shape[0]
+    M = capacity + 1
+    best = np.full(n_max + 1, np.inf)
+    if capacity < 0 or J == 0:
+        return best, None
+    f = np.full((M, J), np.inf)
+    for j in range(J):
+        if q[0, j] < M:
+            f[q[0, j], j] = min(f[q[0, j], j], c[0, j])
+    members = [np.flatnonzero(cls == k) for k in range(K)]
+    parents: list[tuple[np.ndarray, np.ndarray]] = []
+    best[1] = f.min()
+    for layer in range(1, n_max):
+        g = np.full((M, K), np.inf)
+        garg = np.zeros((M, K), dtype=np.int64)
+        for k, mem in enumerate(members):
+            if len(mem):
+                sub = f[:, mem]
+                a = sub.argmin(axis=1)
+                garg[:, k] = mem[a]
+                g[:, k] = sub[np.arange(M), a]
+        h3 = g[:, :, None] + trans[None, :, :]  # [M, K_prev, K_next]
+        harg = h3.argmin(axis=1)
+        h = np.take_along_axis(h3, harg[:, None, :], axis=1)[:, 0, :]
+        nf = np.full((M, J), np.inf)
+        for j in range(J):
+            qj = q[layer, j]
+            if qj < M:
+                nf[qj:, j] = h[: M - qj, cls[j]] + c[layer, j]
+        f = nf
+        if want_path is not None:
+            parents.append((harg, garg))
+        best[layer + 1] = f.min()
+        if not np.isfinite(best[layer + 1]):
+            break
+    path = None
+    if want_path is not None and np.isfinite(best[want_path]):
+        # re-run to the wanted length is implicit: f here is at n_max; recompute if needed
+        if want_path != n_max:
+            return layer_dp(c, q, cls, trans, want_path, capacity, want_path)
+        mem, j = np.unravel_index(np.argmin(f), f.shape)
+        path = [int(j)]
+        for layer in range(n_max - 1, 0, -1):
+            harg, garg = parents[layer - 1]
+            mem = mem - q[layer, j]
+            k_prev = harg[mem, cls[j]]
+            j = garg[mem, k_prev]
+            path.append(int(j))
+        path.reverse()
+    return best, path
+
+
+# ---------------------------------------------------------------------------------------------------
+# the search
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class _Config:
+    global_batch: int
+    pp: int
+    schedule: str
+    v: int
+    m: int
+    bound: float = 0.0
+
+
+class _Searcher:
+    def __init__(self, profile: ModelProfile, hw: HardwareProfile, world: int, budget: float,
+                 space: SearchSpace, cost: CostModel) -> None:
+        self.p, self.hw, self.world, self.budget, self.space, self.cost = profile, hw, world, budget, space, cost
+        self.L = profile.num_layers
+        self.types = sorted(set(profile.layer_type_of))
+        self.grid = budget / space.memory_bins
+        self.tables: dict[tuple[int, int, int], _Table | None] = {}
+        self.dp_cache: dict[tuple, tuple[np.ndarray, np.ndarray, list]] = {}
+        self.stats = {"configs": 0, "pruned_by_bound": 0, "infeasible": 0, "dp_runs": 0, "shortcuts": 0}
+        self.min_fit: tuple[float, str] = (math.inf, "")
+
+    # -- cost tables ---------------------------------------------------------------------------------
+    def table(self, S: int, mb: int, m: int) -> _Table | None:
+        key = (S, mb, m)
+        if key in self.tables:
+            return self.tables[key]
+        strategies = candidate_strategies(self.p.shape, S, mb, self.space, self.hw)
+        if not strategies:
+            self.tables[key] = None
+            return None
+        ctx = StageContext(S, mb, m)
+        T, J = len(self.p.layer_types), len(strategies)
+        fb, extra, states, act, tr = (np.zeros((T, J)) for _ in range(5))
+        first_layer_of_type = {t: self.p.layer_type_of.index(t) for t in self.types}
+        for t, li in first_layer_of_type.items():
+            for j, s in enumerate(strategies):
+                lc: LayerCost = self.cost.layer_cost(li, s, ctx)
+                fb[t, j], extra[t, j], states[t, j], act[t, j], tr[t, j] = (
+                    lc.fwd + lc.bwd, lc.step_extra, lc.states, lc.act, lc.transient)
+        classes: dict[tuple, int] = {}
+        reps: list[LayerStrategy] = []
+        cls = np.zeros(J, dtype=np.int64)
+        for j, s in enumerate(strategies):
+            key2 = (s.dp, s.tp_consecutive or s.tp == 1 or s.dp == 1)
+            if key2 not in classes:
+                classes[key2] = len(classes)
+                reps.append(s)
+            cls[j] = classes[key2]
+        K = len(reps)
+        trans = np.array([[self.cost.transition_time(a, b, ctx) for b in reps] for a in reps]).reshape(K, K)
+        tab = _Table(strategies, fb, extra, states, act, tr, cls, trans)
+        self.tables[key] = tab
+        return tab
+
+    def embed_strategy(self, S: int, mb: int) -> LayerStrategy | None:
+        """Vocabulary-parallel degree ``embed_tp``, raised to the next divisor when the micro-batch is too small to split."""
+        for vtp in divisors(S):
+            if vtp < self.space.embed_tp and S % self.space.embed_tp == 0:
+                continue
+            dp = S // vtp
+            if mb % dp or (vtp > 1 and self.p.shape.vocab_size % vtp and not self.space.vocab_padding):
+                continue
+            return LayerStrategy(tp=vtp, dp=dp, zero=self.space.default_embed_zero if dp > 1 else 0)
+        return None
+
+    # -- one stage ----------------------------------------------------------------------------------
+    def stage_costs(self, cfg: _Config, tab: _Table, stage: int, emb: LayerStrategy, n_lo: int, n_hi: int,
+                    start: int) -> tuple[np.ndarray, dict]:
+        """Best objective (seconds per step, m-weighted) for n = 0..n_hi layers on ``stage``."""
+        S = self.world // cfg.pp
+        ctx = StageContext(S, cfg.global_batch // cfg.m, cfg.m, cfg.pp, stage, cfg.schedule, cfg.v)
+        assert isinstance(self.cost, GalvatronCostModel)
+        fixed_t, fixed_e, fixed_mem = self.cost.stage_fixed(emb, emb, ctx)
+        k = ctx.inflight
+        types = np.array(self.p.layer_type_of[start:start + n_hi]) if not self.p.homogeneous else None
+        key = (S, ctx.micro_batch, cfg.m, k, round(fixed_mem), n_hi, start if types is not None else -1, cfg.v)
+        base = fixed_t * cfg.m + fixed_e
+        info = {"fixed_t": fixed_t, "fixed_e": fixed_e, "fixed_mem": fixed_mem, "ctx": ctx}
+        hit = self.dp_cache.get(key)
+        if hit is not None:
+            vals = hit[0]
+            info.update(hit[2][0])
+            return vals + base, info
+        vals = np.full(n_hi + 1, np.inf)
+        vals[0] = 0.0
+        t0 = 0 if types is None else None
+        c_all = cfg.m * tab.fb + tab.extra  # [type, J]
+        mem_all = tab.states + k * tab.act
+        q_all = np.ceil(mem_all / self.grid - 1e-9).astype(np.int64)
+        r_all = tab.transient
+        trans = cfg.m * tab.trans
+        layer_types = np.full(n_hi, self.p.layer_type_of[0]) if types is None else types
+        avail = self.budget - fixed_mem
+        # transient levels: the largest recomputation buffer any chosen layer may need
+        levels = sorted({0.0} | {float(x) for x in np.unique(r_all[layer_types].ravel()) if x > 0})
+        choice: dict = {"levels": levels, "by_n": {}}
+        for li, tau in enumerate(levels):
+            capacity = int(math.floor((avail - tau) / self.grid + 1e-9))
+            if capacity < 0:
+                continue
+            allowed = np.flatnonzero((r_all[layer_types] <= tau + 1e-6).all(axis=0))
+            if len(allowed) == 0:
+                continue
+            c = c_all[layer_types][:, allowed]
+            q = q_all[layer_types][:, allowed]
+            cl = tab.cls[allowed]
+            if types is None:  # drop dominated strategies (exact: same class, no better anywhere)
+                keep = _dominance_keep(c[0], q[0], r_all[layer_types[0], allowed], cl)
+                allowed, c, q, cl = allowed[keep], c[:, keep], q[:, keep], cl[keep]
+                j0 = int(np.argmin(c[0]))
+                n_fit = capacity // max(1, q[0, j0])
+                if n_fit >= n_hi:  # uniform fastest strategy fits every n: optimal without a DP
+                    self.stats["shortcuts"] += 1
+                    cand = c[0, j0] * np.arange(n_hi + 1)
+                    better = cand < vals
+                    vals = np.where(better, cand, vals)
+                    for n in np.flatnonzero(better):
+                        choice["by_n"][int(n)] = ("uniform", int(allowed[j0]), tau)
+                    continue
+            self.stats["dp_runs"] += 1
+            best, _ = layer_dp(c, q, cl, trans, n_hi, capacity)
+            better = best < vals
+            better[0] = False
+            vals = np.where(better, best, vals)
+            for n in np.flatnonzero(better):
+                choice["by_n"][int(n)] = ("dp", li, tau)
+        self.dp_cache[key] = (vals, None, [info | {}])
+        info["choice"] = choice
+        self.dp_cache[key][2][0].update({"choice": choice})
+        return vals + base, info
+
+    def stage_path(self, cfg: _Config, tab: _Table, info: dict, n: int, start: int) -> list[LayerStrategy]:
+        """Reconstruct the strategies of the n layers chosen for a stage."""
+        how, a, tau = info["choice"]["by_n"][n]
+        if how == "uniform":
+            return [tab.strategies[a]] * n
+        k = info["ctx"].inflight
+        layer_types = np.array(self.p.layer_type_of[start:start + n])
+        c_all = cfg.m * tab.fb + tab.extra
+        q_all = np.ceil((tab.states + k * tab.act) / self.grid - 1e-9).astype(np.int64)
+        allowed = np.flatnonzero((tab.transient[layer_types] <= tau + 1e-6).all(axis=0))
+        capacity = int(math.floor((self.budget - info["fixed_mem"] - tau) / self.grid + 1e-9))
+        _, path = layer_dp(c_all[layer_types][:, allowed], q_all[layer_types][:, allowed], tab.cls[allowed],
+                           cfg.m * tab.trans, n, capacity, want_path=n)
+        assert path is not None
+        return [tab.strategies[allowed[j]] for j in path]
+
+    # -- partition ------------------------------------------------------------------------------------
+    def partition(self, U: list[np.ndarray], m: int, v: int, lo: int, hi: int) -> tuple[list[int], float] | None:
+        """Layer counts per stage minimizing m*max(u) + (sum(u) - max(u))/v (thresholding the bottleneck)."""
+        p, L = len(U), self.L
+        Uc = np.full((p, hi + 1), np.inf)
+        for i in range(p):
+            Uc[i, lo:hi + 1] = U[i][lo:hi + 1]
+        xs = np.unique(Uc[np.isfinite(Uc)])
+        if len(xs) == 0:
+            return None
+
+        def solve(X: float) -> tuple[float, list[int]] | None:
+            masked = np.where(Uc <= X, Uc, np.inf)
+            best = np.full(L + 1, np.inf)
+            best[0] = 0.0
+            args = []
+            for i in range(p):
+                nb = np.full(L + 1, np.inf)
+                arg = np.zeros(L + 1, dtype=np.int64)
+                for n in range(lo, hi + 1):
+                    if not np.isfinite(masked[i, n]):
+                        continue
+                    cand = best[: L + 1 - n] + masked[i, n]
+                    upd = cand < nb[n:]
+                    nb[n:] = np.where(upd, cand, nb[n:])
+                    arg[n:] = np.where(upd, n, arg[n:])
+                best = nb
+                args.append(arg)
+            if not np.isfinite(best[L]):
+                return None
+            counts, k = [], L
+            for i in range(p - 1, -1, -1):
+                n = int(args[i][k])
+                counts.append(n)
+                k -= n
+            counts.reverse()
+            return float(best[L]), counts
+
+        # first feasible threshold by bisection (feasibility is monotone in X)
+        lo_i, hi_i = 0, len(xs) - 1
+        if solve(xs[hi_i]) is None:
+            return None
+        while lo_i < hi_i:
+            mid = (lo_i + hi_i) // 2
+            if solve(xs[mid]) is None:
+                lo_i = mid + 1
+            else:
+                hi_i = mid
+        best_t, best_counts = math.inf, None
+        for X in xs[lo_i:]:
+            if m * X >= best_t:
+                break
+            r = solve(X)
+            if r is None:
+                continue
+            total, counts = r
+            mx = max(Uc[i, n] for i, n in enumerate(counts))
+            t = m * mx + (total - mx) / v
+            if t < best_t - 1e-15:
+                best_t, best_counts = t, counts
+        return (best_counts, best_t) if best_counts is not None else None
+
+    # -- one configuration ------------------------------------------------------------------------------
+    def solve(self, cfg: _Config) -> ParallelPlan | None:
+        S = self.world // cfg.pp
+        mb = cfg.global_batch // cfg.m
+        tab = self.table(S, mb, cfg.m)
+        emb = self.embed_strategy(S, mb)
+        if tab is None or emb is None:
+            return None
+        if self.space.uniform:
+            best: ParallelPlan | None = None
+            for j, s in enumerate(tab.strategies):
+                sub = _Table([s], tab.fb[:, [j]], tab.extra[:, [j]], tab.states[:, [j]], tab.act[:, [j]],
+                             tab.transient[:, [j]], np.zeros(1, dtype=np.int64), np.zeros((1, 1)))
+                plan = self._solve_with(cfg, sub, emb, uniform_key=j)
+                if plan is not None and (best is None or plan.prediction.step_time_s < best.prediction.step_time_s):
+                    best = plan
+            return best
+        return self._solve_with(cfg, tab, emb)
+
+    def _solve_with(self, cfg: _Config, tab: _Table, emb: LayerStrategy, uniform_key: int = -1) -> ParallelPlan | None:
+        p, L, v = cfg.pp, self.L, cfg.v
+        chunks = p * v
+        if v > 1 or not self.space.uneven_partition or p == 1 or not self.p.homogeneous:
+            division = even_division(L, chunks)
+            per_stage = [sum(division[c] for c in range(i, chunks, p)) for i in range(p)]
+            lo = hi = None
+        else:
+            lo = max(1, L // p - max(2, math.ceil(L / (2 * p))))
+            hi = min(L - (p - 1), math.ceil(L / p) + max(2, math.ceil(L / (2 * p))))
+            per_stage = None
+        saved_cache = self.dp_cache
+        if uniform_key >= 0:
+            self.dp_cache = {}
+        try:
+            if per_stage is not None:
+                starts = [sum(per_stage[:i]) for i in range(p)]
+                infos, counts, total = [], per_stage, []
+                for i in range(p):
+                    vals, info = self.stage_costs(cfg, tab, i, emb, per_stage[i], per_stage[i],
+                                                  starts[i] if v == 1 else 0)
+                    if not np.isfinite(vals[per_stage[i]]):
+                        return None
+                    infos.append(info)
+                strategies: list[LayerStrategy] = []
+                paths = [self.stage_path(cfg, tab, infos[i], per_stage[i], starts[i] if v == 1 else 0)
+                         for i in range(p)]
+                if v == 1:
+                    for path in paths:
+                        strategies += path
+                else:  # stage i owns chunks i, i+p, ...; hand out its layers chunk by chunk
+                    cursor = [0] * p
+                    for c in range(chunks):
+                        i = c % p
+                        strategies += paths[i][cursor[i]:cursor[i] + division[c]]
+                        cursor[i] += division[c]
+                pp_division = division
+            else:
+                assert lo is not None and hi is not None
+                U, infos = [], []
+                for i in range(p):
+                    vals, info = self.stage_costs(cfg, tab, i, emb, lo, hi, 0)
+                    U.append(vals / cfg.m)
+                    infos.append(info)
+                part = self.partition(U, cfg.m, v, lo, hi)
+                if part is None:
+                    return None
+                counts, _ = part
+                strategies = []
+                for i, n in enumerate(counts):
+                    strategies += self.stage_path(cfg, tab, infos[i], n, 0)
+                pp_division = tuple(counts)
+        finally:
+            self.dp_cache = saved_cache
+        plan = ParallelPlan(world_size=self.world, layers=tuple(strategies), pp=p, pp_division=tuple(pp_division),
+                            micro_batches=cfg.m, global_batch=cfg.global_batch, pipeline_schedule=cfg.schedule,
+                            virtual_stages=v, embed=emb, head=emb)
+        pc = self.cost.evaluate(plan)
+        if pc.peak_memory_bytes > self.budget * (1 + 1e-9):  # cannot happen with the conservative grid
+            return None
+        return plan.with_(prediction=Prediction(pc.step_time_s, pc.throughput, pc.stage_memory_bytes))
+
+    # -- what would fit ---------------------------------------------------------------------------------
+    def smallest_fit(self, cfg: _Config) -> tuple[float, str] | None:
+        """Peak memory of the leanest plan of this configuration (uniform leanest strategy, even split)."""
+        S = self.world // cfg.pp
+        mb = cfg.global_batch // cfg.m
+        tab, emb = self.table(S, mb, cfg.m), self.embed_strategy(S, mb)
+        if tab is None or emb is None:
+            return None
+        division = even_division(self.L, cfg.pp * cfg.v)
+        peak = 0.0
+        for i in range(cfg.pp):
+            ctx = StageContext(S, mb, cfg.m, cfg.pp, i, cfg.schedule, cfg.v)
+            assert isinstance(self.cost, GalvatronCostModel)
+            _, _, fixed = self.cost.stage_fixed(emb, emb, ctx)
+            n = sum(division[c] for c in range(i, cfg.pp * cfg.v, cfg.pp))
+            mem = tab.states + ctx.inflight * tab.act
+            t = self.p.layer_type_of[0]
+            j = int(np.argmin(n * mem[t] + tab.transient[t]))
+            peak = max(peak, fixed + n * mem[t, j] + tab.transient[t, j])
+        desc = f"pp={cfg.pp} {cfg.schedule} m={cfg.m} batch={cfg.global_batch}"
+        return peak, desc
+
+
+def _as_profile(model: ModelProfile | ModelShape) -> ModelProfile:
+    if isinstance(model, ModelProfile):
+        return model
+    if isinstance(model, ModelShape):
+        return ModelProfile.from_shape(model)
+    raise TypeError(f"model={type(model).__name__}: expected ModelProfile or ModelShape. HINT: pass "
+                    "model.galv_shape() or a profile from ModelProfiler / compat.galvatron.")
+
+
+def _batches(global_batch: int | Sequence[int] | range) -> list[int]:
+    if isinstance(global_batch, bool):
+        raise TypeError(f"global_batch={global_batch!r}: must be an int or a sequence of ints. HINT: global_batch=64.")
+    values = [global_batch] if isinstance(global_batch, int) else list(global_batch)
+    if not values or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in values):
+        raise _bad(f"global_batch={global_batch}", "must be a positive int or a non-empty sequence of them",
+                   "global_batch=64 or global_batch=range(8, 129, 8).")
+    return sorted(set(values))
+
+
+def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: int | None = None,
+           memory_budget_bytes: float | None = None, *, global_batch: int | Sequence[int] = 8,
+           top_k: int = 5, space: SearchSpace | None = None, cost_model: CostModel | None = None,
+           ) -> SearchResult:
+    """The ``top_k`` fastest plans (by throughput) that fit ``memory_budget_bytes`` per device.
+
+    ``model`` is a measured/imported :class:`ModelProfile`, or a :class:`ModelShape` (then an analytic
+    profile is used). ``world_size`` defaults to the hardware profile's; the budget to its device
+    memory. ``global_batch`` is one value or a range to sweep: plans are ranked by samples/second, ties
+    going to the larger batch (fewer optimizer steps for the same samples). Raises ``ValueError`` with
+    the smallest budget that would fit when nothing does.
+    """
+    t_start = time.perf_counter()
+    profile = _as_profile(model)
+    if not isinstance(hw, HardwareProfile):
+        raise TypeError(f"hw={type(hw).__name__}: expected HardwareProfile. HINT: HardwareProfile.uniform(...).")
+    world = hw.world_size if world_size is None else world_size
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise _bad(f"world_size={world_size}", "must be a positive int", "e.g. world_size=8.")
+    budget = hw.device_memory_bytes if memory_budget_bytes is None else float(memory_budget_bytes)
+    if not budget > 0:
+        raise _bad(f"memory_budget_bytes={memory_budget_bytes}", "must be > 0", "e.g. 40 * 2**30 for 40 GiB.")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise _bad(f"top_k={top_k}", "must be a positive int", "top_k=5.")
+    space = space or SearchSpace()
+    cost = cost_model or GalvatronCostModel(profile, hw, space.default_embed_zero)
+    batches = _batches(global_batch)
+    s = _Searcher(profile, hw, world, budget, space, cost)
+    L = profile.num_layers
+
+    configs: list[_Config] = []
+    pps = space.pp_degrees or tuple(divisors(world))
+    for G in batches:
+        for pp in pps:
+            if world % pp or pp > L or (space.max_pp and pp > space.max_pp):
+                continue
+            ms = space.micro_batches or tuple(divisors(G))
+            for m in ms:
+                if G % m or (space.max_micro_batches and m > space.max_micro_batches):
+                    continue
+                for sched in (space.schedules if pp > 1 else ("1f1b",)):
+                    for v in ((1,) if sched != "interleaved_1f1b" else space.virtual_stages):
+                        if pp > 1 and sched != "gpipe" and m < pp:
+                            continue
+                        if sched == "interleaved_1f1b" and (v < 2 or m % pp or L < pp * v):
+                            continue
+                        configs.append(_Config(G, pp, sched, v, m))
+    if not configs:
+        raise _bad(f"world_size={world}, global_batch={batches}", "no pipeline configuration is possible",
+                   "check that the global batch is divisible by the micro-batch counts and pp <= layers.")
+
+    # optimistic bound: every layer at its fastest strategy, perfectly balanced, no extra costs
+    for cfg in configs:
+        S, mb = world // cfg.pp, cfg.global_batch // cfg.m
+        tab = s.table(S, mb, cfg.m)
+        if tab is None:
+            cfg.bound = math.inf
+            continue
+        t_min = float(tab.fb.min(axis=1)[list(profile.layer_type_of[:1])][0])
+        per_stage = math.ceil(L / cfg.pp)
+        cfg.bound = (cfg.m - 1 / cfg.v) * per_stage * t_min + L * t_min / cfg.v
+    configs.sort(key=lambda c: c.bound / c.global_batch)
+
+    found: list[ParallelPlan] = []
+    kth = 0.0  # throughput of the k-th best so far
+    for cfg in configs:
+        if not math.isfinite(cfg.bound):
+            continue
+        if len(found) >= top_k and cfg.global_batch / cfg.bound < kth * (1 - 1e-9):
+            s.stats["pruned_by_bound"] += 1
+            continue
+        s.stats["configs"] += 1
+        plan = s.solve(cfg)
+        if plan is None:
+            s.stats["infeasible"] += 1
+            continue
+        found.append(plan)
+        found.sort(key=_rank_key)
+        del found[top_k:]
+        if len(found) >= top_k:
+            kth = found[-1].prediction.throughput  # type: ignore[union-attr]
+    wall = time.perf_counter() - t_start
+    s.stats["wall_s"] = wall
+    if not found:
+        fits = [r for r in (s.smallest_fit(c) for c in configs if math.isfinite(c.bound)) if r is not None]
+        need, how = min(fits) if fits else (math.inf, "none")
+        raise ValueError(
+            f"memory_budget_bytes={budget:.0f} ({budget / GiB:.2f} GiB): no plan fits on {world} devices for "
+            f"global batch {batches}; the smallest memory that would fit is {need / GiB:.2f} GiB "
+            f"({need:.0f} bytes, {how}). HINT: raise the budget to at least {need / GiB:.2f} GiB, lower the "
+            f"global batch, or allow more ZeRO stages / checkpointing / pipeline stages in the SearchSpace.")
+    return SearchResult(found, explain(found, profile, s.stats, budget, batches), s.stats)
+
+
+def _rank_key(plan: ParallelPlan) -> tuple:
+    assert plan.prediction is not None
+    # throughput first; near-ties (0.01 %) go to the larger batch, then to fewer micro-batches and 1F1B
+    return (-round(plan.prediction.throughput, 4 - int(math.floor(math.log10(plan.prediction.throughput)))),
+            -(plan.global_batch or 0), plan.micro_batches, SCHEDULES.index(plan.pipeline_schedule) != 1)
+
+
+def explain(plans: Sequence[ParallelPlan], profile: ModelProfile, stats: dict[str, float], budget: float,
+            batches: list[int]) -> str:
+    """Why the winner won, in a few lines: what was searched, the winner, and the runners-up."""
+    best = plans[0]
+    assert best.prediction is not None
+    lines = [f"searched {int(stats['configs'])} pipeline configurations ({int(stats['pruned_by_bound'])} skipped by "
+             f"bound, {int(stats['infeasible'])} without a fitting plan; {int(stats['dp_runs'])} layer DPs, "
+             f"{int(stats['shortcuts'])} closed-form) in {stats.get('wall_s', 0.0):.3f} s under "
+             f"{budget / GiB:.2f} GiB per device",
+             best.describe()]
+    counts = list(best.pp_division or ())
+    if best.pp > 1 and len(set(counts)) > 1:
+        lines.append(f"  uneven stages {counts}: stages differ in memory (in-flight micro-batches, embedding/head), "
+                     "so balancing the step time moved layers between them")
+    ck = sum(s.checkpoint for s in best.layers)
+    if ck:
+        lines.append(f"  {ck} layers recompute activations: without it the stage would not fit {budget / GiB:.2f} GiB")
+    if len(batches) > 1:
+        lines.append(f"  batch sweep {batches[0]}..{batches[-1]}: best throughput at global batch {best.global_batch}")
+        if profile.per_sample_only:
+            lines.append("  note: the time profile is per-sample (no per-call constant), so batch sizes differ only "
+                         "by per-step costs (gradient sync, optimizer step, bubble); profile >= 2 batch sizes for "
+                         "micro-batch efficiency")
+    for rank, p in enumerate(plans[1:], start=2):
+        assert p.prediction is not None
+        lines.append(f"  #{rank}: pp{p.pp} {p.pipeline_schedule} m={p.micro_batches} batch={p.global_batch} "
+                     f"{_summary(p)}: {p.prediction.step_time_s * 1e3:.1f} ms, {p.prediction.throughput:.2f} samples/s "
+                     f"({p.prediction.throughput / best.prediction.throughput:.3f}x)")
+    return "\n".join(lines)
+
+
+def _summary(plan: ParallelPlan) -> str:
+    kinds = sorted({s.short() for s in plan.layers})
+    return ",".join(kinds[:3]) + ("..." if len(kinds) > 3 else "")
