@@ -1,0 +1,3 @@
+from .galvatron import GalvatronStrategy
+
+__all__ = ["GalvatronStrategy"]

@@ -1,0 +1,362 @@
+"""GalvatronStrategy: a Lightning strategy that trains with a hybrid-parallel plan.
+
+Thin by design: intent in ``__init__``; process group and rank layout in ``setup_environment``;
+plan resolution and :func:`lightning_galv.parallel.parallelize` in ``setup``; the rest is the few
+hooks Lightning needs (gradient sync around accumulation, clipping across meshes, checkpoints).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .. import checkpoint as ckpt
+from ..layout import MeshFactory, RankLayout
+from ..plan import LayerStrategy, ParallelPlan, parse_plan
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+
+    from ..parallel.parallelize import ParallelRuntime
+
+_SHORTCUTS = ("tp", "sp", "zero", "checkpoint", "tp_consecutive")
+
+
+class GalvatronStrategy(ParallelStrategy):
+    """Hybrid data / ZeRO / tensor / sequence parallelism from a :class:`~lightning_galv.ParallelPlan`.
+
+    Args:
+        plan: a ``ParallelPlan``, a dict, or a path to a YAML/JSON plan file. ``None`` with no keyword
+            shortcuts means *automatic*: the planner searches a plan for this model and machine.
+        tp, sp, zero, checkpoint, tp_consecutive: shortcuts for a uniform plan (every layer, the
+            embedding and the head use ``LayerStrategy(tp, dp=world/tp, sp, zero, checkpoint)``).
+        memory_budget: device memory the automatic planner may use per rank ("20GB", bytes, or None for
+            the device's capacity).
+        save_distributed_checkpoint: sharded DCP folder (True) or one full ``.ckpt`` file (False).
+        start_method: ``"subprocess"`` re-runs the script per rank (like torchrun); ``"spawn"``/``"fork"``
+            start ranks with multiprocessing (notebooks).
+        process_group_backend: default from the accelerator (``nccl`` on CUDA, ``gloo`` on CPU).
+        timeout: every collective fails after this long instead of hanging.
+    """
+
+    strategy_name = "galvatron"
+
+    def __init__(
+        self,
+        plan: ParallelPlan | Mapping[str, Any] | str | Path | None = None,
+        *,
+        tp: int | None = None,
+        sp: str | None = None,
+        zero: int | None = None,
+        checkpoint: bool | None = None,
+        tp_consecutive: bool | None = None,
+        memory_budget: str | int | float | None = None,
+        save_distributed_checkpoint: bool = True,
+        start_method: Literal["subprocess", "spawn", "fork", "forkserver"] = "subprocess",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(minutes=10),
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        shortcuts = {k: v for k, v in dict(tp=tp, sp=sp, zero=zero, checkpoint=checkpoint,
+                                            tp_consecutive=tp_consecutive).items() if v is not None}
+        if plan is not None and shortcuts:
+            raise ValueError(f"plan and shortcuts {sorted(shortcuts)} given together: choose one. "
+                             "HINT: put the shortcut values into the plan's layer strategies instead.")
+        self._plan_spec = plan if plan is None else parse_plan(plan)
+        self._shortcuts = shortcuts
+        if shortcuts:  # validate early: a typo must fail at construction, not after the launch
+            LayerStrategy(**{**shortcuts, "tp": shortcuts.get("tp", 1)})
+        self._memory_budget = memory_budget
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        if start_method not in ("subprocess", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method={start_method!r}: must be subprocess, spawn, fork or forkserver. "
+                             "HINT: 'subprocess' works everywhere a script runs.")
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self.plan: ParallelPlan | None = None
+        self.layout: RankLayout | None = None
+        self.mesh_factory: MeshFactory | None = None
+        self.runtime: ParallelRuntime | None = None
+        self._sync_grads = True
+
+    # -- Lightning plumbing ------------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Samples are split over data-parallel shards only; tp/sp ranks of a shard read the same ones."""
+        if self.runtime is not None:
+            shard, shards = self.runtime.data_shard
+        else:  # before setup (e.g. a dataloader requested early): assume plain DP
+            shard, shards = self.global_rank, self.world_size
+        return {"num_replicas": shards, "rank": shard}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "subprocess":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        assert self.cluster_environment is not None
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        pp = self._plan_spec.pp if isinstance(self._plan_spec, ParallelPlan) else 1
+        if isinstance(self._plan_spec, ParallelPlan) and self._plan_spec.world_size != self.world_size:
+            raise ValueError(f"plan world_size={self._plan_spec.world_size}: the Trainer runs {self.world_size} "
+                             f"processes (devices x num_nodes). HINT: set devices={self._plan_spec.world_size}, or "
+                             "re-plan for this world size (galv search --world-size ...).")
+        self.layout = RankLayout(self.world_size, pp)
+        self.mesh_factory = MeshFactory(self.layout, self.root_device.type, self.global_rank)
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._check_precision()
+        if self.runtime is None:  # a reused Trainer (fit then test) keeps the parallelized model
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            self.plan = self._resolve_plan()
+            from ..parallel.parallelize import parallelize
+
+            assert self.mesh_factory is not None
+            self.runtime = parallelize(self.model, self.plan, self.mesh_factory)
+            self._install_clipping()
+            rank_zero_info(self.plan.describe())
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()  # never keep optimizers of an earlier setup
+            self.setup_optimizers(trainer)
+            for opt in self.optimizers:
+                self.runtime.wrap_optimizer(opt)
+        self.setup_precision_plugin()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _check_precision(self) -> None:
+        p = self.precision_plugin
+        ok = (type(p) is Precision
+              or (isinstance(p, MixedPrecision) and p.precision == "bf16-mixed")
+              or (isinstance(p, HalfPrecision) and p.precision == "bf16-true"))
+        if not ok:
+            name = getattr(p, "precision", type(p).__name__)
+            raise ValueError(f"precision={name!r}: GalvatronStrategy supports '32-true', 'bf16-mixed' and "
+                             "'bf16-true'. HINT: fp16 needs loss scaling across meshes, which is not implemented; "
+                             "use bf16-mixed.")
+
+    def _resolve_plan(self) -> ParallelPlan:
+        from ..models.protocol import find_parts
+
+        assert self.model is not None
+        parts = find_parts(self.model)
+        if isinstance(self._plan_spec, ParallelPlan):
+            return self._plan_spec
+        if self._shortcuts:
+            tp = self._shortcuts.get("tp", 1)
+            if self.world_size % tp:
+                raise ValueError(f"tp={tp}: must divide the world size {self.world_size}. "
+                                 f"HINT: pick tp from the divisors of {self.world_size}.")
+            s = LayerStrategy(**{**self._shortcuts, "tp": tp, "dp": self.world_size // tp})
+            return ParallelPlan.uniform(self.world_size, len(parts.blocks), s)
+        from ..auto import auto_plan
+
+        return auto_plan(self.model, parts, self.world_size, self.root_device, self._memory_budget)
+
+    # -- gradients ---------------------------------------------------------------------------------
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no reduction on the non-final micro-batches."""
+        assert self.runtime is not None
+        self._sync_grads = False
+        self.runtime.set_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self._sync_grads = True
+            self.runtime.set_gradient_sync(True)
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._sync_grads and self.runtime is not None:
+            self.runtime.sync_gradients()
+
+    def _install_clipping(self) -> None:
+        """Clip by the global norm over every mesh (Lightning's default sees only local shards)."""
+        runtime = self.runtime
+        assert runtime is not None
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
+            runtime.clip_grad_norm_(float(clip_val))
+
+        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    # -- collectives -------------------------------------------------------------------------------
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None,
+               reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return ckpt.model_state(self.model, full=not self._save_distributed_checkpoint)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint (needs the parallelized model)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.model is not None and self.runtime is not None
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return ckpt.optimizer_state(self.model, optimizer, self.runtime,
+                                    full=not self._save_distributed_checkpoint)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"storage_options={storage_options!r}: not supported by GalvatronStrategy. "
+                            "HINT: drop the argument; checkpoints are written with torch.distributed.checkpoint.")
+        path = Path(self.broadcast(str(filepath)))
+        if self._save_distributed_checkpoint:
+            ckpt.save_sharded(checkpoint, path, is_rank_zero=self.is_global_zero)
+        else:
+            if path.is_dir():
+                if ckpt.is_sharded(path):
+                    if self.is_global_zero:
+                        shutil.rmtree(path)
+                else:
+                    raise IsADirectoryError(f"checkpoint path {str(path)!r} is a directory. HINT: pass a file path.")
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint, path)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.model is not None and self.runtime is not None and self.lightning_module is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        return ckpt.load(path, self.model, optimizers, self.runtime, strict=self.lightning_module.strict_loading,
+                         weights_only=weights_only)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("galvatron", cls, description="Galvatron hybrid parallelism (automatic plan)")
+        presets = {
+            "galvatron_dp": dict(zero=0), "galvatron_zero1": dict(zero=1), "galvatron_zero2": dict(zero=2),
+            "galvatron_zero3": dict(zero=3), "galvatron_tp": dict(tp=2), "galvatron_tp_sp": dict(tp=2, sp="megatron"),
+            "galvatron_ulysses": dict(tp=2, sp="ulysses"),
+        }
+        for name, kw in presets.items():
+            strategy_registry.register(name, cls, description=f"Galvatron uniform plan {kw}", **kw)
