@@ -15,9 +15,12 @@ from .models import GPT2, GPT2Config, Llama, LlamaConfig
 
 
 def build_model(kind: str = "llama", **config: Any) -> torch.nn.Module:
+    config = {k: v for k, v in config.items() if v is not None}
     if kind == "llama":
         return Llama(LlamaConfig(**config))
     if kind == "gpt2":
+        config.pop("n_kv_heads", None)
+        config.pop("ffn_hidden", None)
         return GPT2(GPT2Config(**config))
     raise ValueError(f"model kind {kind!r}: must be 'llama' or 'gpt2'. HINT: --model.kind llama")
 
@@ -25,11 +28,16 @@ def build_model(kind: str = "llama", **config: Any) -> torch.nn.Module:
 class CausalLM(L.LightningModule):
     """Next-token prediction on ``[batch, seq+1]`` token windows."""
 
-    def __init__(self, kind: str = "llama", lr: float = 3e-3, weight_decay: float = 0.0,
-                 optimizer: str = "adamw", momentum: float = 0.0, **config: Any) -> None:
+    def __init__(self, kind: str = "llama", vocab_size: int = 256, dim: int = 64, n_layers: int = 4,
+                 n_heads: int = 4, n_kv_heads: int | None = None, ffn_hidden: int | None = None,
+                 max_seq_len: int = 64, lr: float = 3e-3, weight_decay: float = 0.0, optimizer: str = "adamw",
+                 momentum: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = build_model(kind, **config)
+        if optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer={optimizer!r}: must be 'adamw' or 'sgd'. HINT: --model.optimizer adamw")
+        self.model = build_model(kind, vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads,
+                                 n_kv_heads=n_kv_heads, ffn_hidden=ffn_hidden, max_seq_len=max_seq_len)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
