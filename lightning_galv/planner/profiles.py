@@ -181,7 +181,7 @@ class HardwareProfile:
         links: dict[str, LinkFit] = {}
         world = num_nodes * gpus_per_node
         size = 2
-        sizes = sorted({d for d in range(2, world + 1) if world % d == 0})
+        sizes = sorted({d for d in range(2, world + 1) if world % d == 0} | {2})
         for op in COLLECTIVES:
             for size in sizes:
                 for consec in (True, False):

@@ -1,0 +1,89 @@
+"""Profiles: fits recover known parameters, JSON round trips, fingerprints, on-disk cache, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_galv.plan import ModelShape
+from lightning_galv.planner.profiles import (HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, ProfileCache,
+                                             TimeFit, act_key, cache_dir, fingerprint, link_key)
+
+SHAPE = ModelShape(num_layers=4, hidden=256, num_heads=8, num_kv_heads=8, ffn_hidden=1024, vocab_size=1000, seq_len=128)
+
+
+def test_linkfit_recovers_alpha_beta() -> None:
+    pts = [(n, 5e-6 + n / 2e10) for n in (1e5, 1e6, 1e7, 1e8)]
+    fit = LinkFit.fit(pts)
+    assert fit.latency_s == pytest.approx(5e-6, rel=1e-6)
+    assert fit.bandwidth == pytest.approx(2e10, rel=1e-9)
+
+
+def test_timefit_recovers_affine_and_quadratic_terms() -> None:
+    truth = TimeFit(const=1e-4, per_token=2e-7, per_token_ctx=3e-10)
+    samples = [(b, s, truth(b, s)) for b in (1, 2, 4) for s in (64, 128, 256)]
+    fit = TimeFit.fit(samples)
+    assert fit.const == pytest.approx(1e-4, rel=1e-6)
+    assert fit.per_token == pytest.approx(2e-7, rel=1e-6)
+    assert fit.per_token_ctx == pytest.approx(3e-10, rel=1e-6)
+
+
+def test_timefit_single_batch_is_per_sample_only() -> None:
+    fit = TimeFit.fit([(4, 128, 0.004)])
+    assert fit.const == 0.0 and fit.per_token == pytest.approx(0.004 / 512)
+
+
+def test_collective_time_golden() -> None:
+    hw = HardwareProfile.uniform(2, 8, 40 * 2**30, intra_bw=100e9, inter_bw=10e9, latency_s=1e-5)
+    # ring all-reduce: 2 (g-1)/g * n / bw + latency
+    assert hw.collective_time("allreduce", 1e9, 8, 1) == pytest.approx(1e-5 + 2 * 7 / 8 * 1e9 / 100e9)
+    # 8 ranks 2 apart span 16 devices: inter-node
+    assert hw.collective_time("allgather", 1e9, 8, 2) == pytest.approx(2e-5 + 7 / 8 * 1e9 / 10e9)
+    assert hw.collective_time("allreduce", 1e9, 1, 1) == 0.0
+
+
+def test_hardware_json_round_trip_and_fingerprint() -> None:
+    hw = HardwareProfile.uniform(1, 4, 16 * 2**30)
+    again = HardwareProfile.from_json(hw.to_json())
+    assert again == hw
+    assert again.fingerprint() == hw.fingerprint()
+    other = HardwareProfile.uniform(1, 4, 32 * 2**30)
+    assert other.fingerprint() != hw.fingerprint()
+
+
+def test_model_json_round_trip() -> None:
+    prof = ModelProfile.from_shape(SHAPE)
+    again = ModelProfile.from_json(prof.to_json())
+    assert again == prof
+    assert fingerprint(again.to_dict()) == fingerprint(prof.to_dict())
+
+
+def test_activation_fallbacks_follow_korthikanti() -> None:
+    lt = LayerTypeProfile("b", TimeFit(), TimeFit(), 10, {act_key(1, "none", False): 34.0}, 8)
+    assert lt.activation(2, "none", False) == pytest.approx(34.0 * (10 + 12) / 34)
+    assert lt.activation(4, "megatron", False) == pytest.approx(34.0 / 4)
+    assert lt.activation(1, "none", True) == pytest.approx(2.0)
+
+
+def test_cache_uses_env_dir(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("GALV_CACHE_DIR", str(tmp_path / "c"))
+    assert cache_dir() == tmp_path / "c"
+    cache = ProfileCache()
+    prof = ModelProfile.from_shape(SHAPE)
+    key = fingerprint({"model": SHAPE.to_dict()})
+    assert cache.load("model", key) is None
+    path = cache.save("model", key, prof)
+    assert path.parent == tmp_path / "c"
+    assert cache.load("model", key) == prof
+
+
+@pytest.mark.parametrize("make", [
+    lambda: LinkFit(0.0),
+    lambda: HardwareProfile(1, 0, 1.0, {link_key("allreduce", 2, True, True): LinkFit(1e9)}),
+    lambda: HardwareProfile(1, 8, 1.0, {"allreduce/2/sideways/intra": LinkFit(1e9)}),
+    lambda: HardwareProfile(1, 8, 1.0, {link_key("allreduce", 2, True, True): LinkFit(1e9)}, overlap_slowdown=0.5),
+    lambda: ModelProfile.from_shape(SHAPE, precision="int3"),
+    lambda: ModelProfile.from_json("{not json"),
+])
+def test_bad_input_names_value_and_hint(make) -> None:
+    with pytest.raises(ValueError, match="HINT:"):
+        make()
