@@ -219,7 +219,10 @@ def read_plan(source: str | Path | Mapping[str, Any], world_size: int) -> Parall
         zero = 3 if dp_types[i] == 1 else _DP_TYPES[default]
         layers.append(LayerStrategy(tp=tp, dp=dp, sp=sp, zero=zero if group > 1 else 0, checkpoint=bool(ckpt[i]),
                                     tp_consecutive=bool(consec[i])))
-    vtp = int(d.get("vtp", 1))
+    micro = int(d["global_bsz"]) // max(1, int(d["chunks"]))
+    # plans written before vtp existed: the vocabulary follows the first layer's tp when the
+    # micro-batch cannot be split over the whole stage
+    vtp = int(d["vtp"]) if "vtp" in d else (1 if micro % stage == 0 else tps[0])
     if stage % vtp:
         raise _bad(f"vtp={vtp}", f"must divide the stage size {stage}", "use vtp=1.")
     edp = stage // vtp
