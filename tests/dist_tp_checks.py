@@ -117,6 +117,11 @@ def block_parity(make: Callable[[], nn.Module], strategy: LayerStrategy, factory
             local = w.to_local() if isinstance(w, DTensor) else w
             if dist.get_rank() == 0:
                 local[0, 0] += 1e-3
+    # Hooks registered *after* parallelizing (as the batch re-layout between layers is) must see the
+    # full-sequence boundary tensors, not this rank's sequence chunk.
+    hook_shapes: list[tuple[int, ...]] = []
+    par.register_forward_pre_hook(lambda m, args: hook_shapes.append(tuple(args[0].shape)))
+    par.register_forward_hook(lambda m, args, out: hook_shapes.append(tuple(out.shape)))
     run_par: nn.Module = par
     if checkpoint:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -149,6 +154,9 @@ def block_parity(make: Callable[[], nn.Module], strategy: LayerStrategy, factory
             bad_placement.append(f"{name}: grad {p.grad.placements} vs param {p.placements}")
         results.append(_cmp(_grad_of(p, group), ref_params[name].grad, f"grad {name}"))
     out = _worst(results)
+    if any(shape != (BATCH, SEQ, dim) for shape in hook_shapes):
+        out["ok"] = False
+        out["what"] += f"; outer hooks saw {hook_shapes}, expected full {(BATCH, SEQ, dim)}"
     out["n_params"] = len(ref_params)
     out["n_dtensor_params"] = n_dtensor
     out["bad_grad_placements"] = bad_placement

@@ -105,3 +105,22 @@ def test_no_protocol_fails_before_touching_the_mesh() -> None:
         apply_ulysses(block, None, LayerStrategy(tp=2, sp="ulysses"))  # type: ignore[arg-type]
     apply_tp(block, None, LayerStrategy(tp=1))  # tp=1 is a no-op
     assert not hasattr(block, "_galv_parallel")
+
+
+def test_forward_wrapper_survives_deepcopy() -> None:
+    """The entry/exit wrapper is a bound method: a deep copy must call its own forward, not the original's."""
+    import copy
+
+    import torch
+
+    from lightning_galv.parallel.tensor import wrap_block_forward
+
+    block = nn.Linear(3, 3)
+    wrap_block_forward(block, lambda args: (args[0] * 2, *args[1:]), lambda out: out + 1)
+    clone = copy.deepcopy(block)
+    with torch.no_grad():
+        clone.weight.zero_()
+        clone.bias.zero_()
+    x = torch.ones(1, 3)
+    assert torch.equal(clone(x), torch.ones(1, 3))  # 0 * (2x) + 0 + 1, via the clone's own weights
+    assert torch.allclose(block(x), torch.nn.functional.linear(2 * x, block.weight, block.bias) + 1)

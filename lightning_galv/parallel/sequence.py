@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..plan import LayerStrategy
-from .tensor import check_protocol, mark_applied, tp_submesh
+from .tensor import check_protocol, mark_applied, tp_submesh, wrap_block_forward
 
 __all__ = ["apply_ulysses", "seq_all_to_all", "heads_all_to_all"]
 
@@ -170,8 +170,8 @@ def _core_post_hook(group: dist.ProcessGroup, where: str) -> Callable:
     return hook
 
 
-def _entry_hook(group: dist.ProcessGroup, p: int, where: str) -> Callable:
-    def hook(module: nn.Module, args: tuple) -> tuple:
+def _enter(group: dist.ProcessGroup, p: int, where: str) -> Callable[[tuple], tuple]:
+    def enter(args: tuple) -> tuple:
         if not args or not isinstance(args[0], torch.Tensor):
             raise TypeError(f"{where}: called without a hidden-states tensor as first argument. HINT: call "
                             "block(x, *extras) with x of shape [batch, seq, hidden].")
@@ -181,18 +181,18 @@ def _entry_hook(group: dist.ProcessGroup, p: int, where: str) -> Callable:
                              f"[batch, seq, hidden] with seq divisible by {p}. HINT: pad or crop the sequence "
                              f"to a multiple of {p}, or lower the layer's tp.")
         return (_ScatterSeq.apply(x, group), *args[1:])  # [b, s, h] -> [b, s/P, h]
-    return hook
+    return enter
 
 
-def _exit_hook(group: dist.ProcessGroup, where: str) -> Callable:
-    def hook(module: nn.Module, args: tuple, out: Any) -> Any:
+def _leave(group: dist.ProcessGroup, where: str) -> Callable[[Any], Any]:
+    def leave(out: Any) -> Any:
         if isinstance(out, torch.Tensor):
             return _GatherSeq.apply(out, group)  # [b, s/P, h] -> [b, s, h]
         if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
             return (_GatherSeq.apply(out[0], group), *out[1:])
         raise TypeError(f"{where}: returned {type(out).__name__}; Ulysses needs the block to return the "
                         "hidden states tensor (or a tuple starting with it). HINT: return x from forward.")
-    return hook
+    return leave
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def apply_ulysses(block: nn.Module, mesh: DeviceMesh, strategy: LayerStrategy) -
     mark_applied(block, strategy.short())
     p = strategy.tp
     where = f"block {name} (ulysses {p})"
-    block.register_forward_pre_hook(_entry_hook(group, p, where))
-    block.register_forward_hook(_exit_hook(group, where))
+    # Entry slice / exit gather run inside forward, so batch re-layout hooks always see full sequences.
+    wrap_block_forward(block, _enter(group, p, where), _leave(group, where))
     core.register_forward_pre_hook(_core_pre_hook(group, p, where, _qkv_names(core)), with_kwargs=True)
     core.register_forward_hook(_core_post_hook(group, where), with_kwargs=True)

@@ -40,6 +40,7 @@ Reducing gradients over the data-parallel dimension is the data-parallel code's 
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable
 
 import torch
@@ -108,6 +109,27 @@ def mark_applied(block: nn.Module, kind: str) -> None:
     setattr(block, _APPLIED_ATTR, kind)
 
 
+def wrap_block_forward(block: nn.Module, enter: Callable[[tuple], tuple], leave: Callable[[Any], Any]) -> None:
+    """Run ``enter(args)`` / ``leave(output)`` *inside* the block's forward, not as module hooks.
+
+    Other parts of the runtime hook the block too (batch re-layout between layers with different dp,
+    FSDP2's parameter all-gather). A sequence slice at entry must run *after* any batch re-layout and
+    the sequence gather at exit *before* it, whatever order the hooks were registered in; placing both
+    inside ``forward`` guarantees that (module pre-hooks run before ``forward``, forward hooks after).
+    The wrapper is a bound method calling the class's ``forward``, so ``copy.deepcopy`` rebinds it to the
+    copy. An activation-checkpoint wrapper applied later wraps this forward, so the layout changes are
+    recomputed with the block (correct, at the cost of one extra gather in recompute).
+    """
+    prev = block.__dict__.get("forward")  # an instance-level forward installed earlier, if any
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args = enter(args)
+        out = prev(*args, **kwargs) if prev is not None else type(self).forward(self, *args, **kwargs)
+        return leave(out)
+
+    block.forward = types.MethodType(forward, block)  # type: ignore[method-assign]
+
+
 def _parent(path: str) -> str:
     return path.rpartition(".")[0]
 
@@ -136,28 +158,36 @@ def _first_arg_pre_hook(mesh: DeviceMesh, src: Placement, dst: Placement, use_lo
     return hook
 
 
-def _seq_check_pre_hook(tp: int, what: str) -> Callable:
-    def hook(module: nn.Module, args: tuple) -> None:
-        if args and isinstance(args[0], torch.Tensor):
-            x = args[0]
-            if x.dim() != 3 or x.shape[1] % tp:
-                raise ValueError(f"{what}: input of shape {tuple(x.shape)}: sequence parallelism of degree {tp} "
-                                 f"needs a [batch, seq, hidden] input with seq divisible by {tp}. HINT: pad or "
-                                 f"crop the sequence to a multiple of {tp}, or use sp='none' for this layer.")
-    return hook
+def _sp_enter(mesh: DeviceMesh, tp: int, what: str) -> Callable[[tuple], tuple]:
+    """Block entry under Megatron-SP: plain full ``[b, s, h]`` -> plain ``[b, s/P, h]`` chunk.
+
+    ``Replicate -> Shard(1)`` is a local slice; its backward all-gathers the chunk gradients, so the
+    gradient w.r.t. the block input is full on every rank. The shape is checked first, so a bad
+    sequence length fails identically on every rank before any collective.
+    """
+    def enter(args: tuple) -> tuple:
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise TypeError(f"{what}: called without a hidden-states tensor as first argument. HINT: call "
+                            "block(x, *extras) with x of shape [batch, seq, hidden].")
+        x = args[0]
+        if x.dim() != 3 or x.shape[1] % tp:
+            raise ValueError(f"{what}: input of shape {tuple(x.shape)}: sequence parallelism of degree {tp} "
+                             f"needs a [batch, seq, hidden] input with seq divisible by {tp}. HINT: pad or "
+                             f"crop the sequence to a multiple of {tp}, or use sp='none' for this layer.")
+        return _redistribute_first_arg(args, mesh, Replicate(), Shard(1), use_local=True)
+    return enter
 
 
-def _exit_hook(mesh: DeviceMesh) -> Callable:
-    """Block exit under Megatron-SP: plain ``[b, s/P, h]`` chunk -> plain full ``[b, s, h]``."""
-    def hook(module: nn.Module, args: tuple, out: Any) -> Any:
+def _sp_leave(mesh: DeviceMesh, what: str) -> Callable[[Any], Any]:
+    """Block exit under Megatron-SP: plain ``[b, s/P, h]`` chunk -> plain full ``[b, s, h]`` (backward: slice)."""
+    def leave(out: Any) -> Any:
         if isinstance(out, torch.Tensor):
             return _redistribute_first_arg((out,), mesh, Shard(1), Replicate(), True)[0]
         if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
             return _redistribute_first_arg(out, mesh, Shard(1), Replicate(), True)
-        raise TypeError(f"block {type(module).__name__}: returned {type(out).__name__}; Megatron-SP needs the "
-                        "block to return the hidden states tensor (or a tuple starting with it). HINT: return "
-                        "x from the block's forward.")
-    return hook
+        raise TypeError(f"{what}: returned {type(out).__name__}; Megatron-SP needs the block to return the "
+                        "hidden states tensor (or a tuple starting with it). HINT: return x from forward.")
+    return leave
 
 
 def _replicate_grad_hook(param: torch.Tensor) -> None:
@@ -259,10 +289,8 @@ def apply_tp(block: nn.Module, mesh: DeviceMesh, strategy: LayerStrategy) -> Non
 
     if sp:
         # Entry: full x -> this rank's chunk (backward: all-gather); exit: chunk -> full (backward: slice).
-        # The check hook is registered first so a bad sequence length fails before any collective.
-        block.register_forward_pre_hook(_seq_check_pre_hook(tp, f"block {name} (tp={tp}, sp='megatron')"))
-        block.register_forward_pre_hook(_first_arg_pre_hook(tp_mesh, Replicate(), Shard(1), use_local=True))
-        block.register_forward_hook(_exit_hook(tp_mesh))
+        what = f"block {name} (tp={tp}, sp='megatron')"
+        wrap_block_forward(block, _sp_enter(tp_mesh, tp, what), _sp_leave(tp_mesh, what))
     _install_replicate_grad_hooks(block)
 
 
