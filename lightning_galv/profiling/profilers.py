@@ -1,0 +1,227 @@
+"""Measure this machine and this model, and emit planner profiles (the only planner-side torch user).
+
+:class:`ModelProfiler` runs real transformer blocks forward and backward in-process at several
+micro-batch sizes and sequence lengths, fits :class:`~lightning_galv.planner.profiles.TimeFit` s, and
+counts activation memory with a saved-tensor hook (what autograd keeps for backward: exactly the
+activation memory, on any device, CPU included). :class:`HardwareProfiler` times collectives on the
+current default process group (any backend, gloo here) for each group size, consecutive and strided.
+Both cache their result by a fingerprint of what was measured.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..plan import ModelShape
+from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, ProfileCache,
+                                TimeFit, act_key, fingerprint, link_key)
+
+
+def _progress(msg: str, enabled: bool) -> None:
+    if enabled:
+        print(f"[galv profile] {msg}", file=sys.stderr, flush=True)
+
+
+class _SavedBytes:
+    """Bytes autograd saves for backward (distinct storages), i.e. the activation memory of a forward."""
+
+    def __init__(self, exclude: set[int] | None = None) -> None:
+        self.seen: dict[int, int] = {}
+        self.exclude = exclude or set()  # parameter storages: saved for backward but not activations
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in self.exclude:
+            self.seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+class ModelProfiler:
+    """Profile one block type: ``make_block()`` builds a block called as ``block(x)`` on ``[b, s, h]``."""
+
+    def __init__(self, make_block: Callable[[], nn.Module], shape: ModelShape, batch_sizes: Sequence[int] = (1, 2, 4),
+                 seq_lens: Sequence[int] | None = None, repeats: int = 3, dtype: torch.dtype = torch.float32,
+                 cache: ProfileCache | None = None, progress: bool = True) -> None:
+        self.make_block, self.shape = make_block, shape
+        self.batch_sizes = tuple(batch_sizes)
+        self.seq_lens = tuple(seq_lens or (max(1, shape.seq_len // 2), shape.seq_len))
+        self.repeats, self.dtype, self.cache, self.progress = repeats, dtype, cache, progress
+
+    def key(self) -> str:
+        return fingerprint({"shape": self.shape.to_dict(), "b": self.batch_sizes, "s": self.seq_lens,
+                            "dtype": str(self.dtype), "torch": torch.__version__, "threads": torch.get_num_threads()})
+
+    def fit(self) -> ModelProfile:
+        if self.cache is not None:
+            hit = self.cache.load("model", self.key())
+            if isinstance(hit, ModelProfile):
+                _progress("model profile from cache", self.progress)
+                return hit
+        block = self.make_block().to(self.dtype)
+        params = sum(p.numel() for p in block.parameters())
+        h = self.shape.hidden
+        fwd, bwd, act_at_s = [], [], 0.0
+        points = [(b, s) for s in self.seq_lens for b in self.batch_sizes]
+        for i, (b, s) in enumerate(points):
+            _progress(f"block fwd+bwd b={b} s={s} ({i + 1}/{len(points)})", self.progress)
+            tf = tb = float("inf")
+            for _ in range(self.repeats + 1):  # first run warms up
+                x = torch.randn(b, s, h, dtype=self.dtype, requires_grad=True)
+                saved = _SavedBytes({p.untyped_storage().data_ptr() for p in block.parameters()})
+                t0 = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                    y = block(x)
+                t1 = time.perf_counter()
+                y.backward(torch.ones_like(y))
+                t2 = time.perf_counter()
+                tf, tb = min(tf, t1 - t0), min(tb, t2 - t1)
+                block.zero_grad(set_to_none=True)
+            fwd.append((b, s, tf))
+            bwd.append((b, s, tb))
+            if s == self.shape.seq_len:
+                act_at_s = max(act_at_s, saved.total / b)
+        el = torch.finfo(self.dtype).bits // 8
+        acts = {act_key(1, "none", False): act_at_s, act_key(1, "none", True): float(el * self.shape.seq_len * h)}
+        lt = LayerTypeProfile("block", TimeFit.fit(fwd), TimeFit.fit(bwd), params, acts, h)
+        prof = ModelProfile("profiled", self.shape, (lt,), (0,) * self.shape.num_layers,
+                            "fp32" if self.dtype == torch.float32 else "bf16",
+                            embed_params=self.shape.vocab_size * h, head_params=self.shape.vocab_size * h,
+                            embed_act_bytes=float(el * self.shape.seq_len * h),
+                            head_act_bytes=float((4 + el) * self.shape.seq_len * self.shape.vocab_size),
+                            source="ModelProfiler")
+        if self.cache is not None:
+            self.cache.save("model", self.key(), prof)
+        return prof
+
+
+class HardwareProfiler:
+    """Time collectives on the default process group. Every rank must call :meth:`fit` together."""
+
+    def __init__(self, gpus_per_node: int | None = None, sizes_bytes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22),
+                 repeats: int = 3, device_memory_bytes: float | None = None, cache: ProfileCache | None = None,
+                 progress: bool = True) -> None:
+        if not dist.is_initialized():
+            raise ValueError("process group: not initialized. HINT: call torch.distributed.init_process_group first.")
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.gpus_per_node = gpus_per_node or self.world
+        self.sizes, self.repeats, self.cache = tuple(sizes_bytes), repeats, cache
+        self.progress = progress and self.rank == 0
+        self.device_memory_bytes = device_memory_bytes or 8 * 2**30
+
+    def key(self) -> str:
+        return fingerprint({"world": self.world, "backend": dist.get_backend(), "sizes": self.sizes,
+                            "node": self.gpus_per_node, "torch": torch.__version__})
+
+    def _time(self, fn: Callable[[], None]) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(self.repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        t = torch.tensor([best], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def _groups(self, size: int, consecutive: bool) -> tuple[list[list[int]], int]:
+        stride = 1 if consecutive else self.world // size
+        if consecutive:
+            ranks = [list(range(s, s + size)) for s in range(0, self.world, size)]
+        else:
+            ranks = [list(range(o, self.world, stride)) for o in range(stride)]
+        return ranks, stride
+
+    def fit(self) -> HardwareProfile:
+        if self.cache is not None:
+            hit = self.cache.load("hardware", self.key())
+            if isinstance(hit, HardwareProfile):
+                return hit
+        links: dict[str, LinkFit] = {}
+        sizes = [d for d in range(2, self.world + 1) if self.world % d == 0]
+        for size in sizes:
+            for consecutive in ((True,) if size == self.world else (True, False)):
+                ranks, stride = self._groups(size, consecutive)
+                groups = [dist.new_group(r) for r in ranks]  # every rank creates every group, in order
+                mine = next(g for g, r in zip(groups, ranks) if self.rank in r)
+                intra = size * stride <= self.gpus_per_node
+                for op in COLLECTIVES:
+                    _progress(f"{op} group {size} {'consec' if consecutive else 'strided'}", self.progress)
+                    pts = []
+                    for nbytes in self.sizes:
+                        n = max(size, nbytes // 4 // size * size)
+                        buf = torch.ones(n)
+                        out = [torch.empty(n // size) for _ in range(size)]
+                        fn = {"allreduce": lambda: dist.all_reduce(buf, group=mine),
+                              "allgather": lambda: dist.all_gather(out, buf[: n // size], group=mine),
+                              "reducescatter": lambda: _reduce_scatter(out[0], buf, size, mine),
+                              "alltoall": lambda: _all_to_all(buf, size, mine)}[op]
+                        factor = 2 * (size - 1) / size if op == "allreduce" else (size - 1) / size
+                        pts.append((factor * n * 4, self._time(fn)))
+                    links[link_key(op, size, consecutive, intra)] = LinkFit.fit(pts)
+        p2p = {}
+        if self.world >= 2:
+            _progress("p2p", self.progress)
+            pts = []
+            for nbytes in self.sizes:
+                buf = torch.ones(nbytes // 4)
+                pts.append((nbytes, self._time(lambda: _pingpong(buf, self.rank)) / 2))
+            p2p["intra" if self.world <= self.gpus_per_node else "inter"] = LinkFit.fit(pts)
+        overlap = self._overlap()
+        prof = HardwareProfile(max(1, self.world // self.gpus_per_node), min(self.gpus_per_node, self.world),
+                               self.device_memory_bytes, links, p2p, overlap, 0.0, name=f"profiled:{dist.get_backend()}")
+        if self.cache is not None and self.rank == 0:
+            self.cache.save("hardware", self.key(), prof)
+        return prof
+
+    def _overlap(self) -> float:
+        """Slowdown of compute and an all-reduce run together vs apart (Galvatron VLDB'23 overlap coefficient)."""
+        _progress("overlap coefficient", self.progress)
+        a = torch.randn(256, 256)
+        buf = torch.ones(1 << 20)
+        compute = lambda: [a @ a for _ in range(20)]  # noqa: E731
+        t_c = self._time(lambda: compute() and None)
+        t_m = self._time(lambda: dist.all_reduce(buf))
+
+        def both() -> None:
+            w = dist.all_reduce(buf, async_op=True)
+            compute()
+            w.wait()
+
+        t_b = self._time(both)
+        return max(1.0, t_b / max(t_c, t_m)) if min(t_c, t_m) > 0 else 1.0
+
+
+def _reduce_scatter(out: torch.Tensor, buf: torch.Tensor, size: int, group: object) -> None:
+    try:
+        dist.reduce_scatter_tensor(out, buf, group=group)  # noqa: deprecated alias kept for 2.x
+    except (RuntimeError, NotImplementedError):  # gloo has no reduce-scatter: all-reduce and keep a slice
+        dist.all_reduce(buf, group=group)
+
+
+def _all_to_all(buf: torch.Tensor, size: int, group: object) -> None:
+    out = torch.empty_like(buf)
+    try:
+        dist.all_to_all_single(out, buf, group=group)
+    except (RuntimeError, NotImplementedError):
+        dist.all_reduce(buf, group=group)
+
+
+def _pingpong(buf: torch.Tensor, rank: int) -> None:
+    if rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    elif rank == 1:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)

@@ -1,0 +1,69 @@
+"""Profilers: ModelProfiler in-process on a tiny block; HardwareProfiler in one 2-rank gloo launch."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_galv.plan import ModelShape
+from lightning_galv.planner.profiles import ProfileCache, act_key
+from lightning_galv.planner.search import search
+from lightning_galv.profiling import HardwareProfiler, ModelProfiler
+
+SHAPE = ModelShape(num_layers=2, hidden=32, num_heads=4, num_kv_heads=4, ffn_hidden=128, vocab_size=64, seq_len=16)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_model_profiler_fits_and_caches(tmp_path) -> None:
+    cache = ProfileCache(tmp_path)
+    prof = ModelProfiler(Block, SHAPE, batch_sizes=(1, 4), repeats=2, cache=cache, progress=False).fit()
+    lt = prof.layer(0)
+    assert lt.params == 32 * 128 * 2 + 128 + 32
+    assert lt.forward(4, 16) > 0 and lt.backward(4, 16) > 0
+    # saved for backward per sample: input of up (s*32), relu output/mask and down input (s*128 ...), fp32
+    assert 16 * (32 + 128) * 4 <= lt.activation_bytes[act_key(1, "none", False)] <= 16 * (32 + 3 * 128) * 4
+    again = ModelProfiler(lambda: (_ for _ in ()).throw(AssertionError("re-profiled")), SHAPE, batch_sizes=(1, 4),
+                          repeats=2, cache=cache, progress=False).fit()
+    assert again == prof
+
+
+def _worker(rank: int, port: int, out: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, progress=False).fit()
+        if rank == 0:
+            out["json"] = hw.to_json()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hardware_profiler_two_gloo_ranks() -> None:
+    from lightning_galv.planner.profiles import HardwareProfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_worker, args=(port, out), nprocs=2, join=True)
+    hw = HardwareProfile.from_json(out["json"])
+    assert hw.world_size == 2
+    assert {"allreduce/2/consec/intra", "alltoall/2/consec/intra"} <= set(hw.links)
+    assert hw.links["allreduce/2/consec/intra"].bandwidth > 1e6
+    assert hw.overlap_slowdown >= 1.0
+    plans = search(SHAPE, hw, 2, 4e9, global_batch=4)  # analytic profile reserves 1 GiB framework memory
+    assert plans[0].world_size == 2
