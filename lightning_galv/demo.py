@@ -16,7 +16,7 @@ import torch
 
 from .plan import LayerStrategy, ParallelPlan
 
-DEMO_MODEL = dict(kind="llama", vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+DEMO_MODEL = dict(kind="llama", vocab_size=256, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128,
                   max_seq_len=64)
 
 

@@ -22,7 +22,7 @@ from lightning_galv.plan import ParallelPlan
 def make_model(kind: str, layers: int = 3, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if kind == "llama":
-        return Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2,
+        return Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=8, n_kv_heads=4,
                                  ffn_hidden=64, max_seq_len=16))
     return GPT2(GPT2Config(vocab_size=64, dim=32, n_layers=layers, n_heads=4, max_seq_len=16))
 
@@ -47,7 +47,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: int = 10,
                   global_batch: int = 8, seq: int = 16, clip: float | None = None,
-                  momentum: float = 0.9) -> dict[str, Any]:
+                  momentum: float = 0.9, lr: float = 0.2) -> dict[str, Any]:
     plan = ParallelPlan.from_dict(plan_dict)
     rank = dist.get_rank()
     model = make_model(kind, layers)
@@ -56,9 +56,9 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     from lightning_galv.parallel.parallelize import parallelize
 
     rt = parallelize(model, plan, factory)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=momentum)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     rt.wrap_optimizer(opt)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=momentum)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
     shard, nshards = rt.data_shard
     gen = torch.Generator().manual_seed(123)
     losses, ref_losses = [], []

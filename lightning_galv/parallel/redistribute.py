@@ -53,15 +53,24 @@ def _take(full: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
     return full[shard * size:(shard + 1) * size]
 
 
+def _nested(src: BatchLayout, dst: BatchLayout) -> bool:
+    """True when on *every* rank the dst shard lies inside the src shard (a decision all ranks share,
+    so either all of them communicate or none does)."""
+    if dst.shards % src.shards:
+        return False
+    k = dst.shards // src.shards
+    return all(d // k == s for s, d in zip(src.owner, dst.owner))
+
+
 class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, src: BatchLayout, dst: BatchLayout, me: int,  # type: ignore[override]
                 group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.src, ctx.dst, ctx.me, ctx.group = src, dst, me, group
         ctx.batch = x.shape[0] * src.shards
-        mine, want = src.owner[me], dst.owner[me]
-        if dst.shards % src.shards == 0 and want // (dst.shards // src.shards) == mine:
-            # the wanted (finer) shard is inside the one held: slice locally, no communication
+        want = dst.owner[me]
+        if _nested(src, dst):
+            # every rank's wanted (finer) shard is inside the one it holds: slice locally, no communication
             k = dst.shards // src.shards
             return _take(x, want % k, k).clone()
         return _take(_gather_full(x, src, group), want, dst.shards)
@@ -98,7 +107,7 @@ def add_input_redistribution(module: nn.Module, src: BatchLayout, dst: BatchLayo
             return args
         return (redistribute(args[0], src, dst, stage_rank, group), *args[1:])
 
-    module.register_forward_pre_hook(hook)
+    module.register_forward_pre_hook(hook, prepend=True)  # before TP/FSDP input hooks
 
 
 def add_output_redistribution(module: nn.Module, src: BatchLayout, dst: BatchLayout, stage_rank: int,
