@@ -294,11 +294,15 @@ class ParallelPlan:
     @classmethod
     def uniform(cls, world_size: int, num_layers: int, strategy: LayerStrategy | None = None,
                 **kwargs: Any) -> "ParallelPlan":
-        """Every layer, the embedding and the head use ``strategy`` (default: pure DP)."""
+        """Every layer uses ``strategy`` (default: pure DP); the embedding and head use its tensor-parallel
+        part (vocab-parallel, no sequence parallelism) with the same ZeRO stage."""
         pp = kwargs.get("pp", 1)
-        s = strategy or LayerStrategy(dp=world_size // pp)
-        kwargs.setdefault("embed", s)
-        kwargs.setdefault("head", s)
+        stage = world_size // pp
+        s = strategy or LayerStrategy(dp=stage)
+        tp = 1 if s.ulysses else s.tp
+        edge = LayerStrategy(tp=tp, dp=stage // tp, zero=s.zero, tp_consecutive=s.tp_consecutive)
+        kwargs.setdefault("embed", edge)
+        kwargs.setdefault("head", edge)
         return cls(world_size=world_size, layers=(s,) * num_layers, **kwargs)
 
     def with_(self, **changes: Any) -> "ParallelPlan":

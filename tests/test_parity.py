@@ -1,0 +1,75 @@
+"""The core test: every plan kind trains to the losses and weights of a single process (fp32, 1e-5).
+
+Each launch runs many plans (start-up dominates a gloo launch on CPU); inside each rank the same
+model is also trained single-process on the full batch, and the two are compared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_galv.demo import demo_plan
+from lightning_galv.plan import LayerStrategy as L
+from lightning_galv.plan import ParallelPlan
+from lightning_galv.testing import run_distributed
+
+CHECKS = str(Path(__file__).parent / "dist_runtime_checks.py") + "::run_many"
+TOL = 1e-5
+
+
+def _cases4() -> list[tuple[str, dict, dict]]:
+    u = ParallelPlan.uniform
+    return [
+        ("dp", u(4, 3).to_dict(), {}),
+        ("zero1", u(4, 3, L(dp=4, zero=1)).to_dict(), {}),
+        ("zero2", u(4, 3, L(dp=4, zero=2)).to_dict(), {}),
+        ("zero3_gpt2", u(4, 3, L(dp=4, zero=3)).to_dict(), {"kind": "gpt2"}),
+        ("tp2", u(4, 3, L(tp=2, dp=2)).to_dict(), {}),
+        ("tp4", u(4, 3, L(tp=4)).to_dict(), {}),
+        ("tp4_megatron_sp", u(4, 3, L(tp=4, sp="megatron")).to_dict(), {}),
+        ("tp2_sp_gpt2", u(4, 3, L(tp=2, dp=2, sp="megatron")).to_dict(), {"kind": "gpt2"}),
+        ("ulysses2", u(4, 3, L(tp=2, dp=2, sp="ulysses")).to_dict(), {}),
+        ("ulysses4", u(4, 3, L(tp=4, sp="ulysses")).to_dict(), {}),
+        ("tp2_x_zero3", u(4, 3, L(tp=2, dp=2, zero=3)).to_dict(), {}),
+        ("tp2_strided_gpt2", u(4, 3, L(tp=2, dp=2, tp_consecutive=False)).to_dict(), {"kind": "gpt2"}),
+        ("ckpt_mixed_clip", ParallelPlan(4, (L(dp=4, checkpoint=True), L(dp=4), L(dp=4, zero=3, checkpoint=True)))
+         .to_dict(), {"clip": 0.05}),
+        ("hetero3", ParallelPlan(4, (L(tp=4), L(tp=2, dp=2), L(dp=4, zero=3))).to_dict(), {"clip": 0.05}),
+        ("hetero_demo", demo_plan(4).to_dict(), {"layers": 4}),
+    ]
+
+
+def _cases8() -> list[tuple[str, dict, dict]]:
+    plan = ParallelPlan(
+        8,
+        embed=L(tp=2, dp=4),
+        layers=(L(tp=2, dp=4, zero=3, tp_consecutive=False), L(tp=4, dp=2, sp="megatron"),
+                L(tp=2, dp=4, sp="ulysses", checkpoint=True), L(dp=8, zero=1)),
+        head=L(tp=4, dp=2),
+    )
+    return [("hybrid8", plan.to_dict(), {"layers": 4, "global_batch": 16})]
+
+
+def _check(results: list[dict]) -> None:
+    # all ranks agree and match the reference
+    for name, r in results[0].items():
+        assert r["keys_equal"], name
+        assert r["loss_err"] < TOL, (name, r["loss_err"], r["losses"], r["ref_losses"])
+        assert r["weight_err"] < TOL, (name, r["weight_err"], r["worst"])
+    for other in results[1:]:
+        for name in results[0]:
+            assert other[name]["losses"] == results[0][name]["losses"], name
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_parity_4_ranks() -> None:
+    _check(run_distributed(CHECKS, 4, (_cases4(),), timeout=900))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_parity_8_ranks() -> None:
+    _check(run_distributed(CHECKS, 8, (_cases8(),), timeout=900))
