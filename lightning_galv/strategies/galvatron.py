@@ -42,6 +42,7 @@ from ..plan import LayerStrategy, ParallelPlan, parse_plan
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
+    from ..parallel.deepspeed import DeepSpeedRuntime
     from ..parallel.parallelize import ParallelRuntime
 
 _SHORTCUTS = ("tp", "sp", "zero", "checkpoint", "tp_consecutive")
@@ -169,6 +170,13 @@ class GalvatronStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
+        # everything that can be checked locally is checked before any rank waits on another
+        self._check_precision()
+        pp = self._plan_spec.pp if isinstance(self._plan_spec, ParallelPlan) else 1
+        if isinstance(self._plan_spec, ParallelPlan) and self._plan_spec.world_size != self.world_size:
+            raise ValueError(f"plan world_size={self._plan_spec.world_size}: the Trainer runs {self.world_size} "
+                             f"processes (devices x num_nodes). HINT: set devices={self._plan_spec.world_size}, or "
+                             "re-plan for this world size (galv search --world-size ...).")
         assert self.cluster_environment is not None
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -176,11 +184,6 @@ class GalvatronStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        pp = self._plan_spec.pp if isinstance(self._plan_spec, ParallelPlan) else 1
-        if isinstance(self._plan_spec, ParallelPlan) and self._plan_spec.world_size != self.world_size:
-            raise ValueError(f"plan world_size={self._plan_spec.world_size}: the Trainer runs {self.world_size} "
-                             f"processes (devices x num_nodes). HINT: set devices={self._plan_spec.world_size}, or "
-                             "re-plan for this world size (galv search --world-size ...).")
         self.layout = RankLayout(self.world_size, pp)
         self.mesh_factory = MeshFactory(self.layout, self.root_device.type, self.global_rank)
 
@@ -193,7 +196,6 @@ class GalvatronStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        self._check_precision()
         if self.runtime is None:  # a reused Trainer (fit then test) keeps the parallelized model
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
@@ -201,7 +203,12 @@ class GalvatronStrategy(ParallelStrategy):
             from ..parallel.parallelize import parallelize
 
             assert self.mesh_factory is not None
-            self.runtime = parallelize(self.model, self.plan, self.mesh_factory)
+            if self.plan.backend == "deepspeed":  # DeepSpeed's ZeRO engine replaces parallelize()
+                from ..parallel.deepspeed import DeepSpeedRuntime
+
+                self.runtime = DeepSpeedRuntime(self.plan, self.global_rank, self.world_size)  # type: ignore[assignment]
+            else:
+                self.runtime = parallelize(self.model, self.plan, self.mesh_factory)
             self._install_clipping()
             rank_zero_info(self.plan.describe())
         self.barrier()
@@ -210,7 +217,28 @@ class GalvatronStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             for opt in self.optimizers:
                 self.runtime.wrap_optimizer(opt)
+            if self._deepspeed is not None:
+                self._setup_deepspeed_engine(trainer)
         self.setup_precision_plugin()
+
+    @property
+    def _deepspeed(self) -> "DeepSpeedRuntime | None":
+        """The DeepSpeed runtime when the plan's backend is ``deepspeed`` (else None)."""
+        from ..parallel.deepspeed import DeepSpeedRuntime
+
+        return self.runtime if isinstance(self.runtime, DeepSpeedRuntime) else None
+
+    def _setup_deepspeed_engine(self, trainer: "pl.Trainer") -> None:
+        """Hand the model and the user's optimizer to DeepSpeed; the engine becomes ``self.model``."""
+        ds = self._deepspeed
+        assert ds is not None and self.lightning_module is not None
+        if len(self.optimizers) != 1:
+            raise ValueError(f"{len(self.optimizers)} optimizers with plan backend='deepspeed': a DeepSpeed engine "
+                             "drives exactly one. HINT: return one optimizer from configure_optimizers, or use "
+                             "backend='native'.")
+        self.model = ds.initialize(self.lightning_module, self.optimizers[0], clip_val=trainer.gradient_clip_val,
+                                   clip_algorithm=trainer.gradient_clip_algorithm,
+                                   precision=str(self.precision_plugin.precision))
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -262,6 +290,25 @@ class GalvatronStrategy(ParallelStrategy):
         if self._sync_grads and self.runtime is not None:
             self.runtime.sync_gradients()
 
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        ds = self._deepspeed
+        if ds is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # DeepSpeed: the engine's backward replaces loss.backward() (ZeRO's gradient bookkeeping); hooks as usual
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        ds.backward(closure_loss)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        ds = self._deepspeed
+        if ds is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        return ds.optimizer_step(self.precision_plugin, optimizer, model or self.lightning_module, closure)
+
     def _install_clipping(self) -> None:
         """Clip by the global norm over every mesh (Lightning's default sees only local shards)."""
         runtime = self.runtime
@@ -297,6 +344,8 @@ class GalvatronStrategy(ParallelStrategy):
     # -- checkpoints -------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
+        if self._deepspeed is not None and self._deepspeed.engine is not None:
+            return self._deepspeed.module_state()
         return ckpt.model_state(self.model, full=not self._save_distributed_checkpoint)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -304,6 +353,8 @@ class GalvatronStrategy(ParallelStrategy):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None and self.runtime is not None
+        if self._deepspeed is not None:
+            return {}  # partitioned inside the engine; save_checkpoint writes it with DeepSpeed's format
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         return ckpt.optimizer_state(self.model, optimizer, self.runtime,
                                     full=not self._save_distributed_checkpoint)
@@ -316,7 +367,9 @@ class GalvatronStrategy(ParallelStrategy):
             raise TypeError(f"storage_options={storage_options!r}: not supported by GalvatronStrategy. "
                             "HINT: drop the argument; checkpoints are written with torch.distributed.checkpoint.")
         path = Path(self.broadcast(str(filepath)))
-        if self._save_distributed_checkpoint:
+        if self._deepspeed is not None and self._deepspeed.engine is not None:
+            self._deepspeed.save_checkpoint(checkpoint, path)  # DeepSpeed's folder format (any save_distributed_checkpoint)
+        elif self._save_distributed_checkpoint:
             ckpt.save_sharded(checkpoint, path, is_rank_zero=self.is_global_zero)
         else:
             if path.is_dir():
@@ -332,6 +385,8 @@ class GalvatronStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None and self.runtime is not None and self.lightning_module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
+        if self._deepspeed is not None and self._deepspeed.engine is not None:
+            return self._deepspeed.load_checkpoint(path, strict=self.lightning_module.strict_loading)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         return ckpt.load(path, self.model, optimizers, self.runtime, strict=self.lightning_module.strict_loading,
                          weights_only=weights_only)
