@@ -130,3 +130,22 @@ def run_many(cases: list[tuple[str, str, dict]]) -> dict[str, Any]:
         out[name] = globals()[fn](**kw)
         dist.barrier()
     return out
+
+
+def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str = "2GB") -> dict[str, Any]:
+    """strategy='galvatron' with no plan: the planner picks one; it must still train exactly."""
+    module = make_module("llama")
+    ref_module = copy.deepcopy(module)
+    data = Windows(steps * per_shard * int(os.environ["WORLD_SIZE"]))
+    loader = DataLoader(data, batch_size=per_shard, shuffle=False)
+    strategy = GalvatronStrategy(memory_budget=memory_budget)
+    rec = LossRecorder()
+    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec], **trainer_kwargs())
+    trainer.fit(module, loader)
+    assert strategy.plan is not None
+    g = per_shard * strategy.plan.data_parallel_size
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
+    ref_losses, want = reference(ref_module, data.data[perm], steps, g)
+    got = full_state(module.model)
+    return {"plan": strategy.plan.to_dict(), "loss_err": max(abs(a - b) / abs(b) for a, b in zip(rec.losses, ref_losses)),
+            "weight_err": max(rel_err(got[k], want[k]) for k in want), "predicted": strategy.plan.prediction is not None}
