@@ -211,7 +211,15 @@ class GalvatronCostModel(CostModel):
     batches amortize it; in-flight micro-batches follow the schedule.
     """
 
-    def __init__(self, model: ModelProfile, hw: HardwareProfile, embed_head_zero: int | None = None) -> None:
+    def __init__(self, model: ModelProfile, hw: HardwareProfile, embed_head_zero: int | None = None,
+                 runtime: str = "ideal") -> None:
+        """``runtime="native"`` prices what lightning_galv's own runtime does beyond the textbook
+        (``"ideal"``) model: FSDP2 keeps the sharded ZeRO-2 parameters next to the gathered ones and
+        ZeRO-3 holds the gathered current and prefetched layer; ZeRO-1 owners broadcast the updated
+        parameters after the step (an all-gather's volume) instead of a reduce-scatter + all-gather."""
+        if runtime not in ("ideal", "native"):
+            raise _bad(f"runtime={runtime}", "must be 'ideal' or 'native'", "use 'native' for lightning_galv's runtime.")
+        self.runtime = runtime
         if not isinstance(model, ModelProfile):
             raise TypeError(f"model={type(model).__name__}: expected ModelProfile. HINT: build one with "
                             "ModelProfile.from_shape(shape) or the ModelProfiler.")
@@ -262,6 +270,9 @@ class GalvatronCostModel(CostModel):
         precision = "fp32" if m.precision == "fp32" else "mixed"
         gamma = hw.overlap_slowdown
         extra = self._optimizer_time(local_params, s.zero, d)
+        native = self.runtime == "native"
+        if d > 1 and s.zero == 1 and native:  # owners broadcast updated parameters (data.OptimizerStateSharding)
+            extra += hw.collective_time("allgather", local_params * grad_el, d, dp_stride)
         if d > 1 and s.zero == 3:
             gather = zero3_gather_time(hw, local_params * grad_el, d, dp_stride)
             scatter = hw.collective_time("reducescatter", local_params * grad_el, d, dp_stride)
@@ -273,7 +284,12 @@ class GalvatronCostModel(CostModel):
         states = local_params * state_bytes_per_param(s.zero, d, precision)
         full_act = lt.activation(t, s.sp, False) * b
         act = lt.activation(t, s.sp, s.checkpoint) * b
-        return LayerCost(fwd_t, bwd_t, extra, states, act, full_act - act if s.checkpoint else 0.0)
+        transient = full_act - act if s.checkpoint else 0.0
+        if native and d > 1 and s.zero == 2:  # FSDP2: sharded parameter + the gathered one it keeps
+            states += local_params * grad_el / d
+        if native and d > 1 and s.zero == 3:  # FSDP2: gathered params of this layer + the prefetched one
+            transient += 2.0 * local_params * grad_el * (1.0 - 1.0 / d)
+        return LayerCost(fwd_t, bwd_t, extra, states, act, transient)
 
     def _optimizer_time(self, local_params: float, zero: int, d: int) -> float:
         """Memory-bound optimizer update of this rank's shard (ZeRO SC'20: stages >= 1 shard the update)."""

@@ -36,7 +36,7 @@ class _SavedBytes:
         self.exclude = exclude or set()  # parameter storages: saved for backward but not activations
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
+        st = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # DTensor: its local shard
         if st.data_ptr() not in self.exclude:
             self.seen[st.data_ptr()] = st.nbytes()
         return t
@@ -51,15 +51,19 @@ class ModelProfiler:
 
     def __init__(self, make_block: Callable[[], nn.Module], shape: ModelShape, batch_sizes: Sequence[int] = (1, 2, 4),
                  seq_lens: Sequence[int] | None = None, repeats: int = 3, dtype: torch.dtype = torch.float32,
-                 cache: ProfileCache | None = None, progress: bool = True) -> None:
+                 cache: ProfileCache | None = None, progress: bool = True,
+                 make_head: Callable[[], nn.Module] | None = None) -> None:
         self.make_block, self.shape = make_block, shape
+        self.make_head = make_head  # final norm + output projection, called on [b, s, h] -> logits
+        self.optimizer_bandwidth = 0.0  # bytes/s of a memory-bound Adam step, set by fit()
         self.batch_sizes = tuple(batch_sizes)
         self.seq_lens = tuple(seq_lens or (max(1, shape.seq_len // 2), shape.seq_len))
         self.repeats, self.dtype, self.cache, self.progress = repeats, dtype, cache, progress
 
     def key(self) -> str:
         return fingerprint({"shape": self.shape.to_dict(), "b": self.batch_sizes, "s": self.seq_lens,
-                            "dtype": str(self.dtype), "torch": torch.__version__, "threads": torch.get_num_threads()})
+                            "dtype": str(self.dtype), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                            "head": self.make_head is not None})
 
     def fit(self) -> ModelProfile:
         if self.cache is not None:
@@ -91,14 +95,49 @@ class ModelProfiler:
             if s == self.shape.seq_len:
                 act_at_s = max(act_at_s, saved.total / b)
         el = torch.finfo(self.dtype).bits // 8
+        # Adam step on the block's parameters (grads present): memory bound, priced by the cost model as
+        # OPTIMIZER_TRAFFIC_BYTES per parameter / bandwidth, so report the bandwidth that reproduces it.
+        from ..planner.cost import OPTIMIZER_TRAFFIC_BYTES
+
+        for p in block.parameters():
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.Adam(block.parameters(), lr=1e-6, foreach=False)
+        t_opt = float("inf")
+        for _ in range(self.repeats + 1):
+            t0 = time.perf_counter()
+            opt.step()
+            t_opt = min(t_opt, time.perf_counter() - t0)
+        self.optimizer_bandwidth = OPTIMIZER_TRAFFIC_BYTES * params / t_opt
+        block.zero_grad(set_to_none=True)
+        head_fit = TimeFit()
+        head_act = float((4 + el) * self.shape.seq_len * self.shape.vocab_size)
+        if self.make_head is not None:  # forward of norm + output projection + cross entropy
+            head = self.make_head().to(self.dtype)
+            pts = []
+            for b, s in points:
+                best = float("inf")
+                for _ in range(self.repeats + 1):
+                    x = torch.randn(b, s, h, dtype=self.dtype, requires_grad=True)
+                    tgt = torch.randint(0, self.shape.vocab_size, (b * s,))
+                    saved = _SavedBytes({p.untyped_storage().data_ptr() for p in head.parameters()})
+                    t0 = time.perf_counter()
+                    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                        logits = head(x)
+                        torch.nn.functional.cross_entropy(logits.reshape(b * s, -1), tgt)
+                    best = min(best, time.perf_counter() - t0)
+                pts.append((b, s, best))
+                if s == self.shape.seq_len:
+                    # saved for backward + the logits the loop holds + their gradient at the start of backward
+                    head_act = saved.total / b + 2 * el * s * self.shape.vocab_size
+            head_fit = TimeFit.fit(pts)
         acts = {act_key(1, "none", False): act_at_s, act_key(1, "none", True): float(el * self.shape.seq_len * h)}
         lt = LayerTypeProfile("block", TimeFit.fit(fwd), TimeFit.fit(bwd), params, acts, h)
         prof = ModelProfile("profiled", self.shape, (lt,), (0,) * self.shape.num_layers,
                             "fp32" if self.dtype == torch.float32 else "bf16",
                             embed_params=self.shape.vocab_size * h, head_params=self.shape.vocab_size * h,
                             embed_act_bytes=float(el * self.shape.seq_len * h),
-                            head_act_bytes=float((4 + el) * self.shape.seq_len * self.shape.vocab_size),
-                            source="ModelProfiler")
+                            head_act_bytes=float(head_act),
+                            head_forward=head_fit, source="ModelProfiler")
         if self.cache is not None:
             self.cache.save("model", self.key(), prof)
         return prof

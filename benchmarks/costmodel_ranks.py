@@ -1,0 +1,203 @@
+"""Functions run inside gloo ranks by benchmarks/costmodel_accuracy.py (via lightning_galv.testing).
+
+* :func:`profile_hardware` - HardwareProfiler on the launch's process group (plus per-tp block profiles).
+* :func:`measure_plans` - for each plan: parallelize the reference LLaMA, train a few steps with Adam
+  (no Lightning), time the steps and track the peak memory of one extra step.
+
+What "memory" means here: the peak, over one training step (forward, backward, gradient sync,
+optimizer step), of the bytes of all live tensor storages on the rank, as seen by torch's
+``MemTracker`` (a TorchDispatchMode that follows every storage, resize included, so FSDP2's
+gathered parameters count): parameters + gradients + optimizer states + activations + temporaries
+(+ the RoPE buffers). Gradients are kept allocated between steps (``zero_grad(set_to_none=False)``,
+persistent gradient buffers as in Megatron/Galvatron), which is what the cost model's model-state
+term assumes. Process memory of the interpreter/libraries is not included (on a GPU it would be the
+CUDA context; the profile's ``framework_bytes`` is 0 here).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_galv.layout import MeshFactory, RankLayout
+from lightning_galv.models import Llama, LlamaConfig
+from lightning_galv.plan import LayerStrategy, ParallelPlan
+
+
+def make_model(cfg: dict, seed: int = 0) -> Llama:
+    torch.manual_seed(seed)
+    return Llama(LlamaConfig(**cfg))
+
+
+def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -> dict[str, Any]:
+    """Profiles measured with every rank of this launch busy at once (ranks share the CPU cores).
+
+    * HardwareProfiler: collectives on every group size, consecutive and strided; overlap coefficient.
+    * ModelProfiler on every rank concurrently: block fwd/bwd fits, head forward, Adam step bandwidth.
+    * Activation bytes per local sample of one block under each (tp, sp, checkpoint) the runtime
+      supports, counted with the ModelProfiler's saved-tensor counter on the real parallelized block.
+    """
+    from lightning_galv.models.common import Rotary
+    from lightning_galv.models.llama import LlamaBlock
+    from lightning_galv.profiling import HardwareProfiler, ModelProfiler
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    hw = HardwareProfiler(sizes_bytes=sizes, repeats=repeats, progress=False).fit()
+    lcfg = LlamaConfig(**cfg)
+
+    def block() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return LlamaBlock(lcfg, Rotary(lcfg.dim // lcfg.n_heads, lcfg.max_seq_len))
+
+    def head() -> torch.nn.Module:
+        torch.manual_seed(0)
+        m = make_model(cfg)
+        return torch.nn.Sequential(m.norm, m.output)
+
+    shape = make_model(cfg).galv_shape(seq)
+    dist.barrier()
+    prof = ModelProfiler(block, shape, batch_sizes=(1, 2, 4), seq_lens=(seq // 2, seq), repeats=3,
+                         progress=False, make_head=head)
+    model = prof.fit()
+    probe_s = probe(cfg, seq)
+    acts = dict(model.layer(0).activation_bytes)
+    acts.update(_activation_table(block, world, rank, seq, lcfg.dim))
+    return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": prof.optimizer_bandwidth,
+            "acts": acts, "probe_s": probe_s}
+
+
+def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 5) -> float:
+    """Median fwd+bwd time of one block on every rank at once: how fast compute is *right now*.
+
+    The machine is shared, so the same probe is taken at profiling time and before each plan; the
+    benchmark reports predictions with the profile's compute times scaled by the ratio (load
+    normalization) next to the raw ones.
+    """
+    from lightning_galv.models.common import Rotary
+    from lightning_galv.models.llama import LlamaBlock
+
+    lcfg = LlamaConfig(**cfg)
+    torch.manual_seed(0)
+    blk = LlamaBlock(lcfg, Rotary(lcfg.dim // lcfg.n_heads, lcfg.max_seq_len))
+    x = torch.randn(b, seq, lcfg.dim, requires_grad=True)
+    ts = []
+    dist.barrier()
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        blk(x).sum().backward()
+        ts.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(ts[1:])], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _activation_table(make_block, world: int, rank: int, seq: int, dim: int, b: int = 2) -> dict[str, float]:
+    from lightning_galv.parallel import sequence, tensor
+    from lightning_galv.parallel.checkpointing import apply_checkpointing
+    from lightning_galv.planner.profiles import act_key
+    from lightning_galv.profiling.profilers import _SavedBytes
+
+    out = {}
+    for tp in [d for d in range(1, world + 1) if world % d == 0]:
+        s0 = LayerStrategy(tp=tp, dp=world // tp)
+        factory = MeshFactory(RankLayout(world), "cpu", rank)
+        for sp in (("none",) if tp == 1 else ("none", "megatron", "ulysses")):
+            st = LayerStrategy(tp=tp, dp=world // tp, sp=sp)
+            for ckpt in (False, True):
+                blk = make_block()
+                if tp > 1:
+                    mesh = factory.mesh(s0)
+                    (sequence.apply_ulysses if sp == "ulysses" else tensor.apply_tp)(blk, mesh, st)
+                if ckpt:
+                    apply_checkpointing(blk)
+                x = torch.randn(b, seq, dim, requires_grad=True)
+                params = {local_storage(p) for p in blk.parameters()}
+                saved = _SavedBytes(params)
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                    y = blk(x)
+                y.sum().backward()
+                out[act_key(tp, sp, ckpt)] = float(saved.total) / b
+    return out
+
+
+def local_storage(p: torch.Tensor) -> int:
+    t = p.to_local() if hasattr(p, "to_local") else p
+    return t.untyped_storage().data_ptr()
+
+
+def _train_step(model, opt, rt, x, y, micro_batches: int, between=None) -> torch.Tensor:
+    loss_sum = torch.zeros(())
+    mb = x.shape[0] // micro_batches
+    for i in range(micro_batches):
+        if i and between is not None:
+            between()
+        rt.set_gradient_sync(i == micro_batches - 1)
+        logits = model(x[i * mb:(i + 1) * mb])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[i * mb:(i + 1) * mb].reshape(-1))
+        (loss / micro_batches).backward()
+        del logits
+        loss_sum += loss.detach()
+    rt.sync_gradients()
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # persistent gradient buffers (see module docstring)
+    return loss_sum
+
+
+def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int) -> dict[str, Any]:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from lightning_galv.parallel.parallelize import parallelize
+
+    plan = ParallelPlan.from_dict(plan_dict)
+    rank = dist.get_rank()
+    model = make_model(cfg)
+    factory = MeshFactory(RankLayout(plan.world_size, plan.pp), "cpu", rank)
+    rt = parallelize(model, plan, factory)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
+    rt.wrap_optimizer(opt)
+    shard, nshards = rt.data_shard
+    gen = torch.Generator().manual_seed(123)
+    b = plan.global_batch // nshards
+    data = torch.randint(0, cfg["vocab_size"], (plan.global_batch, seq + 1), generator=gen)
+    x, y = data[shard * b:(shard + 1) * b, :-1], data[shard * b:(shard + 1) * b, 1:]
+    probe_before = probe(cfg, seq)
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        _train_step(model, opt, rt, x, y, plan.micro_batches)
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
+        if i >= warmup:
+            times.append(float(t))
+    probe_s = (probe_before + probe(cfg, seq)) / 2
+    dist.barrier()
+    mt = MemTracker()
+    mt.track_external(model, opt)
+    with mt:
+        _train_step(model, opt, rt, x, y, plan.micro_batches, mt.reset_mod_stats)
+    peak = mt.get_tracker_snapshot("peak")
+    cpu = next(iter(peak.values())) if peak else {}
+    by_kind = {(k.name if hasattr(k, "name") else str(k)): float(v) for k, v in cpu.items()}
+    del model, opt, rt
+    return {"step_s": statistics.median(times), "times": times, "probe_s": probe_s, "peak_bytes": by_kind.get("Total", 0.0),
+            "by_kind": by_kind}
+
+
+def measure_plans(plans: list[tuple[str, dict]], cfg: dict, seq: int, warmup: int, steps: int) -> dict[str, Any]:
+    out = {}
+    for name, plan in plans:
+        out[name] = measure_plan(plan, cfg, seq, warmup, steps)
+        if dist.get_rank() == 0:
+            print(f"[costmodel] {name}: {out[name]['step_s'] * 1e3:.1f} ms, "
+                  f"{out[name]['peak_bytes'] / 2**20:.2f} MiB", flush=True)
+    return out
+
+
+def strategy(**kw: Any) -> dict:
+    return LayerStrategy(**kw).to_dict()
