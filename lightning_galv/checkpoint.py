@@ -66,6 +66,12 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, is_rank_zero: bool) -> 
 def load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], runtime: "ParallelRuntime",
          strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
     """Load weights and optimizer states into the parallelized model; return the remaining metadata."""
+    with runtime.zero1.unsharded_steps(optimizers):
+        return _load(path, model, optimizers, runtime, strict, weights_only)
+
+
+def _load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], runtime: "ParallelRuntime",
+          strict: bool, weights_only: bool | None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,

@@ -14,13 +14,14 @@ import lightning.pytorch as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import lightning_galv  # noqa: F401  (registers the strategy)
 from lightning_galv import GalvatronStrategy, ParallelPlan
+from lightning_galv.layout import RankLayout
 from lightning_galv.module import CausalLM
 
-SMALL = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, max_seq_len=16)
+SMALL = dict(vocab_size=64, dim=32, n_layers=3, n_heads=8, max_seq_len=16)
 
 
 class Windows(Dataset):
@@ -41,7 +42,8 @@ class LossRecorder(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        loss = outputs["loss"].detach().clone()
+        # Lightning hands back the loss already divided by the accumulation factor
+        loss = outputs["loss"].detach().clone() * trainer.accumulate_grad_batches
         dist.all_reduce(loss)
         self.losses.append(float(loss) / dist.get_world_size())
 
@@ -50,7 +52,7 @@ def make_module(kind: str = "llama", seed: int = 0, **extra: Any) -> CausalLM:
     torch.manual_seed(seed)
     cfg = dict(SMALL)
     if kind == "llama":
-        cfg.update(n_kv_heads=2, ffn_hidden=64)
+        cfg.update(n_kv_heads=4, ffn_hidden=64)
     cfg.update(extra)
     return CausalLM(kind=kind, optimizer="sgd", lr=0.2, momentum=0.9, **cfg)
 
@@ -85,7 +87,7 @@ def reference(module: CausalLM, data: torch.Tensor, steps: int, global_batch: in
 
 
 def trainer_kwargs(**kw: Any) -> dict[str, Any]:
-    base = dict(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), logger=False,
+    base = dict(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), logger=False,
                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                 num_sanity_val_steps=0)
     base.update(kw)
@@ -98,7 +100,7 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
     module = make_module(kind)
     ref_module = copy.deepcopy(module)
     strategy = GalvatronStrategy(plan=plan, **(strategy_kwargs or {}))
-    shards = ParallelPlan.from_dict(plan).data_parallel_size if plan else dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    shards = ParallelPlan.from_dict(plan).data_parallel_size if plan else dist.get_world_size() if dist.is_initialized() else int(os.environ["LOCAL_WORLD_SIZE"])
     data = Windows(steps * accumulate * global_batch)
     loader = DataLoader(data, batch_size=global_batch // shards, shuffle=False)
     rec = LossRecorder()
@@ -136,7 +138,7 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str = "2GB") -> 
     """strategy='galvatron' with no plan: the planner picks one; it must still train exactly."""
     module = make_module("llama")
     ref_module = copy.deepcopy(module)
-    data = Windows(steps * per_shard * int(os.environ["WORLD_SIZE"]))
+    data = Windows(steps * per_shard * int(os.environ["LOCAL_WORLD_SIZE"]))
     loader = DataLoader(data, batch_size=per_shard, shuffle=False)
     strategy = GalvatronStrategy(memory_budget=memory_budget)
     rec = LossRecorder()
@@ -149,3 +151,124 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str = "2GB") -> 
     got = full_state(module.model)
     return {"plan": strategy.plan.to_dict(), "loss_err": max(abs(a - b) / abs(b) for a, b in zip(rec.losses, ref_losses)),
             "weight_err": max(rel_err(got[k], want[k]) for k in want), "predicted": strategy.plan.prediction is not None}
+
+
+class ScheduledLM(CausalLM):
+    """CausalLM with a step LR schedule, so resume must restore the scheduler too."""
+
+    def configure_optimizers(self) -> Any:
+        opt = super().configure_optimizers()
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.5),
+                                                   "interval": "step"}}
+
+
+def _sched_module(seed: int) -> ScheduledLM:
+    torch.manual_seed(seed)
+    return ScheduledLM(kind="llama", optimizer="sgd", lr=0.2, momentum=0.9, n_kv_heads=4, ffn_hidden=64, **SMALL)
+
+
+def fit_resume(plan: dict, tmpdir: str, full: bool, steps: int = 6, global_batch: int = 8) -> dict[str, Any]:
+    """Train `steps` straight vs `steps/2` + resume from ckpt_path='last': identical weights and losses."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    shards = ParallelPlan.from_dict(plan).data_parallel_size
+    half = steps // 2
+    # one epoch = `half` steps and the checkpoint is written after its last step: a map-style loader
+    # cannot be fast-forwarded mid-epoch, so the resume point is an epoch boundary
+    data = Windows(half * global_batch)
+
+    def run(module: CausalLM, max_steps: int, ckpt_dir: str | None, ckpt_path: str | None) -> tuple[list[float], Any]:
+        rec = LossRecorder()
+        cbs: list[Any] = [rec]
+        if ckpt_dir:
+            cbs.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=half, save_top_k=0))
+        trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan, save_distributed_checkpoint=not full),
+                            max_steps=max_steps, callbacks=cbs,
+                            **trainer_kwargs(enable_checkpointing=bool(ckpt_dir)))
+        # an explicit non-shuffling sampler over the plan's data shards: Lightning's injected shuffling
+        # sampler does not replay the same order after a resume (its own DDP strategy shows the same)
+        p = ParallelPlan.from_dict(plan)
+        lay = RankLayout(p.world_size, p.pp)
+        shard, _ = lay.batch_shard(lay.data_strategy(p), dist.get_rank() if dist.is_initialized()
+                                   else int(os.environ["RANK"]))
+        sampler = DistributedSampler(data, num_replicas=shards, rank=shard, shuffle=False)
+        trainer.fit(module, DataLoader(data, batch_size=global_batch // shards, sampler=sampler), ckpt_path=ckpt_path)
+        return rec.losses, trainer
+
+    straight = _sched_module(0)
+    losses_a, _ = run(straight, steps, None, None)
+    ckdir = os.path.join(tmpdir, "full" if full else "sharded")
+    first = _sched_module(0)
+    run(first, half, ckdir, None)
+    resumed = _sched_module(1)  # different init: everything must come from the checkpoint
+    losses_b, trainer_b = run(resumed, steps, ckdir, "last")
+    got, want = full_state(resumed.model), full_state(straight.model)
+    last = os.path.join(ckdir, "last.ckpt")
+    if full:
+        keys = set(torch.load(last, weights_only=False, map_location="cpu")["state_dict"])
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        meta = dcp.FileSystemReader(last).read_metadata()
+        keys = {k[len("state_dict."):] for k in meta.state_dict_metadata if k.startswith("state_dict.")}
+    lr_a = straight.trainer.optimizers[0].param_groups[0]["lr"] if straight._trainer else None
+    return {
+        "weight_err": max(rel_err(got[k], want[k]) for k in want),
+        "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses_b, losses_a[half:])),
+        "n_resumed_losses": len(losses_b), "losses_b": losses_b, "losses_a": losses_a,
+        "keys_match": keys == set(_sched_module(0).state_dict()),
+        "global_step": trainer_b.global_step,
+        "lr": trainer_b.optimizers[0].param_groups[0]["lr"], "lr_straight": lr_a,
+    }
+
+
+def fit_then_eval(plan: dict, steps: int = 3, global_batch: int = 8) -> dict[str, Any]:
+    """A Trainer reused for validate/test/predict after fit: same numbers as the single-process model."""
+    module = make_module("llama")
+    ref_module = copy.deepcopy(module)
+    shards = ParallelPlan.from_dict(plan).data_parallel_size
+    data = Windows(steps * global_batch)
+    evald = Windows(2 * global_batch, seed=11)
+    b = global_batch // shards
+    trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan), max_steps=steps, **trainer_kwargs())
+    trainer.fit(module, DataLoader(data, batch_size=b))
+    val = trainer.validate(module, DataLoader(evald, batch_size=b), verbose=False)[0]["val_loss"]
+    test = trainer.test(module, DataLoader(evald, batch_size=b), verbose=False)[0]["test_loss"]
+    preds = trainer.predict(module, DataLoader(evald, batch_size=b))
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
+    reference(ref_module, data.data[perm], steps, global_batch)
+    with torch.no_grad():
+        ref_val = float(ref_module._loss(evald.data))
+        ref_pred = ref_module(evald.data[:, :-1]).argmax(-1)
+    shard = trainer.strategy.distributed_sampler_kwargs["rank"]
+    mine = ref_pred[shard::shards]  # DistributedSampler(shuffle=False) gives shard i the indices i, i+n, ...
+    got_pred = torch.cat(preds)
+    return {"val_err": abs(val - ref_val) / ref_val, "test_err": abs(test - ref_val) / ref_val,
+            "pred_equal": bool(torch.equal(got_pred, mine)), "n_pred": len(got_pred)}
+
+
+def fit_precision(plan: dict, precision: str, steps: int = 4, global_batch: int = 8) -> dict[str, Any]:
+    """bf16 runs train and stay near the fp32 reference (bf16 has ~3 significant digits)."""
+    module = make_module("llama")
+    ref_module = copy.deepcopy(module)
+    shards = ParallelPlan.from_dict(plan).data_parallel_size
+    data = Windows(steps * global_batch)
+    rec = LossRecorder()
+    trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan), max_steps=steps, precision=precision,
+                        callbacks=[rec], **trainer_kwargs())
+    trainer.fit(module, DataLoader(data, batch_size=global_batch // shards))
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
+    ref_losses, _ = reference(ref_module, data.data[perm], steps, global_batch)
+    dtypes = sorted({str(p.dtype) for p in module.parameters()})
+    return {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(rec.losses, ref_losses)), "dtypes": dtypes}
+
+
+def unseeded_init(plan: dict) -> dict[str, Any]:
+    """Ranks build the model with different seeds: after setup every replica equals rank 0's."""
+    module = make_module("llama", seed=100 + dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"]))
+    rank0_copy = make_module("llama", seed=100)
+    trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan), max_steps=0, **trainer_kwargs())
+    trainer.fit(module, DataLoader(Windows(8), batch_size=2))
+    got = full_state(module.model)
+    want = dict(rank0_copy.model.named_parameters())
+    return {"err": max(float((got[k] - want[k].detach()).abs().max()) for k in want)}

@@ -37,7 +37,7 @@ def _cases4() -> list[tuple[str, dict, dict]]:
         ("ckpt_mixed_clip", ParallelPlan(4, (L(dp=4, checkpoint=True), L(dp=4), L(dp=4, zero=3, checkpoint=True)))
          .to_dict(), {"clip": 0.05}),
         ("hetero3", ParallelPlan(4, (L(tp=4), L(tp=2, dp=2), L(dp=4, zero=3))).to_dict(), {"clip": 0.05}),
-        ("hetero_demo", demo_plan(4).to_dict(), {"layers": 4}),
+        ("hetero_demo_clip", demo_plan(4).to_dict(), {"layers": 4, "clip": 0.05}),
     ]
 
 

@@ -16,8 +16,9 @@ the layer's own ``dp``) therefore gives every layer the gradient of the global m
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -124,6 +125,20 @@ class OptimizerStateSharding:
 
         optimizer.step = step  # type: ignore[method-assign]
         optimizer._galv_zero1 = True  # type: ignore[attr-defined]
+        optimizer._galv_inner_step = inner_step  # type: ignore[attr-defined]
+
+    @contextmanager
+    def unsharded_steps(self, optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
+        """Let every rank step every parameter (DCP builds optimizer-state templates with a fake step)."""
+        patched = [o for o in optimizers if getattr(o, "_galv_zero1", False)]
+        saved = [o.step for o in patched]
+        for o in patched:
+            o.step = o._galv_inner_step  # type: ignore[attr-defined,method-assign]
+        try:
+            yield
+        finally:
+            for o, st in zip(patched, saved):
+                o.step = st  # type: ignore[method-assign]
 
     @torch.no_grad()
     def broadcast(self) -> None:

@@ -90,9 +90,12 @@ class ParallelRuntime:
         """Global gradient norm over every mesh and stage, each element counted once."""
         norm_type = float(norm_type)
         total = torch.zeros((), dtype=torch.float64)
-        for p, copies in self.replicas.items():
+        for p in self.replicas:
             if p.grad is None:
                 continue
+            # count by the gradient's own layout: DTensor may hand back e.g. a Replicate gradient
+            # for a Shard(0) vocab-parallel embedding weight
+            copies = self.layout.stage_size // _shard_count(p.grad)
             g = local(p.grad).detach().to(torch.float64)
             if math.isinf(norm_type):
                 total = torch.maximum(total, g.abs().max().cpu() if g.numel() else total)
