@@ -110,10 +110,13 @@ class GPT2(nn.Module):
         return ModelShape(c.n_layers, c.dim, c.n_heads, c.n_heads, 4 * c.dim, c.vocab_size,
                           seq_len or c.max_seq_len)
 
+    def galv_embed_forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token + position embedding (the first pipeline stage runs this part of forward)."""
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.drop(self.wte(tokens) + self.wpe(pos))  # [b, s, dim] + [s, dim]
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
-        pos = torch.arange(s, device=tokens.device)
-        h = self.drop(self.wte(tokens) + self.wpe(pos))  # [b, s, dim] + [s, dim]
+        h = self.galv_embed_forward(tokens)
         for block in self.h:
             h = block(h)
         return self.lm_head(self.ln_f(h))  # [b, s, vocab]

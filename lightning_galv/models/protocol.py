@@ -10,6 +10,10 @@ A model opts in by exposing five attributes (the reference models in this packag
 ``galv_head``        the output ``nn.Linear`` (vocab-parallel when the head strategy has tp > 1).
 ``galv_shape()``     a :class:`~lightning_galv.plan.ModelShape`.
 
+Optional, for pipeline stages: ``galv_embed_forward(tokens)`` (what forward does before the first
+block; default ``galv_embedding(tokens)``) and ``galv_head_forward(h)`` (after the last block; default
+``galv_head(galv_final_norm(h))``).
+
 and each block class carries two class attributes:
 
 ``galv_tp_plan``     ``{submodule path: "colwise" | "rowwise" | "norm"}``: Megatron column / row

@@ -44,6 +44,7 @@ class Unit:
     modules: list[nn.Module]
     strategy: LayerStrategy
     extra: list[nn.Parameter] = field(default_factory=list)  # loose parameters, always replicated
+    chunk: int = 0  # pipeline chunk the unit belongs to
 
     def parameters(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
@@ -69,6 +70,7 @@ class ParallelRuntime:
     zero1: OptimizerStateSharding
     fsdp_roots: list[nn.Module] = field(default_factory=list)
     replicas: dict[nn.Parameter, int] = field(default_factory=dict)
+    pipeline: Any = None  # PipelineDriver when plan.pp > 1
 
     # -- data loading ------------------------------------------------------------------------------
     @property
@@ -130,16 +132,21 @@ def _device_of(params: Iterable[nn.Parameter]) -> torch.device:
     return torch.device("cpu")
 
 
-def model_units(parts: ModelParts, plan: ParallelPlan, root: nn.Module) -> list[Unit]:
-    """embed (+ every parameter outside blocks/head), blocks, head (final norm + output)."""
+def model_units(parts: ModelParts, plan: ParallelPlan, root: nn.Module,
+                chunks: list[int] | None = None) -> list[Unit]:
+    """In flow order: embed (+ every parameter outside blocks/head), blocks, head (final norm + output),
+    restricted to the pipeline ``chunks`` this rank holds (all layers when ``chunks`` is None)."""
     assert plan.embed is not None and plan.head is not None
+    n_chunks = plan.pp * plan.virtual_stages
+    chunks = list(range(n_chunks)) if chunks is None else chunks
     units: list[Unit] = []
-    if parts.embedding is not None:
-        units.append(Unit("embed", [parts.embedding], plan.embed))
-    units += [Unit(f"layers.{i}", [b], plan.layers[i]) for i, b in enumerate(parts.blocks)]
-    head_mods = [m for m in (parts.final_norm, parts.head) if m is not None]
-    if head_mods:
-        units.append(Unit("head", head_mods, plan.head))
+    for c in chunks:
+        if c == 0 and parts.embedding is not None:
+            units.append(Unit("embed", [parts.embedding], plan.embed, chunk=c))
+        units += [Unit(f"layers.{i}", [parts.blocks[i]], plan.layers[i], chunk=c) for i in plan.stage_layers(c)]
+        head_mods = [m for m in (parts.final_norm, parts.head) if m is not None]
+        if c == n_chunks - 1 and head_mods:
+            units.append(Unit("head", head_mods, plan.head, chunk=c))
     owned = {id(p) for u in units for p in u.parameters()}
     rest = [p for p in root.parameters() if id(p) not in owned]
     if rest:
@@ -185,15 +192,20 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
                 mp_policy: Any | None = None, sync_init: bool = True) -> ParallelRuntime:
     """Apply ``plan`` to ``model`` in place (order in the module docstring)."""
     layout, rank = factory.layout, factory.rank
-    if plan.pp > 1:
-        raise ValueError(f"pp={plan.pp}: pipeline stages are applied by parallel.pipeline, not here. "
-                         "HINT: use GalvatronStrategy, which splits stages before calling parallelize().")
     parts = find_parts(model)
     check_plan_for_model(plan, parts)
     factory.build_all(plan)
     if sync_init:
         broadcast_module(model)  # 1. replicated start
-    units = model_units(parts, plan, model)
+    stage = layout.stage_of(rank)
+    stages = None
+    if plan.pp > 1:  # keep only this stage's chunks (placeholders elsewhere, names unchanged)
+        from .pipeline import owned_chunks, split_model
+
+        stages = split_model(model, parts, plan, stage)
+        units = model_units(parts, plan, model, owned_chunks(plan, stage))
+    else:
+        units = model_units(parts, plan, model)
 
     # 2. tensor / sequence parallelism
     for unit in units:
@@ -217,22 +229,23 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
         if unit.strategy.checkpoint and unit.name.startswith("layers."):
             apply_checkpointing(unit.modules[0])
 
-    # 4. layout re-distribution between units, and from/to the data loader's layout
-    stage = layout.stage_of(rank)
+    # 4. layout re-distribution between units, and from/to the data loader's layout (which is also the
+    #    layout activations cross pipeline stages in)
     stage_rank = rank - stage * layout.stage_size
-    group = factory.world_mesh(LayerStrategy(dp=layout.stage_size))["dp"].get_group()
+    pure_dp = factory.world_mesh(LayerStrategy(dp=layout.stage_size))
+    group = pure_dp["dp"].get_group()
     data_s = layout.data_strategy(plan)
     data_layout = BatchLayout.of(layout, data_s, stage)
-    prev = data_layout
-    for unit in units:
-        cur = BatchLayout.of(layout, unit.strategy, stage)
-        if not unit.modules:  # loose parameters only: they have no input to re-lay-out
-            continue
-        add_input_redistribution(unit.modules[0], prev, cur, stage_rank, group)
-        prev = cur
-    last = units[-1]
-    exit_mod = parts.head if (last.name == "head" and parts.head is not None) else last.modules[-1]
-    add_output_redistribution(exit_mod, prev, data_layout, stage_rank, group)
+    for chunk in sorted({u.chunk for u in units}):
+        chunk_units = [u for u in units if u.chunk == chunk and u.modules]  # loose-only units have no input
+        prev = data_layout
+        for unit in chunk_units:
+            cur = BatchLayout.of(layout, unit.strategy, stage)
+            add_input_redistribution(unit.modules[0], prev, cur, stage_rank, group)
+            prev = cur
+        last = chunk_units[-1]
+        exit_mod = parts.head if (last.name == "head" and parts.head is not None) else last.modules[-1]
+        add_output_redistribution(exit_mod, prev, data_layout, stage_rank, group)
 
     # 5. data parallelism / ZeRO
     runtime = ParallelRuntime(plan, layout, factory, rank, units, data_s,
@@ -254,6 +267,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
 
     for p in model.parameters():
         runtime.replicas[p] = layout.stage_size // _shard_count(p)
+    if stages is not None:
+        from .pipeline import PipelineDriver
+
+        pp_mesh = pure_dp["pp"]
+        device = _device_of(model.parameters())
+        runtime.pipeline = PipelineDriver(plan, stages, pp_mesh.get_group(), pp_mesh.mesh.flatten().tolist(), device)
     return runtime
 
 

@@ -1,0 +1,183 @@
+"""Pipeline parallelism: stages from the plan, schedules from ``torch.distributed.pipelining``.
+
+The plan cuts the layers into ``pp * virtual_stages`` chunks (``pp_division``, possibly uneven); chunk
+``c`` runs on pipeline stage ``c % pp`` (so interleaved 1F1B gives every stage ``virtual_stages``
+chunks). The embedding sits in chunk 0, final norm + head in the last chunk. Each rank keeps only
+the modules of its chunks: the others are replaced by empty placeholders *in place*, so the module
+names - and therefore checkpoint keys - stay those of the unwrapped model.
+
+Inside a chunk every layer keeps its own :class:`LayerStrategy` on the stage's ranks (parallelize()
+applies them). Between chunks an activation travels in the data loader's batch layout: rank ``l`` of
+stage ``s`` sends to rank ``l`` of stage ``s+1``, which holds the same batch shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models.protocol import ModelParts, _unwrap
+from ..plan import ParallelPlan
+
+
+class Placeholder(nn.Module):
+    """Stands where a module of another pipeline stage was (no parameters, never called)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this module lives on another pipeline stage. HINT: under pp > 1 the model runs "
+                           "through the pipeline schedule (the strategy's training/validation steps), not model(x).")
+
+
+def owned_chunks(plan: ParallelPlan, stage: int) -> list[int]:
+    return [c for c in range(plan.pp * plan.virtual_stages) if c % plan.pp == stage]
+
+
+def _replace(root: nn.Module, target: nn.Module, new: nn.Module) -> None:
+    for name, mod in list(root.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            if child is target:
+                setattr(mod, child_name, new)
+
+
+def loose_modules(root: nn.Module, parts: ModelParts) -> list[nn.Module]:
+    """Modules holding parameters outside blocks / embedding / final norm / head (e.g. GPT-2's wpe)."""
+    owned = {id(p) for m in (*parts.blocks, parts.embedding, parts.final_norm, parts.head) if m is not None
+             for p in m.parameters()}
+    return [m for m in root.modules()
+            if any(id(p) not in owned for p in m.parameters(recurse=False))]
+
+
+class StageModule(nn.Module):
+    """One pipeline chunk: (embedding ->) blocks (-> final norm -> head). Shares modules with the model."""
+
+    def __init__(self, inner: nn.Module, parts: ModelParts, layers: range, first: bool, last: bool,
+                 loose: list[nn.Module]) -> None:
+        super().__init__()
+        self._inner = [inner]  # a list, so the whole model is not registered as a child
+        self.first, self.last = first, last
+        self.blocks = nn.ModuleList(parts.blocks[i] for i in layers)
+        if first:
+            self.embedding = parts.embedding
+            self.loose = nn.ModuleList(loose)
+        if last:
+            self.final_norm = parts.final_norm
+            self.head = parts.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = self._inner[0]
+        if self.first:
+            embed = getattr(inner, "galv_embed_forward", None)
+            x = embed(x) if embed is not None else self.embedding(x)  # [b, s] -> [b, s, h]
+        for block in self.blocks:
+            x = block(x)
+        if self.last:
+            head = getattr(inner, "galv_head_forward", None)
+            if head is not None:
+                x = head(x)
+            else:
+                x = self.head(self.final_norm(x) if self.final_norm is not None else x)  # [b, s, vocab]
+        return x
+
+
+def split_model(model: nn.Module, parts: ModelParts, plan: ParallelPlan, stage: int) -> dict[int, StageModule]:
+    """Keep this stage's chunks, replace everything else by placeholders; return chunk -> StageModule."""
+    if not parts.understood or parts.embedding is None or parts.head is None:
+        raise ValueError(f"pp={plan.pp}: pipeline stages need the block protocol (embedding, blocks, head). "
+                         "HINT: expose galv_blocks/galv_embedding/galv_head (lightning_galv.models.protocol) "
+                         "or use pp=1.")
+    chunks = owned_chunks(plan, stage)
+    n = plan.pp * plan.virtual_stages
+    layers = {i for c in chunks for i in plan.stage_layers(c)}
+    loose = loose_modules(model, parts)
+    if any(m is model or m is _unwrap(model) for m in loose):
+        raise ValueError("model holds parameters directly on its root module: they cannot be assigned to a "
+                         "pipeline stage. HINT: put them in a submodule (e.g. an nn.Embedding) or use pp=1.")
+    stages = {c: StageModule(_unwrap(model), parts, plan.stage_layers(c), c == 0, c == n - 1, loose)
+              for c in chunks}
+    for i, block in enumerate(parts.blocks):
+        if i not in layers:
+            parts.blocks[i] = Placeholder()
+    if 0 not in chunks:
+        for m in [parts.embedding, *loose]:
+            _replace(model, m, Placeholder())
+        parts.embedding = None
+    if n - 1 not in chunks:
+        for m in (parts.final_norm, parts.head):
+            if m is not None:
+                _replace(model, m, Placeholder())
+        parts.final_norm = parts.head = None
+    return stages
+
+
+@dataclass
+class PipelineDriver:
+    """Runs a training or evaluation step of the schedule over this rank's chunks."""
+
+    plan: ParallelPlan
+    stages: dict[int, StageModule]
+    group: Any  # the pipeline process group (same local rank in every stage)
+    group_ranks: list[int]
+    device: torch.device
+    _cache: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def has_last(self) -> bool:
+        return self.plan.pp * self.plan.virtual_stages - 1 in self.stages
+
+    def _schedule(self, key: Any, loss_fn: Callable | None) -> Any:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        if key in self._cache:
+            sched = self._cache[key]
+            sched._loss_fn = loss_fn
+            return sched
+        n = self.plan.pp * self.plan.virtual_stages
+        stages = [PipelineStage(mod, c, n, self.device, group=self.group) for c, mod in sorted(self.stages.items())]
+        m = self.plan.micro_batches
+        if self.plan.pipeline_schedule == "interleaved_1f1b":
+            sched = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+        else:
+            cls = ScheduleGPipe if self.plan.pipeline_schedule == "gpipe" else Schedule1F1B
+            sched = cls(stages[0], m, loss_fn=loss_fn)
+        self._cache[key] = sched
+        return sched
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor | None, loss_fn: Callable | None,
+            train: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One schedule step. Returns (mean micro-batch loss on every rank or None, last-stage output)."""
+        m = self.plan.micro_batches
+        if inputs.shape[0] % m:
+            raise ValueError(f"local batch of {inputs.shape[0]} samples: cannot split into micro_batches={m}. "
+                             f"HINT: make the per-shard batch size a multiple of {m}.")
+        key = ("train" if train else "eval", tuple(inputs.shape), loss_fn is not None)
+        sched = self._schedule(key, loss_fn)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        kwargs: dict[str, Any] = {}
+        if self.has_last and loss_fn is not None:
+            kwargs.update(target=targets, losses=losses)
+        out = sched.step(*args, **kwargs) if train else sched.eval(*args, **kwargs)
+        loss = None
+        if loss_fn is not None:
+            value = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros(())
+            loss = self.from_last(value.to(self.device))
+        return loss, out if self.has_last else None
+
+    def from_last(self, t: torch.Tensor) -> torch.Tensor:
+        """The last stage's value of ``t`` on every stage."""
+        t = t.contiguous()
+        dist.broadcast(t, src=self.group_ranks[-1], group=self.group)
+        return t
+
+    def object_from_last(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.group_ranks[-1], group=self.group)
+        return box[0]
