@@ -15,6 +15,7 @@ their order every round, and the ratio is ours / Lightning's median step time (g
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -34,14 +35,16 @@ LABELS = {
 START, END = "<!-- overhead:start -->", "<!-- overhead:end -->"
 
 
-def table(res: dict, args: argparse.Namespace, wall: float) -> str:
+def table(res: dict, args: argparse.Namespace, wall: float, load: tuple[float, float]) -> str:
     lines = [
         "## Strategy overhead vs Lightning (benchmarks/overhead.py)",
         "",
         f"4 CPU gloo ranks (1 thread each, 2 shared cores), LLaMA dim 256 · 4 layers · seq 128 · vocab 256, "
         f"AdamW fp32, global batch {args.batch}; {args.rounds} rounds × {args.steps} steps per fit, first "
         f"{args.warmup} dropped, per step the slowest rank; pair order alternates per round. Wall {wall:.0f} s. "
-        "CPU s/step: CPU time of one step summed over the 4 ranks (median), insensitive to other load.",
+        "CPU s/step: CPU time of one step summed over the 4 ranks (median), insensitive to other load. "
+        f"1-min load average before/after: {load[0]:.1f} / {load[1]:.1f} on 2 cores (4 ranks alone make 4; "
+        "more means other jobs shared the machine and the wall ratios are noisy).",
         "",
         "| ours | Lightning | ours median step | Lightning median step | ratio (ours / Lightning) | per-round ratios "
         "| CPU s/step ours / Lightning | CPU ratio |",
@@ -78,11 +81,11 @@ def main() -> None:
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup {args.warmup} >= --steps {args.steps}: nothing left to time. "
                          "HINT: e.g. --steps 25 --warmup 5.")
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
     res = run_distributed(str(HERE / "_overhead_runs.py") + "::bench", 4,
                           (PAIRS, args.rounds, args.steps, args.warmup, args.batch),
                           init_process_group=False, timeout=3600)[0]
-    text = table(res, args, time.perf_counter() - t0)
+    text = table(res, args, time.perf_counter() - t0, (load0, os.getloadavg()[0]))
     print(text)
     if not args.no_write:
         write_results(text, HERE / "RESULTS.md")
