@@ -24,12 +24,19 @@ META_FILE = "meta.pt"
 def _options(full: bool, **kw: Any) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=full, cpu_offload=True, **kw)
+    kw.setdefault("cpu_offload", True)
+    return StateDictOptions(full_state_dict=full, **kw)
 
 
-def model_state(model: nn.Module, full: bool) -> dict[str, Any]:
+def model_state(model: nn.Module, full: bool, runtime: "ParallelRuntime | None" = None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    pipeline = getattr(runtime, "pipeline", None)
+    if full and pipeline is not None:
+        # every stage holds other keys: gather each stage's full tensors to global rank 0
+        local_sd = get_model_state_dict(model, options=_options(True, cpu_offload=False))
+        parts = _gather_stages({k: v.detach().cpu() for k, v in local_sd.items()}, pipeline)
+        return {k: v for part in parts for k, v in part.items()} if parts else {}
     return get_model_state_dict(model, options=_options(full))
 
 
@@ -39,9 +46,44 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, runtime:
 
     runtime.zero1.consolidate(optimizer)
     try:
-        return get_optimizer_state_dict(model, optimizer, options=_options(full))
+        pipeline = getattr(runtime, "pipeline", None)
+        if full and pipeline is not None:
+            osd = _to_cpu(get_optimizer_state_dict(model, optimizer, options=_options(True, cpu_offload=False)))
+            parts = _gather_stages(osd, pipeline)
+            if not parts:
+                return {}
+            merged: dict[str, Any] = {"state": {}, "param_groups": [dict(g) for g in parts[0]["param_groups"]]}
+            for g in merged["param_groups"]:
+                g["params"] = []
+            for part in parts:
+                merged["state"].update(part["state"])
+                for g, pg in zip(merged["param_groups"], part["param_groups"]):
+                    g["params"] += list(pg["params"])
+            return merged
+        # sharded: flattened keys ("param_groups.<fqn>.lr") so each stage's groups survive DCP's
+        # de-duplication of equal keys and re-map onto any other plan's parameters
+        return get_optimizer_state_dict(model, optimizer, options=_options(full, flatten_optimizer_state_dict=not full))
     finally:
         runtime.zero1.reshard(optimizer)
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+def _gather_stages(obj: Any, pipeline: Any) -> list[Any] | None:
+    """Collect one object per pipeline stage on global rank 0 (None elsewhere)."""
+    ranks = pipeline.group_ranks
+    dst = ranks[0]
+    out: list[Any] | None = [None] * len(ranks) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=pipeline.group)
+    return out if dist.get_rank() == 0 else None
 
 
 def is_sharded(path: Path) -> bool:
@@ -88,11 +130,12 @@ def _load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
         dcp.load(box, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
         set_model_state_dict(model, box["state_dict"], options=_options(False, strict=strict))
         for i, opt in enumerate(optimizers):
-            osd = get_optimizer_state_dict(model, opt)
+            flat = _options(False, flatten_optimizer_state_dict=True)
+            osd = get_optimizer_state_dict(model, opt, options=flat)
             obox = {f"optimizer_{i}": osd}
             # parameters that never received a gradient have no saved state: allow the partial load
             dcp.load(obox, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
-            set_optimizer_state_dict(model, opt, obox[f"optimizer_{i}"])
+            set_optimizer_state_dict(model, opt, obox[f"optimizer_{i}"], options=flat)
             runtime.zero1.reshard(opt)
         meta = torch.load(path / META_FILE, weights_only=weights_only if weights_only is not None else False)
         return meta
@@ -102,8 +145,14 @@ def _load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
         if "state_dict" not in checkpoint:
             raise ValueError(f"checkpoint {str(path)!r}: has no 'state_dict'. HINT: pass a checkpoint written by "
                              "Trainer.save_checkpoint or ModelCheckpoint.")
-        set_model_state_dict(model, checkpoint.pop("state_dict"), options=_options(True, strict=strict))
+        # a full checkpoint holds every key; this rank loads those its (pipeline stage's) model has, so a
+        # checkpoint written under one plan loads under any other
+        own = set(get_model_state_dict(model))
+        msd = {k: v for k, v in checkpoint.pop("state_dict").items() if k in own}
+        set_model_state_dict(model, msd, options=_options(True, strict=strict))
         for opt, osd in zip(optimizers, checkpoint.pop("optimizer_states", [])):
+            osd = {"state": {k: v for k, v in osd["state"].items() if k in own},
+                   "param_groups": [{**g, "params": [p for p in g["params"] if p in own]} for g in osd["param_groups"]]}
             set_optimizer_state_dict(model, opt, osd, options=_options(True))
             runtime.zero1.reshard(opt)
         return checkpoint

@@ -61,6 +61,19 @@ class CausalLM(L.LightningModule):
     def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self(batch[:, :-1]).argmax(-1)
 
+    # -- pipeline protocol (used by GalvatronStrategy when the plan has pp > 1) --
+    def galv_pipeline_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch[:, :-1], batch[:, 1:]
+
+    def galv_pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def galv_pipeline_predict(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(-1)
+
+    def on_pipeline_loss(self, loss: torch.Tensor, stage: str) -> None:
+        self.log(f"{stage}_loss", loss, prog_bar=stage == "train", sync_dist=True)
+
     def configure_optimizers(self) -> Any:
         h = self.hparams
         if h.optimizer == "sgd":

@@ -113,6 +113,7 @@ class GalvatronStrategy(ParallelStrategy):
         self.mesh_factory: MeshFactory | None = None
         self.runtime: ParallelRuntime | None = None
         self._sync_grads = True
+        self._pp_pending: list[tuple[Any, Any]] = []
 
     # -- Lightning plumbing ------------------------------------------------------------------------
     @property
@@ -291,6 +292,15 @@ class GalvatronStrategy(ParallelStrategy):
             self.runtime.sync_gradients()
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is not None:
+            # the schedule ran the backward inside training_step; its gradients were held back so that
+            # Lightning's zero_grad (which runs between training_step and backward) cannot erase them
+            for p, g in self._pp_pending:
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
+            self._pp_pending = []
+            self.post_backward(closure_loss)
+            return closure_loss
         ds = self._deepspeed
         if ds is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -308,6 +318,76 @@ class GalvatronStrategy(ParallelStrategy):
         if ds is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         return ds.optimizer_step(self.precision_plugin, optimizer, model or self.lightning_module, closure)
+
+    # -- pipeline steps (pp > 1) --------------------------------------------------------------------
+    @property
+    def _pipeline(self) -> Any:
+        return getattr(self.runtime, "pipeline", None)
+
+    def _pipeline_hooks(self) -> Any:
+        module = self.lightning_module
+        for name in ("galv_pipeline_batch", "galv_pipeline_loss"):
+            if not callable(getattr(module, name, None)):
+                raise ValueError(f"{type(module).__name__}.{name}: missing, and plan pp={self.plan.pp if self.plan else '?'}"
+                                 " runs the model through a pipeline schedule, which needs it. HINT: implement "
+                                 "galv_pipeline_batch(batch) -> (inputs, targets) and galv_pipeline_loss(output, "
+                                 "targets) -> loss (see lightning_galv.module.CausalLM), or use pp=1.")
+        return module
+
+    def _pipeline_loss(self, batch: Any, train: bool, stage: str) -> Tensor:
+        module = self._pipeline_hooks()
+        inputs, targets = module.galv_pipeline_batch(batch)
+        scale = self.lightning_module.trainer.accumulate_grad_batches if train else 1
+
+        def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+            # Lightning divides the loss by the accumulation factor before its backward; the schedule runs
+            # the backward itself, so the division happens here
+            return module.galv_pipeline_loss(output, target) / scale
+
+        if train:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            held = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+        loss, _ = self._pipeline.run(inputs, targets, loss_fn, train=train)
+        if train:
+            self._pp_pending = [(p, p.grad) for p in params]
+            for p, g in zip(params, held):
+                p.grad = g
+        loss = loss * scale
+        hook = getattr(module, "on_pipeline_loss", None)
+        if callable(hook):
+            hook(loss, stage)
+        return loss
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        with self.precision_plugin.train_step_context():
+            return self._pipeline_loss(args[0], train=True, stage="train")
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():
+            return self._pipeline_loss(args[0], train=False, stage="val")
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        with self.precision_plugin.test_step_context():
+            return self._pipeline_loss(args[0], train=False, stage="test")
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        module = self._pipeline_hooks()
+        inputs, _ = module.galv_pipeline_batch(args[0])
+        with self.precision_plugin.predict_step_context():
+            _, output = self._pipeline.run(inputs, None, None, train=False)
+        output = self._pipeline.object_from_last(output)  # every stage returns the predictions, in order
+        post = getattr(module, "galv_pipeline_predict", None)
+        return post(output) if callable(post) else output
 
     def _install_clipping(self) -> None:
         """Clip by the global norm over every mesh (Lightning's default sees only local shards)."""
@@ -346,7 +426,7 @@ class GalvatronStrategy(ParallelStrategy):
         assert self.model is not None
         if self._deepspeed is not None and self._deepspeed.engine is not None:
             return self._deepspeed.module_state()
-        return ckpt.model_state(self.model, full=not self._save_distributed_checkpoint)
+        return ckpt.model_state(self.model, full=not self._save_distributed_checkpoint, runtime=self.runtime)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # loaded in load_checkpoint (needs the parallelized model)
