@@ -146,14 +146,39 @@ class OptimizerStateSharding:
             dist.broadcast(local(p.data), src=owner, group=group)
 
     def consolidate(self, optimizer: torch.optim.Optimizer) -> None:
-        """Give every rank the optimizer state of every parameter (before saving a checkpoint)."""
+        """Give every rank the optimizer state of every parameter (before saving a checkpoint).
+
+        Tensors travel as rank-local buffers by ``broadcast`` and are re-wrapped in the parameter's own
+        DTensor layout on arrival: a pickled DTensor would carry the sender's process-group names.
+        """
+        ids = {id(q) for g in optimizer.param_groups for q in g["params"]}
         for p, (owner, group) in self.owner.items():
-            if p not in {q for g in optimizer.param_groups for q in g["params"]}:
+            if id(p) not in ids:
                 continue
-            state = [optimizer.state.get(p) if dist.get_rank() == owner else None]
-            dist.broadcast_object_list(state, src=owner, group=group)
-            if state[0] is not None:
-                optimizer.state[p] = state[0]
+            me = dist.get_rank() == owner
+            state = optimizer.state.get(p, {}) if me else {}
+            meta: list[Any] = [None]
+            if me:
+                meta[0] = {k: (("tensor", tuple(local(v).shape), local(v).dtype, hasattr(v, "to_local"))
+                               if isinstance(v, torch.Tensor) and (hasattr(v, "to_local") or v.numel() > 1)
+                               else ("obj", v)) for k, v in state.items()}
+            dist.broadcast_object_list(meta, src=owner, group=group)
+            received: dict[str, Any] = {}
+            for k, m in meta[0].items():
+                if m[0] == "obj":  # python values and scalar tensors (e.g. Adam's step) travel pickled
+                    received[k] = m[1]
+                    continue
+                _, shape, dtype, is_dtensor = m
+                buf = local(state[k]).contiguous() if me else torch.empty(shape, dtype=dtype, device=local(p).device)
+                dist.broadcast(buf, src=owner, group=group)
+                if not me:
+                    if is_dtensor:
+                        from torch.distributed.tensor import DTensor
+
+                        buf = DTensor.from_local(buf, p.device_mesh, p.placements, run_check=False)  # type: ignore[attr-defined]
+                    received[k] = buf
+            if not me and received:
+                optimizer.state[p] = received
 
     def reshard(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop the state of parameters this rank does not own (after loading a checkpoint)."""
