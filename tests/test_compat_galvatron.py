@@ -52,7 +52,15 @@ def test_hardware_profile_numbers() -> None:
         read_hardware_profile(REF / "hardware", 4, 8)
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.glob("galvatron_config_*_example.json")), ids=lambda p: p.stem)
+EXAMPLE_PLANS = sorted(CONFIGS.glob("galvatron_config_*_example.json"))
+
+
+def test_reference_plans_present() -> None:
+    # an empty glob would silently parametrize nothing: the shipped reference has five example plans
+    assert len(EXAMPLE_PLANS) == 5, f"expected Galvatron's example plans under {CONFIGS}"
+
+
+@pytest.mark.parametrize("path", EXAMPLE_PLANS, ids=lambda p: p.stem)
 def test_plan_json_round_trip(path: Path) -> None:
     original = json.loads(path.read_text())
     nodes = int(path.stem.split("_")[3][0])

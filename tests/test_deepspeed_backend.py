@@ -10,11 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import deepspeed  # noqa: F401  (a hard dependency: a missing install must fail, not skip)
 import pytest
 
-pytest.importorskip("deepspeed")
-
-from lightning_galv.testing import run_distributed  # noqa: E402
+from lightning_galv.testing import run_distributed
 
 CHECKS = str(Path(__file__).parent / "dist_deepspeed_checks.py") + "::run_many"
 TOL = 1e-5

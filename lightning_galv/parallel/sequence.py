@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..plan import LayerStrategy
-from .tensor import check_protocol, mark_applied, tp_submesh, wrap_block_forward
+from .tensor import check_hidden_states, check_protocol, mark_applied, tp_submesh, wrap_block_forward
 
 __all__ = ["apply_ulysses", "seq_all_to_all", "heads_all_to_all"]
 
@@ -172,14 +172,7 @@ def _core_post_hook(group: dist.ProcessGroup, where: str) -> Callable:
 
 def _enter(group: dist.ProcessGroup, p: int, where: str) -> Callable[[tuple], tuple]:
     def enter(args: tuple) -> tuple:
-        if not args or not isinstance(args[0], torch.Tensor):
-            raise TypeError(f"{where}: called without a hidden-states tensor as first argument. HINT: call "
-                            "block(x, *extras) with x of shape [batch, seq, hidden].")
-        x = args[0]
-        if x.dim() != 3 or x.shape[1] % p:
-            raise ValueError(f"{where}: input of shape {tuple(x.shape)}: Ulysses of degree {p} needs "
-                             f"[batch, seq, hidden] with seq divisible by {p}. HINT: pad or crop the sequence "
-                             f"to a multiple of {p}, or lower the layer's tp.")
+        x = check_hidden_states(args, p, where, "Ulysses", "lower the layer's tp")
         return (_ScatterSeq.apply(x, group), *args[1:])  # [b, s, h] -> [b, s/P, h]
     return enter
 

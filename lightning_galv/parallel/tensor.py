@@ -166,14 +166,7 @@ def _sp_enter(mesh: DeviceMesh, tp: int, what: str) -> Callable[[tuple], tuple]:
     sequence length fails identically on every rank before any collective.
     """
     def enter(args: tuple) -> tuple:
-        if not args or not isinstance(args[0], torch.Tensor):
-            raise TypeError(f"{what}: called without a hidden-states tensor as first argument. HINT: call "
-                            "block(x, *extras) with x of shape [batch, seq, hidden].")
-        x = args[0]
-        if x.dim() != 3 or x.shape[1] % tp:
-            raise ValueError(f"{what}: input of shape {tuple(x.shape)}: sequence parallelism of degree {tp} "
-                             f"needs a [batch, seq, hidden] input with seq divisible by {tp}. HINT: pad or "
-                             f"crop the sequence to a multiple of {tp}, or use sp='none' for this layer.")
+        check_hidden_states(args, tp, what, "sequence parallelism", "use sp='none' for this layer")
         return _redistribute_first_arg(args, mesh, Replicate(), Shard(1), use_local=True)
     return enter
 
@@ -345,3 +338,19 @@ def apply_tp_head(final_norm: nn.Module | None, head: nn.Linear, mesh: DeviceMes
     mark_applied(head, strategy.short())
     parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(),
                                                       use_local_output=True))
+
+
+def check_hidden_states(args: tuple, degree: int, where: str, kind: str, alternative: str) -> torch.Tensor:
+    """The block input a sequence-sharding entry needs: ``[batch, seq, hidden]``, seq divisible by ``degree``.
+
+    Checked before any collective, so a bad shape fails identically on every rank instead of hanging.
+    """
+    if not args or not isinstance(args[0], torch.Tensor):
+        raise TypeError(f"{where}: called without a hidden-states tensor as first argument. HINT: call "
+                        "block(x, *extras) with x of shape [batch, seq, hidden].")
+    x = args[0]
+    if x.dim() != 3 or x.shape[1] % degree:
+        raise ValueError(f"{where}: input of shape {tuple(x.shape)}: {kind} of degree {degree} needs "
+                         f"[batch, seq, hidden] with seq divisible by {degree}. HINT: pad or crop the sequence "
+                         f"to a multiple of {degree}, or {alternative}.")
+    return x
