@@ -204,16 +204,10 @@ prediction scales the profiled compute times by it."""
 
 
 def write_results(report: str) -> None:
-    path = HERE / "RESULTS.md"
-    start, end = "<!-- costmodel:start -->", "<!-- costmodel:end -->"
-    section = (f"{start}\n## Cost-model accuracy on this machine (benchmarks/costmodel_accuracy.py)\n\n"
-               f"{NOTES}\n\n{report}\n{end}")
-    text = path.read_text() if path.is_file() else "# Benchmark results\n"
-    if start in text and end in text:
-        text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+    from _results import write_section
+
+    write_section("costmodel", "## Cost-model accuracy on this machine (benchmarks/costmodel_accuracy.py)\n\n"
+                  f"{NOTES}\n\n{report}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,6 @@ LABELS = {
     "ours_zero3": ("ZeRO-3 (dp4·zero3)", "ModelParallelStrategy + FSDP2"),
     "ours_tp": ("TP (tp4)", "ModelParallelStrategy + TP"),
 }
-START, END = "<!-- overhead:start -->", "<!-- overhead:end -->"
 
 
 def table(res: dict, args: argparse.Namespace, wall: float, load: tuple[float, float]) -> str:
@@ -61,13 +59,9 @@ def table(res: dict, args: argparse.Namespace, wall: float, load: tuple[float, f
 
 def write_results(text: str, path: Path) -> None:
     """Replace only our section of RESULTS.md (other sections belong to other benchmarks)."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    block = f"{START}\n{text}\n{END}"
-    if START in old and END in old:
-        new = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, old, flags=re.S)
-    else:
-        new = old.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(new)
+    from _results import write_section
+
+    write_section("overhead", text, path)
 
 
 def main() -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import time
@@ -30,7 +29,6 @@ sys.path.insert(0, str(HERE.parent))
 
 from lightning_galv.testing import run_distributed  # noqa: E402
 
-START, END = "<!-- pipeline_bubble:start -->", "<!-- pipeline_bubble:end -->"
 RUNS = str(HERE / "_pipeline_bubble_runs.py") + "::run_all"
 
 
@@ -157,13 +155,9 @@ def table(rows: list[dict], args: argparse.Namespace, model: dict, loads: list, 
 
 def write_results(text: str, path: Path) -> None:
     """Replace only our section of RESULTS.md (other sections belong to other benchmarks)."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    block = f"{START}\n{text}\n{END}"
-    if START in old and END in old:
-        new = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, old, flags=re.S)
-    else:
-        new = old.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(new)
+    from _results import write_section
+
+    write_section("pipeline_bubble", text, path)
 
 
 def main() -> None:

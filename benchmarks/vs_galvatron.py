@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -96,14 +95,9 @@ def run(ref: Path) -> str:
 
 
 def write_section(text: str, path: Path) -> None:
-    start, end = "<!-- vs_galvatron:start -->", "<!-- vs_galvatron:end -->"
-    body = f"{start}\n## Planner vs Galvatron (benchmarks/vs_galvatron.py)\n\n{text}\n{end}"
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    if start in old and end in old:
-        new = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: body, old, flags=re.S)
-    else:
-        new = old.rstrip("\n") + "\n\n" + body + "\n"
-    path.write_text(new)
+    from _results import write_section as write
+
+    write("vs_galvatron", f"## Planner vs Galvatron (benchmarks/vs_galvatron.py)\n\n{text}", path)
 
 
 def main() -> None:
