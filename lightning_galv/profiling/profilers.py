@@ -243,18 +243,14 @@ class HardwareProfiler:
 
 
 def _reduce_scatter(out: torch.Tensor, buf: torch.Tensor, size: int, group: object) -> None:
-    try:
-        dist.reduce_scatter_tensor(out, buf, group=group)  # noqa: deprecated alias kept for 2.x
-    except (RuntimeError, NotImplementedError):  # gloo has no reduce-scatter: all-reduce and keep a slice
-        dist.all_reduce(buf, group=group)
+    # no fallback: timing an all-reduce under the name "reducescatter" would corrupt the profile
+    # (gloo, NCCL and MPI all provide it in torch 2.13)
+    dist.reduce_scatter_tensor(out, buf, group=group)
 
 
 def _all_to_all(buf: torch.Tensor, size: int, group: object) -> None:
     out = torch.empty_like(buf)
-    try:
-        dist.all_to_all_single(out, buf, group=group)
-    except (RuntimeError, NotImplementedError):
-        dist.all_reduce(buf, group=group)
+    dist.all_to_all_single(out, buf, group=group)
 
 
 def _pingpong(buf: torch.Tensor, rank: int) -> None:
