@@ -47,6 +47,7 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     from lightning_galv.profiling import HardwareProfiler, ModelProfiler
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    probes = [probe(cfg, seq)]
     hw = HardwareProfiler(sizes_bytes=sizes, repeats=repeats, progress=False).fit()
     lcfg = LlamaConfig(**cfg)
 
@@ -63,8 +64,10 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     dist.barrier()
     prof = ModelProfiler(block, shape, batch_sizes=(1, 2, 4), seq_lens=(seq // 2, seq), repeats=3,
                          progress=False, make_head=head)
+    probes.append(probe(cfg, seq))
     model = prof.fit()
-    probe_s = probe(cfg, seq)
+    probes.append(probe(cfg, seq))
+    probe_s = statistics.median(probes)
     acts = dict(model.layer(0).activation_bytes)
     acts.update(_activation_table(block, world, rank, seq, lcfg.dim))
     return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": prof.optimizer_bandwidth,
@@ -130,7 +133,8 @@ def local_storage(p: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _train_step(model, opt, rt, x, y, micro_batches: int, between=None) -> torch.Tensor:
+def _train_step(model, opt, rt, x, y, micro_batches: int, between=None, marks: list | None = None) -> torch.Tensor:
+    """One step; ``marks`` (if given) receives perf_counter() after fwd+bwd, after the gradient sync, after the optimizer."""
     loss_sum = torch.zeros(())
     mb = x.shape[0] // micro_batches
     for i in range(micro_batches):
@@ -142,9 +146,15 @@ def _train_step(model, opt, rt, x, y, micro_batches: int, between=None) -> torch
         (loss / micro_batches).backward()
         del logits
         loss_sum += loss.detach()
+    if marks is not None:
+        marks.append(time.perf_counter())
     rt.sync_gradients()
+    if marks is not None:
+        marks.append(time.perf_counter())
     opt.step()
     opt.zero_grad(set_to_none=False)  # persistent gradient buffers (see module docstring)
+    if marks is not None:
+        marks.append(time.perf_counter())
     return loss_sum
 
 
@@ -165,17 +175,22 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int) 
     b = plan.global_batch // nshards
     data = torch.randint(0, cfg["vocab_size"], (plan.global_batch, seq + 1), generator=gen)
     x, y = data[shard * b:(shard + 1) * b, :-1], data[shard * b:(shard + 1) * b, 1:]
-    probe_before = probe(cfg, seq)
-    times = []
+    times, probes, phases = [], [], []
     for i in range(warmup + steps):
+        # the machine's speed drifts (a VM on a shared host: identical launches differ by up to 1.7x), so a
+        # compute probe right before every step tells how fast the machine is at that moment
+        p = probe(cfg, seq, repeats=1)
         dist.barrier()
         t0 = time.perf_counter()
-        _train_step(model, opt, rt, x, y, plan.micro_batches)
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        marks: list[float] = []
+        _train_step(model, opt, rt, x, y, plan.micro_batches, marks=marks)
+        t = torch.tensor([time.perf_counter() - t0, marks[0] - t0, marks[1] - marks[0], marks[2] - marks[1]],
+                         dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
         if i >= warmup:
-            times.append(float(t))
-    probe_s = (probe_before + probe(cfg, seq)) / 2
+            times.append(float(t[0]))
+            probes.append(p)
+            phases.append([float(v) for v in t[1:]])
     dist.barrier()
     mt = MemTracker()
     mt.track_external(model, opt)
@@ -185,7 +200,8 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int) 
     cpu = next(iter(peak.values())) if peak else {}
     by_kind = {(k.name if hasattr(k, "name") else str(k)): float(v) for k, v in cpu.items()}
     del model, opt, rt
-    return {"step_s": statistics.median(times), "times": times, "probe_s": probe_s, "peak_bytes": by_kind.get("Total", 0.0),
+    return {"step_s": statistics.median(times), "times": times, "probes": probes, "phases": phases,
+            "peak_bytes": by_kind.get("Total", 0.0),
             "by_kind": by_kind}
 
 

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..plan import LayerStrategy, ParallelPlan
+from ..plan import LayerStrategy, ModelShape, ParallelPlan
 from .profiles import HardwareProfile, LayerTypeProfile, ModelProfile
 
 
@@ -167,6 +167,24 @@ def ulysses_comm(hw: HardwareProfile, nbytes: float, sp: int, stride: int, kv_ra
     return passes * per_pass
 
 
+def block_comm_time(hw: HardwareProfile, shape: ModelShape, s: LayerStrategy, act_bytes: float) -> float:
+    """Collectives of one forward pass of a block under ``s`` (the backward mirrors them): tp/sp only."""
+    t = s.tp
+    if t == 1:
+        return 0.0
+    stride = 1 if s.tp_consecutive else s.dp
+    if s.sp == "none":
+        return megatron_tp_comm(hw, act_bytes, t, stride, 2)
+    if s.sp == "megatron":
+        return megatron_sp_comm(hw, act_bytes, t, stride, 2)
+    return ulysses_comm(hw, act_bytes, t, stride, shape.num_kv_heads / shape.num_heads, 1)
+
+
+def bucket_copy_time(grad_bytes: float, memory_bandwidth: float) -> float:
+    """Flatten gradients into one all-reduce bucket, scale, copy back: 3 reads + 3 writes (PyTorch DDP, Li et al. VLDB'20, Sec. 3.2.3)."""
+    return 6.0 * grad_bytes / memory_bandwidth if memory_bandwidth > 0 else 0.0
+
+
 def dp_sync_bytes_time(hw: HardwareProfile, grad_bytes: float, d: int, stride: int) -> float:
     """Gradient all-reduce (ZeRO-0/1) or reduce-scatter + parameter all-gather (ZeRO-2): equal volume (ZeRO SC'20, Sec. 7)."""
     return hw.collective_time("allreduce", grad_bytes, d, stride)
@@ -240,26 +258,35 @@ class GalvatronCostModel(CostModel):
             self._cache[key] = hit
         return hit
 
+    def _compute(self, lt: LayerTypeProfile, kind: str, s: LayerStrategy, b: float) -> float:
+        """Per-rank compute of one pass: the measured sharded profile if there is one, else the divided fit."""
+        seq = self.model.seq_len
+        fit = lt.sharded_fit(kind, s.tp, s.sp if s.tp > 1 else "none")
+        if fit is not None:
+            return fit(b, seq)
+        full = {"forward": lt.forward, "backward": lt.backward, "recompute": lt.recompute_fit()}[kind]
+        return sharded_compute(full.const, full(b, seq), s.tp)
+
+    def _overlap(self, compute: float, comm: float) -> float:
+        """Overlapped when the hardware runs collectives beside compute, else one after the other."""
+        if not self.hw.async_collectives:
+            return compute + comm
+        return overlapped(compute, comm, self.hw.overlap_slowdown)
+
     def _block_cost(self, lt: LayerTypeProfile, s: LayerStrategy, mb: int) -> LayerCost:
         m, hw = self.model, self.hw
         b = mb / s.dp
-        seq = m.seq_len
         t = s.tp
-        fwd = sharded_compute(lt.forward.const, lt.forward(b, seq), t)
-        bwd = sharded_compute(lt.backward.const, lt.backward(b, seq), t)
-        rec = sharded_compute(lt.recompute_fit().const, lt.recompute_fit()(b, seq), t) if s.checkpoint else 0.0
-        act_bytes = b * seq * lt.hidden * m.act_dtype_bytes
-        tp_stride = 1 if s.tp_consecutive else s.dp
-        fwd_passes = 2 if s.checkpoint else 1  # recomputation repeats the forward collectives
-        if t > 1 and s.sp == "none":
-            fwd_comm = megatron_tp_comm(hw, act_bytes, t, tp_stride, 2)
-        elif t > 1 and s.sp == "megatron":
-            fwd_comm = megatron_sp_comm(hw, act_bytes, t, tp_stride, 2)
-        elif t > 1:
-            kv = m.shape.num_kv_heads / m.shape.num_heads
-            fwd_comm = ulysses_comm(hw, act_bytes, t, tp_stride, kv, 1)
+        fwd = self._compute(lt, "forward", s, b)
+        bwd = self._compute(lt, "backward", s, b)
+        if s.checkpoint:
+            measured = lt.sharded_fit("forward", t, s.sp if t > 1 else "none") is not None
+            rec = self._compute(lt, "forward" if measured or lt.recompute is None else "recompute", s, b)
         else:
-            fwd_comm = 0.0
+            rec = 0.0
+        act_bytes = b * m.seq_len * lt.hidden * m.act_dtype_bytes
+        fwd_passes = 2 if s.checkpoint else 1  # recomputation repeats the forward collectives
+        fwd_comm = block_comm_time(hw, m.shape, s, act_bytes)
         fwd_t = fwd + fwd_comm
         bwd_t = bwd + rec + fwd_comm * fwd_passes  # backward mirrors the forward collectives
         # data parallel: gradients of this rank's weight shard over the data group
@@ -267,29 +294,44 @@ class GalvatronCostModel(CostModel):
         dp_stride = 1 if (s.ulysses or t == 1 or not s.tp_consecutive) else t
         local_params = lt.params / s.tensor_parallel
         grad_el = 4.0 if m.precision == "fp32" else 2.0
+        grad_bytes = local_params * grad_el
         precision = "fp32" if m.precision == "fp32" else "mixed"
-        gamma = hw.overlap_slowdown
-        extra = self._optimizer_time(local_params, s.zero, d)
+        fwd_t, bwd_t, extra = self._data_parallel(local_params, s.zero, d, dp_stride, fwd_t, bwd_t)
         native = self.runtime == "native"
-        if d > 1 and s.zero == 1 and native:  # owners broadcast updated parameters (data.OptimizerStateSharding)
-            extra += hw.collective_time("allgather", local_params * grad_el, d, dp_stride)
-        if d > 1 and s.zero == 3:
-            gather = zero3_gather_time(hw, local_params * grad_el, d, dp_stride)
-            scatter = hw.collective_time("reducescatter", local_params * grad_el, d, dp_stride)
-            fwd_t = overlapped(fwd_t, gather, gamma)
-            bwd_t = overlapped(bwd_t, gather + scatter, gamma)
-        elif d > 1:
-            sync = dp_sync_bytes_time(hw, local_params * grad_el, d, dp_stride)
-            extra += overlapped(bwd_t, sync, gamma) - bwd_t
         states = local_params * state_bytes_per_param(s.zero, d, precision)
         full_act = lt.activation(t, s.sp, False) * b
         act = lt.activation(t, s.sp, s.checkpoint) * b
         transient = full_act - act if s.checkpoint else 0.0
         if native and d > 1 and s.zero == 2:  # FSDP2: sharded parameter + the gathered one it keeps
-            states += local_params * grad_el / d
+            states += grad_bytes / d
         if native and d > 1 and s.zero == 3:  # FSDP2: gathered params of this layer + the prefetched one
-            transient += 2.0 * local_params * grad_el * (1.0 - 1.0 / d)
+            transient += 2.0 * grad_bytes * (1.0 - 1.0 / d)
         return LayerCost(fwd_t, bwd_t, extra, states, act, transient)
+
+    def _data_parallel(self, local_params: float, zero: int, d: int, stride: int, fwd: float,
+                       bwd: float) -> tuple[float, float, float]:
+        """(fwd, bwd, per-step extra) once this rank's ``local_params`` are data parallel over ``d`` ranks."""
+        hw = self.hw
+        grad_bytes = local_params * (4.0 if self.model.precision == "fp32" else 2.0)
+        extra = self._optimizer_time(local_params, zero, d)
+        if d == 1 or local_params == 0:
+            return fwd, bwd, extra
+        native = self.runtime == "native"
+        if zero == 1 and native:  # owners broadcast updated parameters (data.OptimizerStateSharding)
+            extra += hw.collective_time("allgather", grad_bytes, d, stride)
+        if zero == 3:
+            gather = zero3_gather_time(hw, grad_bytes, d, stride)
+            scatter = hw.collective_time("reducescatter", grad_bytes, d, stride)
+            return self._overlap(fwd, gather), self._overlap(bwd, gather + scatter), extra
+        if native and zero <= 1:  # data.GradientSync: one bucketed all-reduce after the last backward
+            return fwd, bwd, extra + dp_sync_bytes_time(hw, grad_bytes, d, stride) + \
+                bucket_copy_time(grad_bytes, hw.memory_bandwidth)
+        if native:  # ZeRO-2 with FSDP2: parameters gathered before forward, gradients reduce-scattered in backward
+            comm = hw.collective_time("allgather", grad_bytes, d, stride) + \
+                hw.collective_time("reducescatter", grad_bytes, d, stride)
+        else:
+            comm = dp_sync_bytes_time(hw, grad_bytes, d, stride)
+        return fwd, bwd, extra + self._overlap(bwd, comm) - bwd
 
     def _optimizer_time(self, local_params: float, zero: int, d: int) -> float:
         """Memory-bound optimizer update of this rank's shard (ZeRO SC'20: stages >= 1 shard the update)."""
@@ -310,7 +352,6 @@ class GalvatronCostModel(CostModel):
         seq = m.seq_len
         fwd = bwd = extra = states = act = 0.0
         precision = "fp32" if m.precision == "fp32" else "mixed"
-        grad_el = 4.0 if m.precision == "fp32" else 2.0
         d = s.dp
         dp_stride = s.tp if (s.tp_consecutive and s.tp > 1) else 1
         for present, params, fit, act_per_sample, bwd_ratio in (
@@ -320,20 +361,11 @@ class GalvatronCostModel(CostModel):
                 continue
             local = params / s.tp
             f = sharded_compute(fit.const, fit(b, seq), s.tp)
-            fwd += f
-            bwd += bwd_ratio * f  # embedding backward is a scatter-add; head backward = 2 matmuls (SC'21)
+            # embedding backward is a scatter-add; head backward = 2 matmuls (SC'21)
+            pf, pb, pe = self._data_parallel(local, s.zero, d, dp_stride, f, bwd_ratio * f)
+            fwd, bwd, extra = fwd + pf, bwd + pb, extra + pe
             states += local * state_bytes_per_param(s.zero, d, precision)
             act += act_per_sample * b / (s.tp if last else 1)
-            extra += self._optimizer_time(local, s.zero, d)
-            if d > 1 and local > 0:
-                if s.zero == 3:
-                    g = zero3_gather_time(hw, local * grad_el, d, dp_stride)
-                    fwd = overlapped(fwd, g, hw.overlap_slowdown)
-                    bwd = overlapped(bwd, g + hw.collective_time("reducescatter", local * grad_el, d, dp_stride),
-                                     hw.overlap_slowdown)
-                else:
-                    sync = dp_sync_bytes_time(hw, local * grad_el, d, dp_stride)
-                    extra += overlapped(bwd_ratio * f, sync, hw.overlap_slowdown) - bwd_ratio * f
         if s.tp > 1 and last:  # vocab-parallel cross entropy: all-reduce of max / sum-exp (Megatron-LM SC'19)
             fwd += 2 * hw.collective_time("allreduce", b * seq * 4.0, s.tp, 1 if s.tp_consecutive else s.dp)
         return LayerCost(fwd, bwd, extra, states, act)

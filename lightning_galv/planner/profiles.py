@@ -99,6 +99,9 @@ class HardwareProfile:
     overlap_slowdown: float = 1.0  # compute and communication each run this much slower while overlapped
     memory_bandwidth: float = 0.0  # device memory bytes/s, prices the optimizer step (0 = ignore)
     name: str = "custom"
+    # whether the runtime's FSDP/ZeRO collectives can run concurrently with compute: on GPUs they go on
+    # their own CUDA stream; on CPU (gloo) FSDP2 issues them synchronously, so they add to compute time
+    async_collectives: bool = True
 
     def __post_init__(self) -> None:
         for attr in ("num_nodes", "gpus_per_node"):
@@ -195,6 +198,7 @@ class HardwareProfile:
         return {"kind": "HardwareProfile", "name": self.name, "num_nodes": self.num_nodes,
                 "gpus_per_node": self.gpus_per_node, "device_memory_bytes": self.device_memory_bytes,
                 "overlap_slowdown": self.overlap_slowdown, "memory_bandwidth": self.memory_bandwidth,
+                "async_collectives": self.async_collectives,
                 "links": {k: asdict(v) for k, v in sorted(self.links.items())},
                 "p2p": {k: asdict(v) for k, v in sorted(self.p2p.items())}}
 
@@ -300,6 +304,11 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return [m[i][n] / m[i][i] if abs(m[i][i]) > 1e-300 else 0.0 for i in range(n)]
 
 
+def time_key(tp: int, sp: str) -> str:
+    """Key of a sharded compute measurement, e.g. ``tp2/megatron``."""
+    return f"tp{tp}/{sp}"
+
+
 def act_key(tp: int, sp: str, checkpoint: bool) -> str:
     """Key of an activation measurement, e.g. ``tp2/none`` or ``tp1/none/ckpt``."""
     return f"tp{tp}/{sp}" + ("/ckpt" if checkpoint else "")
@@ -316,6 +325,11 @@ class LayerTypeProfile:
     activation_bytes: Mapping[str, float]  # act_key -> bytes per local sample at the profile seq_len
     hidden: int
     recompute: TimeFit | None = None  # None: recomputation costs one more forward
+    # time_key(tp, sp) -> {"forward": fit, "backward": fit}: per-rank compute of the layer *as the runtime
+    # shards it* (framework dispatch included, collectives excluded) vs the samples of one data shard.
+    # Measured because dispatch overhead does not shrink with 1/tp (large on CPU); missing entries fall
+    # back to dividing the unsharded fit (cost.sharded_compute).
+    sharded: Mapping[str, Mapping[str, TimeFit]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if "tp1/none" not in self.activation_bytes:
@@ -326,6 +340,18 @@ class LayerTypeProfile:
             if isinstance(v, Mapping):
                 object.__setattr__(self, attr, TimeFit(**v))
         object.__setattr__(self, "activation_bytes", dict(self.activation_bytes))
+        sharded = {}
+        for key, fits in dict(self.sharded).items():
+            if set(fits) != {"forward", "backward"}:
+                raise _bad(f"sharded[{key!r}]", "needs exactly 'forward' and 'backward' fits",
+                           "record both passes of the sharded layer (ShardedLayerProfiler).")
+            sharded[key] = {k: v if isinstance(v, TimeFit) else TimeFit(**v) for k, v in fits.items()}
+        object.__setattr__(self, "sharded", sharded)
+
+    def sharded_fit(self, kind: str, tp: int, sp: str) -> TimeFit | None:
+        """The measured per-rank ``"forward"``/``"backward"`` fit under (tp, sp), if profiled."""
+        hit = self.sharded.get(time_key(tp, sp))
+        return hit[kind] if hit is not None else None
 
     def recompute_fit(self) -> TimeFit:
         return self.recompute if self.recompute is not None else self.forward
