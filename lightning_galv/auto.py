@@ -81,6 +81,20 @@ def run_configs(world_size: int, num_layers: int, loader_batch: int | None,
     return out
 
 
+def priced_hardware(model: "ModelProfile", hw: "HardwareProfile | None", budget: float) -> "HardwareProfile":
+    """The hardware profile plans are priced with: the measured collectives (a single-rank stand-in when
+    there is nothing to measure) and, as memory bandwidth, the optimizer bandwidth the model profile
+    measured -- the HardwareProfiler does not time optimizer steps, and the value travels with the
+    cached model profile, so a cache hit prices the optimizer step exactly like the first run."""
+    from dataclasses import replace
+
+    from .planner import HardwareProfile
+
+    if hw is None:
+        hw = HardwareProfile.uniform(1, 1, budget, memory_bandwidth=0.0, name="single-rank")
+    return replace(hw, memory_bandwidth=model.optimizer_bandwidth)
+
+
 @dataclass(frozen=True)
 class AutoSearch:
     """What automatic mode chose and what it chose from (the same on every rank)."""
@@ -132,8 +146,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
         block = parts.blocks[0]
         profile = ModelProfiler(lambda: copy.deepcopy(block).float(), parts.shape, batch_sizes=(1, 2),
                                 repeats=2, cache=cache, progress=verbose).fit()
-        if hw is None:
-            hw = HardwareProfile.uniform(1, 1, budget)
+        hw = priced_hardware(profile, hw, budget)
         cost = GalvatronCostModel(profile, hw, SearchSpace().default_embed_zero, runtime="native")
         found: list[ParallelPlan] = []
         notes: list[str] = []

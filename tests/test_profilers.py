@@ -67,3 +67,31 @@ def test_hardware_profiler_two_gloo_ranks() -> None:
     assert hw.overlap_slowdown >= 1.0
     plans = search(SHAPE, hw, 2, 4e9, global_batch=4)  # analytic profile reserves 1 GiB framework memory
     assert plans[0].world_size == 2
+
+
+def test_cache_hit_prices_plans_identically(tmp_path) -> None:
+    """The optimizer bandwidth is part of the cached profile: a second fit() predicts the same step time."""
+    from lightning_galv.auto import priced_hardware
+    from lightning_galv.plan import LayerStrategy, ParallelPlan
+    from lightning_galv.planner import GalvatronCostModel, HardwareProfile
+
+    cache = ProfileCache(tmp_path)
+    first = ModelProfiler(Block, SHAPE, batch_sizes=(1, 4), repeats=2, cache=cache, progress=False)
+    prof = first.fit()
+    assert prof.optimizer_bandwidth == first.optimizer_bandwidth > 0
+    again = ModelProfiler(lambda: (_ for _ in ()).throw(AssertionError("re-profiled")), SHAPE, batch_sizes=(1, 4),
+                          repeats=2, cache=cache, progress=False)
+    hit = again.fit()
+    assert again.optimizer_bandwidth == first.optimizer_bandwidth
+    hw = HardwareProfile.uniform(1, 2, 1e9)
+    plan = ParallelPlan.uniform(2, 2, LayerStrategy(dp=2, zero=1), global_batch=4)
+
+    def predict(p):
+        cost = GalvatronCostModel(p, priced_hardware(p, hw, 1e9), runtime="native").evaluate(plan)
+        return cost.step_time_s, cost.stage_extra_s, cost.stage_memory_bytes
+
+    assert predict(hit) == predict(prof)
+    # and the optimizer step is really priced (a zero bandwidth would make both sides trivially equal)
+    unpriced = GalvatronCostModel(prof, priced_hardware(prof.with_(optimizer_bandwidth=0.0), hw, 1e9),
+                                  runtime="native").evaluate(plan)
+    assert predict(prof)[0] > unpriced.step_time_s

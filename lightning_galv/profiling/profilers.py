@@ -55,13 +55,15 @@ class ModelProfiler:
                  make_head: Callable[[], nn.Module] | None = None) -> None:
         self.make_block, self.shape = make_block, shape
         self.make_head = make_head  # final norm + output projection, called on [b, s, h] -> logits
-        self.optimizer_bandwidth = 0.0  # bytes/s of a memory-bound Adam step, set by fit()
+        self.optimizer_bandwidth = 0.0  # bytes/s of a memory-bound Adam step, set by fit() (also in the profile)
         self.batch_sizes = tuple(batch_sizes)
         self.seq_lens = tuple(seq_lens or (max(1, shape.seq_len // 2), shape.seq_len))
         self.repeats, self.dtype, self.cache, self.progress = repeats, dtype, cache, progress
 
     def key(self) -> str:
-        return fingerprint({"shape": self.shape.to_dict(), "b": self.batch_sizes, "s": self.seq_lens,
+        # "v": bump when the profile gains fields, so older cache files are measured again instead of
+        # loading with defaults (v2: optimizer_bandwidth is part of the profile)
+        return fingerprint({"v": 2, "shape": self.shape.to_dict(), "b": self.batch_sizes, "s": self.seq_lens,
                             "dtype": str(self.dtype), "torch": torch.__version__, "threads": torch.get_num_threads(),
                             "head": self.make_head is not None})
 
@@ -70,6 +72,7 @@ class ModelProfiler:
             hit = self.cache.load("model", self.key())
             if isinstance(hit, ModelProfile):
                 _progress("model profile from cache", self.progress)
+                self.optimizer_bandwidth = hit.optimizer_bandwidth
                 return hit
         block = self.make_block().to(self.dtype)
         params = sum(p.numel() for p in block.parameters())
@@ -137,7 +140,8 @@ class ModelProfiler:
                             embed_params=self.shape.vocab_size * h, head_params=self.shape.vocab_size * h,
                             embed_act_bytes=float(el * self.shape.seq_len * h),
                             head_act_bytes=float(head_act),
-                            head_forward=head_fit, source="ModelProfiler")
+                            head_forward=head_fit, source="ModelProfiler",
+                            optimizer_bandwidth=self.optimizer_bandwidth)
         if self.cache is not None:
             self.cache.save("model", self.key(), prof)
         return prof
