@@ -103,6 +103,7 @@ class AutoSearch:
     model: "ModelProfile | None"  # None: a model without the block protocol (plain DP, nothing searched)
     hardware: "HardwareProfile | None"
     budget: float  # bytes per rank given to the search
+    memory_margin: float  # plans were searched to fit budget * (1 - memory_margin)
     loader_batch: int | None  # samples per data shard per step, None when it could not be read
     explanation: str
 
@@ -119,16 +120,19 @@ class AutoSearch:
 
 def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torch.device,
               memory_budget: str | int | float | None = None, loader_batch: int | None = None,
-              pipeline: bool = False, verbose: bool = True) -> AutoSearch:
+              pipeline: bool = False, memory_margin: float | None = None, verbose: bool = True) -> AutoSearch:
     """Search a plan for ``model`` on this machine over every pipeline degree and micro-batch count the
     run supports; ``loader_batch`` is the per-shard batch of the training loader, ``pipeline`` whether
-    the LightningModule implements the pipeline hooks. Models without the block protocol get a plain
+    the LightningModule implements the pipeline hooks, ``memory_margin`` the fraction of the budget the
+    search keeps free (None: the planner's default, 2 %). Models without the block protocol get a plain
     data-parallel plan (no profile, no search)."""
     from .planner import GalvatronCostModel, HardwareProfile, ProfileCache, SearchSpace, search
-    from .planner.search import _rank_key
+    from .planner.search import DEFAULT_MEMORY_MARGIN, _rank_key
     from .profiling import HardwareProfiler, ModelProfiler
+    from .profiling.profilers import buffer_bytes
 
     budget = parse_bytes(memory_budget) if memory_budget is not None else device_memory(device)
+    margin = DEFAULT_MEMORY_MARGIN if memory_margin is None else memory_margin
     rank = dist.get_rank()
     n_layers = len(parts.blocks)
     if not parts.understood or parts.shape is None:
@@ -137,7 +141,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
         zero = 3 if 4 * params > budget else 0  # weights + grads + 2 Adam moments
         plan = ParallelPlan.uniform(world_size, n_layers, LayerStrategy(dp=world_size, zero=zero))
         _say(verbose and rank == 0, f"auto plan (model without the block protocol): {plan.layers[0].short()}")
-        return AutoSearch(plan, None, None, budget, loader_batch, "model without the block protocol: data parallel")
+        return AutoSearch(plan, None, None, budget, margin, loader_batch, "model without the block protocol: data parallel")
     cache = ProfileCache()
     hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, device_memory_bytes=budget, cache=cache,
                           progress=verbose).fit() if world_size > 1 else None
@@ -145,7 +149,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
     if rank == 0:
         block = parts.blocks[0]
         profile = ModelProfiler(lambda: copy.deepcopy(block).float(), parts.shape, batch_sizes=(1, 2),
-                                repeats=2, cache=cache, progress=verbose).fit()
+                                repeats=2, cache=cache, progress=verbose, buffer_bytes=buffer_bytes(model)).fit()
         hw = priced_hardware(profile, hw, budget)
         cost = GalvatronCostModel(profile, hw, SearchSpace().default_embed_zero, runtime="native")
         found: list[ParallelPlan] = []
@@ -155,7 +159,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
             space = SearchSpace(pp_degrees=(pp,), micro_batches=ms)
             try:
                 result = search(profile, hw, world_size, budget, global_batch=gb, top_k=3, space=space,
-                                cost_model=cost)
+                                cost_model=cost, memory_margin=margin)
             except ValueError as exc:  # nothing of this pipeline degree fits: others may
                 failures.append(f"pp={pp}: {exc}")
                 continue
@@ -173,14 +177,14 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
             notes.append("pipelines not searched: the LightningModule lacks galv_pipeline_batch/galv_pipeline_loss")
         box[0] = (best.to_dict(), profile.to_json(), hw.to_json(), "\n".join(notes))
         if verbose:
-            _say(True, f"auto plan, searched under {budget / 2**20:.1f} MiB per rank:\n  " + "\n  ".join(notes)
+            _say(True, f"auto plan, searched under {budget / 2**20:.2f} MiB per rank less a {margin:.0%} margin:\n  " + "\n  ".join(notes)
                  + "\n" + best.describe() + "\n" + _prediction_line(best, budget))
     dist.broadcast_object_list(box, src=0)
     from .planner import ModelProfile
 
     plan_d, model_json, hw_json, notes_text = box[0]
     return AutoSearch(ParallelPlan.from_dict(plan_d), ModelProfile.from_json(model_json),
-                      HardwareProfile.from_json(hw_json), budget, loader_batch, notes_text)
+                      HardwareProfile.from_json(hw_json), budget, margin, loader_batch, notes_text)
 
 
 def _prediction_line(plan: ParallelPlan, budget: float) -> str:
@@ -189,7 +193,7 @@ def _prediction_line(plan: ParallelPlan, budget: float) -> str:
         return "  (no prediction)"
     mem = ", ".join(f"{m / 2**20:.2f}" for m in p.stage_memory_bytes)
     return (f"  prediction: {p.step_time_s * 1e3:.1f} ms/step, {p.throughput:.1f} samples/s, per-stage peak "
-            f"memory [{mem}] MiB of {budget / 2**20:.2f} MiB")
+            f"memory [{mem}] MiB (budget {budget / 2**20:.2f} MiB)")
 
 
 def _say(enabled: bool, msg: str) -> None:

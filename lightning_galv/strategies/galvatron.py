@@ -59,6 +59,8 @@ class GalvatronStrategy(ParallelStrategy):
             embedding and the head use ``LayerStrategy(tp, dp=world/tp, sp, zero, checkpoint)``).
         memory_budget: device memory the automatic planner may use per rank ("20GB", bytes, or None for
             the device's capacity).
+        memory_margin: fraction of ``memory_budget`` the automatic planner keeps free for temporaries the
+            cost model does not itemize (None: the planner's default, 2 %).
         save_distributed_checkpoint: sharded DCP folder (True) or one full ``.ckpt`` file (False).
         start_method: ``"subprocess"`` re-runs the script per rank (like torchrun); ``"spawn"``/``"fork"``
             start ranks with multiprocessing (notebooks).
@@ -78,6 +80,7 @@ class GalvatronStrategy(ParallelStrategy):
         checkpoint: bool | None = None,
         tp_consecutive: bool | None = None,
         memory_budget: str | int | float | None = None,
+        memory_margin: float | None = None,
         save_distributed_checkpoint: bool = True,
         start_method: Literal["subprocess", "spawn", "fork", "forkserver"] = "subprocess",
         process_group_backend: str | None = None,
@@ -101,6 +104,11 @@ class GalvatronStrategy(ParallelStrategy):
         if shortcuts:  # validate early: a typo must fail at construction, not after the launch
             LayerStrategy(**{**shortcuts, "tp": shortcuts.get("tp", 1)})
         self._memory_budget = memory_budget
+        if memory_margin is not None and (isinstance(memory_margin, bool) or not isinstance(memory_margin, (int, float))
+                                          or not 0 <= memory_margin < 1):
+            raise ValueError(f"memory_margin={memory_margin!r}: must be a fraction in [0, 1). "
+                             "HINT: e.g. memory_margin=0.02 keeps 2 % of the budget free; 0 uses all of it.")
+        self._memory_margin = memory_margin
         self._save_distributed_checkpoint = save_distributed_checkpoint
         if start_method not in ("subprocess", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r}: must be subprocess, spawn, fork or forkserver. "
@@ -281,7 +289,8 @@ class GalvatronStrategy(ParallelStrategy):
         module = self.lightning_module
         pipeline = all(callable(getattr(module, n, None)) for n in ("galv_pipeline_batch", "galv_pipeline_loss"))
         self.auto = auto_plan(self.model, parts, self.world_size, self.root_device, self._memory_budget,
-                              loader_batch=_loader_batch_size(trainer), pipeline=pipeline)
+                              loader_batch=_loader_batch_size(trainer), pipeline=pipeline,
+                              memory_margin=self._memory_margin)
         return self.auto.plan
 
     # -- gradients ---------------------------------------------------------------------------------
