@@ -35,7 +35,7 @@ from .models.protocol import ModelParts
 from .plan import LayerStrategy, ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .planner import HardwareProfile, ModelProfile
+    from .planner import HardwareProfile, ModelProfile, ProfileCache
     from .planner.cost import GalvatronCostModel
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -79,6 +79,18 @@ def run_configs(world_size: int, num_layers: int, loader_batch: int | None,
         ms = (1,) if pp == 1 else tuple(m for m in range(1, loader_batch + 1) if loader_batch % m == 0)
         out.append((pp, loader_batch * (world_size // pp), ms))
     return out
+
+
+def profile_model(model: nn.Module, parts: ModelParts, cache: "ProfileCache | None" = None,
+                  verbose: bool = False) -> "ModelProfile":
+    """The model profile automatic mode searches with (from ``cache`` when this block was measured before)."""
+    from .profiling import ModelProfiler
+    from .profiling.profilers import buffer_bytes
+
+    assert parts.shape is not None
+    block = parts.blocks[0]
+    return ModelProfiler(lambda: copy.deepcopy(block).float(), parts.shape, batch_sizes=(1, 2), repeats=2,
+                         cache=cache, progress=verbose, buffer_bytes=buffer_bytes(model)).fit()
 
 
 def priced_hardware(model: "ModelProfile", hw: "HardwareProfile | None", budget: float) -> "HardwareProfile":
@@ -128,8 +140,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
     data-parallel plan (no profile, no search)."""
     from .planner import GalvatronCostModel, HardwareProfile, ProfileCache, SearchSpace, search
     from .planner.search import DEFAULT_MEMORY_MARGIN, _rank_key
-    from .profiling import HardwareProfiler, ModelProfiler
-    from .profiling.profilers import buffer_bytes
+    from .profiling import HardwareProfiler
 
     budget = parse_bytes(memory_budget) if memory_budget is not None else device_memory(device)
     margin = DEFAULT_MEMORY_MARGIN if memory_margin is None else memory_margin
@@ -147,9 +158,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
                           progress=verbose).fit() if world_size > 1 else None
     box: list[Any] = [None]
     if rank == 0:
-        block = parts.blocks[0]
-        profile = ModelProfiler(lambda: copy.deepcopy(block).float(), parts.shape, batch_sizes=(1, 2),
-                                repeats=2, cache=cache, progress=verbose, buffer_bytes=buffer_bytes(model)).fit()
+        profile = profile_model(model, parts, cache, verbose)
         hw = priced_hardware(profile, hw, budget)
         cost = GalvatronCostModel(profile, hw, SearchSpace().default_embed_zero, runtime="native")
         found: list[ParallelPlan] = []
@@ -162,6 +171,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
                                 cost_model=cost, memory_margin=margin)
             except ValueError as exc:  # nothing of this pipeline degree fits: others may
                 failures.append(f"pp={pp}: {exc}")
+                notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): no plan fits")
                 continue
             found += result
             notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): {result.explanation.splitlines()[0]}")
