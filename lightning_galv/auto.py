@@ -3,6 +3,20 @@
 Hardware is profiled by all ranks together (collectives need everyone); the model is profiled and
 the plan searched on rank 0 only, then broadcast, because per-rank timings differ slightly and every
 rank must apply the same plan.
+
+The search is restricted to what *this run* can execute, not to what the planner can describe:
+
+* the data loader's batch size ``b`` is fixed by the user, so a plan with ``D`` data shards trains on a
+  global batch of ``b * D`` samples. Every plan the search emits serves ``D = world / pp`` shards (its
+  embedding is data-parallel over the whole stage), so a pipeline degree ``pp`` means a global batch
+  of ``b * world / pp``;
+* the pipeline schedule splits each rank's loader batch into ``micro_batches``, so ``micro_batches``
+  must divide ``b``; without a pipeline (pp = 1) the runtime does not split the batch at all (gradient
+  accumulation is Lightning's ``accumulate_grad_batches``), so pp = 1 means one micro-batch;
+* pp > 1 needs the LightningModule's pipeline hooks (``galv_pipeline_batch`` / ``galv_pipeline_loss``).
+
+Plans are priced with ``GalvatronCostModel(runtime="native")``: what lightning_galv's runtime does
+(FSDP2 keeps gathered parameters, ZeRO-1 owners broadcast), not the textbook model.
 """
 
 from __future__ import annotations
@@ -10,7 +24,8 @@ from __future__ import annotations
 import copy
 import os
 import re
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,8 +34,15 @@ from torch import nn
 from .models.protocol import ModelParts
 from .plan import LayerStrategy, ParallelPlan
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .planner import HardwareProfile, ModelProfile, ProfileCache
+    from .planner.cost import GalvatronCostModel
+
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
+# loader batch assumed when it cannot be read (a loader without a batch_size, several loaders): only
+# pp = 1 with one micro-batch is searched then, which runs with any batch size
+_ASSUMED_LOADER_BATCH = 2
 
 
 def parse_bytes(value: str | int | float) -> float:
@@ -45,14 +67,83 @@ def device_memory(device: torch.device) -> float:
     return float(psutil.virtual_memory().total) / max(1, local)
 
 
+def run_configs(world_size: int, num_layers: int, loader_batch: int | None,
+                pipeline: bool) -> list[tuple[int, int, tuple[int, ...]]]:
+    """``(pp, global_batch, micro_batch counts)`` this run can execute (see the module docstring)."""
+    if loader_batch is None:
+        return [(1, _ASSUMED_LOADER_BATCH * world_size, (1,))]
+    out = []
+    for pp in range(1, world_size + 1):
+        if world_size % pp or pp > num_layers or (pp > 1 and not pipeline):
+            continue
+        ms = (1,) if pp == 1 else tuple(m for m in range(1, loader_batch + 1) if loader_batch % m == 0)
+        out.append((pp, loader_batch * (world_size // pp), ms))
+    return out
+
+
+def profile_model(model: nn.Module, parts: ModelParts, cache: "ProfileCache | None" = None,
+                  verbose: bool = False) -> "ModelProfile":
+    """The model profile automatic mode searches with (from ``cache`` when this block was measured before)."""
+    from .profiling import ModelProfiler
+    from .profiling.profilers import buffer_bytes
+
+    assert parts.shape is not None
+    block = parts.blocks[0]
+    return ModelProfiler(lambda: copy.deepcopy(block).float(), parts.shape, batch_sizes=(1, 2), repeats=2,
+                         cache=cache, progress=verbose, buffer_bytes=buffer_bytes(model)).fit()
+
+
+def priced_hardware(model: "ModelProfile", hw: "HardwareProfile | None", budget: float) -> "HardwareProfile":
+    """The hardware profile plans are priced with: the measured collectives (a single-rank stand-in when
+    there is nothing to measure) and, as memory bandwidth, the optimizer bandwidth the model profile
+    measured -- the HardwareProfiler does not time optimizer steps, and the value travels with the
+    cached model profile, so a cache hit prices the optimizer step exactly like the first run."""
+    from dataclasses import replace
+
+    from .planner import HardwareProfile
+
+    if hw is None:
+        hw = HardwareProfile.uniform(1, 1, budget, memory_bandwidth=0.0, name="single-rank")
+    return replace(hw, memory_bandwidth=model.optimizer_bandwidth)
+
+
+@dataclass(frozen=True)
+class AutoSearch:
+    """What automatic mode chose and what it chose from (the same on every rank)."""
+
+    plan: ParallelPlan
+    model: "ModelProfile | None"  # None: a model without the block protocol (plain DP, nothing searched)
+    hardware: "HardwareProfile | None"
+    budget: float  # bytes per rank given to the search
+    memory_margin: float  # plans were searched to fit budget * (1 - memory_margin)
+    loader_batch: int | None  # samples per data shard per step, None when it could not be read
+    explanation: str
+
+    def cost_model(self) -> "GalvatronCostModel":
+        """The cost model the search priced plans with (to predict other plans the same way)."""
+        from .planner import GalvatronCostModel
+        from .planner.search import SearchSpace
+
+        if self.model is None or self.hardware is None:
+            raise ValueError("AutoSearch.model=None: the model has no block protocol, so nothing was priced. "
+                             "HINT: implement the protocol (lightning_galv.models.protocol) to get predictions.")
+        return GalvatronCostModel(self.model, self.hardware, SearchSpace().default_embed_zero, runtime="native")
+
+
 def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torch.device,
-              memory_budget: str | int | float | None = None, global_batch: int | None = None,
-              verbose: bool = True) -> ParallelPlan:
-    """Search a plan for ``model`` on this machine (pipeline degree 1 until stages are supported)."""
-    from .planner import ProfileCache, SearchSpace, search
-    from .profiling import HardwareProfiler, ModelProfiler
+              memory_budget: str | int | float | None = None, loader_batch: int | None = None,
+              pipeline: bool = False, memory_margin: float | None = None, verbose: bool = True) -> AutoSearch:
+    """Search a plan for ``model`` on this machine over every pipeline degree and micro-batch count the
+    run supports; ``loader_batch`` is the per-shard batch of the training loader, ``pipeline`` whether
+    the LightningModule implements the pipeline hooks, ``memory_margin`` the fraction of the budget the
+    search keeps free (None: the planner's default, 2 %). Models without the block protocol get a plain
+    data-parallel plan (no profile, no search)."""
+    from .planner import GalvatronCostModel, HardwareProfile, ProfileCache, SearchSpace, search
+    from .planner.search import DEFAULT_MEMORY_MARGIN, _rank_key
+    from .profiling import HardwareProfiler
 
     budget = parse_bytes(memory_budget) if memory_budget is not None else device_memory(device)
+    margin = DEFAULT_MEMORY_MARGIN if memory_margin is None else memory_margin
     rank = dist.get_rank()
     n_layers = len(parts.blocks)
     if not parts.understood or parts.shape is None:
@@ -61,28 +152,58 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
         zero = 3 if 4 * params > budget else 0  # weights + grads + 2 Adam moments
         plan = ParallelPlan.uniform(world_size, n_layers, LayerStrategy(dp=world_size, zero=zero))
         _say(verbose and rank == 0, f"auto plan (model without the block protocol): {plan.layers[0].short()}")
-        return plan
+        return AutoSearch(plan, None, None, budget, margin, loader_batch, "model without the block protocol: data parallel")
     cache = ProfileCache()
     hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, device_memory_bytes=budget, cache=cache,
                           progress=verbose).fit() if world_size > 1 else None
     box: list[Any] = [None]
     if rank == 0:
-        block = parts.blocks[0]
-        shape = parts.shape
-        profile = ModelProfiler(lambda: copy.deepcopy(block).float(), shape, batch_sizes=(1, 2),
-                                repeats=2, cache=cache, progress=verbose).fit()
-        if hw is None:
-            from .planner import HardwareProfile
-
-            hw = HardwareProfile.uniform(1, 1, budget)
-        space = SearchSpace(pp_degrees=(1,), micro_batches=(1,))
-        gb = global_batch or 2 * world_size
-        result = search(profile, hw, world_size, budget, global_batch=gb, top_k=3, space=space)
-        best = result[0].with_(global_batch=None)
-        _say(verbose, f"auto plan ({result.stats.get('seconds', 0):.2f}s search):\n{result.explanation}")
-        box[0] = best.to_dict()
+        profile = profile_model(model, parts, cache, verbose)
+        hw = priced_hardware(profile, hw, budget)
+        cost = GalvatronCostModel(profile, hw, SearchSpace().default_embed_zero, runtime="native")
+        found: list[ParallelPlan] = []
+        notes: list[str] = []
+        failures: list[str] = []
+        for pp, gb, ms in run_configs(world_size, n_layers, loader_batch, pipeline):
+            space = SearchSpace(pp_degrees=(pp,), micro_batches=ms)
+            try:
+                result = search(profile, hw, world_size, budget, global_batch=gb, top_k=3, space=space,
+                                cost_model=cost, memory_margin=margin)
+            except ValueError as exc:  # nothing of this pipeline degree fits: others may
+                failures.append(f"pp={pp}: {exc}")
+                notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): no plan fits")
+                continue
+            found += result
+            notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): {result.explanation.splitlines()[0]}")
+        if not found:
+            raise ValueError(f"memory_budget={budget:.0f} bytes: no plan fits this run. "
+                             + " | ".join(failures) + " HINT: raise memory_budget, lower the batch size, or "
+                             "give the LightningModule the pipeline hooks so pipeline stages can be searched.")
+        found.sort(key=_rank_key)
+        best = found[0]
+        if loader_batch is None:
+            notes.append(f"loader batch unknown: assumed {_ASSUMED_LOADER_BATCH} per shard, pipelines not searched")
+        elif not pipeline:
+            notes.append("pipelines not searched: the LightningModule lacks galv_pipeline_batch/galv_pipeline_loss")
+        box[0] = (best.to_dict(), profile.to_json(), hw.to_json(), "\n".join(notes))
+        if verbose:
+            _say(True, f"auto plan, searched under {budget / 2**20:.2f} MiB per rank less a {margin:.0%} margin:\n  " + "\n  ".join(notes)
+                 + "\n" + best.describe() + "\n" + _prediction_line(best, budget))
     dist.broadcast_object_list(box, src=0)
-    return ParallelPlan.from_dict(box[0])
+    from .planner import ModelProfile
+
+    plan_d, model_json, hw_json, notes_text = box[0]
+    return AutoSearch(ParallelPlan.from_dict(plan_d), ModelProfile.from_json(model_json),
+                      HardwareProfile.from_json(hw_json), budget, margin, loader_batch, notes_text)
+
+
+def _prediction_line(plan: ParallelPlan, budget: float) -> str:
+    p = plan.prediction
+    if p is None:
+        return "  (no prediction)"
+    mem = ", ".join(f"{m / 2**20:.2f}" for m in p.stage_memory_bytes)
+    return (f"  prediction: {p.step_time_s * 1e3:.1f} ms/step, {p.throughput:.1f} samples/s, per-stage peak "
+            f"memory [{mem}] MiB (budget {budget / 2**20:.2f} MiB)")
 
 
 def _say(enabled: bool, msg: str) -> None:

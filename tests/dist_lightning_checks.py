@@ -144,23 +144,72 @@ def run_many(cases: list[tuple[str, str, dict]]) -> dict[str, Any]:
     return out
 
 
-def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str = "2GB") -> dict[str, Any]:
-    """strategy='galvatron' with no plan: the planner picks one; it must still train exactly."""
+def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2GB",
+             dp_budget_fraction: float | None = None) -> dict[str, Any]:
+    """strategy='galvatron' with no plan: the planner picks one; it must still train exactly.
+
+    ``dp_budget_fraction``: instead of ``memory_budget``, give the planner this fraction of what plain data
+    parallelism over every rank is predicted to need (same profile, same cost model as automatic mode), so
+    the search has to pick something leaner; the predictions come back for the test to check.
+    """
+    from lightning_galv.auto import priced_hardware, profile_model
+    from lightning_galv.models.protocol import find_parts
+    from lightning_galv.plan import LayerStrategy
+    from lightning_galv.planner import GalvatronCostModel, HardwareProfile, ProfileCache
+
+    world = int(os.environ["LOCAL_WORLD_SIZE"])
     module = make_module("llama")
     ref_module = copy.deepcopy(module)
-    data = Windows(steps * per_shard * int(os.environ["LOCAL_WORLD_SIZE"]))
+    n_layers = module.model.cfg.n_layers
+
+    def plain_dp(gb: int) -> ParallelPlan:  # every layer, the embedding and the head: dp over all ranks, no ZeRO
+        return ParallelPlan.uniform(world, n_layers, LayerStrategy(dp=world), global_batch=gb)
+
+    budget: Any = memory_budget
+    if dp_budget_fraction is not None:
+        # memory predictions depend on parameter counts and saved-activation bytes only (not on timings), so
+        # this profile -- the one automatic mode will load from the cache -- fixes the budget on every rank
+        prof = profile_model(module, find_parts(module), ProfileCache())
+        hw = priced_hardware(prof, HardwareProfile.uniform(1, world, 1e12), 1e12)
+        need = GalvatronCostModel(prof, hw, runtime="native").evaluate(plain_dp(per_shard * world)).peak_memory_bytes
+        budget = int(dp_budget_fraction * need)
+    data = Windows(steps * per_shard * world)
     loader = DataLoader(data, batch_size=per_shard, shuffle=False)
-    strategy = GalvatronStrategy(memory_budget=memory_budget)
+    strategy = GalvatronStrategy(memory_budget=budget)
     rec = LossRecorder()
     trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec], **trainer_kwargs())
     trainer.fit(module, loader)
-    assert strategy.plan is not None
-    g = per_shard * strategy.plan.data_parallel_size
+    assert strategy.plan is not None and strategy.auto is not None
+    plan = strategy.plan
+    g = per_shard * plan.data_parallel_size
     perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
     ref_losses, want = reference(ref_module, data.data[perm], steps, g)
     got = full_state(module.model)
-    return {"plan": strategy.plan.to_dict(), "loss_err": max(abs(a - b) / abs(b) for a, b in zip(rec.losses, ref_losses)),
-            "weight_err": max(rel_err(got[k], want[k]) for k in want), "predicted": strategy.plan.prediction is not None}
+    out = {"plan": plan.to_dict(), "loss_err": max(abs(a - b) / abs(b) for a, b in zip(rec.losses, ref_losses)),
+           "n_losses": len(rec.losses), "weight_err": weight_err(got, want), "predicted": plan.prediction is not None,
+           "budget": strategy.auto.budget, "margin": strategy.auto.memory_margin, "global_batch": g,
+           "loader_batch": strategy.auto.loader_batch}
+    if plan.prediction is not None:
+        cost = strategy.auto.cost_model()  # what the search priced plans with
+        out["chosen_peak"] = max(plan.prediction.stage_memory_bytes)
+        out["chosen_peak_recomputed"] = cost.evaluate(plan).peak_memory_bytes
+        out["dp_peak"] = cost.evaluate(plain_dp(per_shard * world)).peak_memory_bytes
+        # the leanest all-dp variant the search could emit: ZeRO-2 embedding/head as the search assigns them
+        lean = plain_dp(per_shard * world).with_(embed=LayerStrategy(dp=world, zero=2), head=LayerStrategy(dp=world, zero=2))
+        out["dp_lean_peak"] = cost.evaluate(lean).peak_memory_bytes
+        # would anything without a pipeline have fitted? (same search, restricted to pp = 1)
+        from lightning_galv.auto import run_configs
+        from lightning_galv.planner import SearchSpace, search
+
+        _, gb, ms = run_configs(world, n_layers, per_shard, pipeline=True)[0]
+        try:
+            search(strategy.auto.model, strategy.auto.hardware, world, strategy.auto.budget, global_batch=gb,
+                   space=SearchSpace(pp_degrees=(1,), micro_batches=ms), cost_model=cost,
+                   memory_margin=strategy.auto.memory_margin)
+            out["pp1_fits"] = True
+        except ValueError:
+            out["pp1_fits"] = False
+    return out
 
 
 class ScheduledLM(CausalLM):

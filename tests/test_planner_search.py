@@ -11,7 +11,7 @@ import pytest
 from lightning_galv.plan import LayerStrategy, ModelShape, ParallelPlan
 from lightning_galv.planner.cost import GalvatronCostModel, StageContext
 from lightning_galv.planner.profiles import HardwareProfile, LayerTypeProfile, ModelProfile, TimeFit, act_key
-from lightning_galv.planner.search import SearchSpace, candidate_strategies, search
+from lightning_galv.planner.search import DEFAULT_MEMORY_MARGIN, SearchSpace, candidate_strategies, search
 
 MS = 1e-3
 
@@ -78,7 +78,7 @@ def test_dp_matches_brute_force_on_every_small_instance() -> None:
             budget = frac * fat.peak_memory_bytes
             want, plan_bf = brute_force(prof, hw, world, G, m, budget, space)
             try:
-                result = search(prof, hw, world, budget, global_batch=G, top_k=1, space=space)
+                result = search(prof, hw, world, budget, global_batch=G, top_k=1, space=space, memory_margin=0.0)
                 got = result[0]
                 dp_runs += result.stats["dp_runs"]
             except ValueError:
@@ -121,7 +121,7 @@ def test_uneven_partition_by_memory_under_1f1b() -> None:
     space = SearchSpace(pp_degrees=(2,), micro_batches=(4,), schedules=("1f1b",), checkpoint=(False,))
     # per layer: 1 sample x 1e6 bytes; stage 0 holds 2 micro-batches -> 2e6 per layer
     budget = 7.0e6 + 1e5  # stage 0: 3 layers (6e6), stage 1: 5 layers (5e6); 4/4 needs 8e6 on stage 0
-    best = search(prof, hw, 2, budget, global_batch=4, top_k=1, space=space)[0]
+    best = search(prof, hw, 2, budget, global_batch=4, top_k=1, space=space, memory_margin=0.0)[0]
     assert best.pp_division[0] < best.pp_division[1]
     assert max(best.prediction.stage_memory_bytes) <= budget
     with pytest.raises(ValueError, match="HINT:"):
@@ -142,6 +142,26 @@ def test_infeasible_budget_names_smallest_fit() -> None:
     need = float(msg.split("smallest memory that would fit is ")[1].split(" GiB (")[1].split(" bytes")[0])
     plans = search(prof, hw, 4, need * 1.01, global_batch=8)
     assert max(plans[0].prediction.stage_memory_bytes) <= need * 1.01
+
+
+def test_memory_margin_keeps_part_of_the_budget_free() -> None:
+    """A plan using more than (1 - margin) of the budget is not returned; margin 0 returns it."""
+    prof, hw = toy_profile(4), toy_hw(4)
+    roomy = search(prof, hw, 4, 1e12, global_batch=8, top_k=1, memory_margin=0.0)[0]
+    peak = max(roomy.prediction.stage_memory_bytes)
+    budget = peak * 1.01  # the roomy optimum fits the budget, but not 98 % of it
+    exact = search(prof, hw, 4, budget, global_batch=8, top_k=1, memory_margin=0.0)[0]
+    assert exact == roomy
+    kept = search(prof, hw, 4, budget, global_batch=8, top_k=3)  # default margin
+    assert kept.stats["usable_budget_bytes"] == pytest.approx(budget * (1 - DEFAULT_MEMORY_MARGIN))
+    for plan in kept:
+        assert max(plan.prediction.stage_memory_bytes) <= budget * (1 - DEFAULT_MEMORY_MARGIN)
+    assert kept[0] != roomy and kept[0].prediction.step_time_s > roomy.prediction.step_time_s
+    wide = search(prof, hw, 4, budget, global_batch=8, top_k=1, memory_margin=0.3)[0]
+    assert max(wide.prediction.stage_memory_bytes) <= 0.7 * budget
+    for bad in (-0.1, 1.0, True, "2%"):
+        with pytest.raises(ValueError, match="HINT:"):
+            search(prof, hw, 4, budget, global_batch=8, memory_margin=bad)
 
 
 def test_top_k_sorted_valid_and_explained() -> None:

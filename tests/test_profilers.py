@@ -67,3 +67,63 @@ def test_hardware_profiler_two_gloo_ranks() -> None:
     assert hw.overlap_slowdown >= 1.0
     plans = search(SHAPE, hw, 2, 4e9, global_batch=4)  # analytic profile reserves 1 GiB framework memory
     assert plans[0].world_size == 2
+
+
+def test_cache_hit_prices_plans_identically(tmp_path) -> None:
+    """The optimizer bandwidth is part of the cached profile: a second fit() predicts the same step time."""
+    from lightning_galv.auto import priced_hardware
+    from lightning_galv.plan import LayerStrategy, ParallelPlan
+    from lightning_galv.planner import GalvatronCostModel, HardwareProfile
+
+    cache = ProfileCache(tmp_path)
+    first = ModelProfiler(Block, SHAPE, batch_sizes=(1, 4), repeats=2, cache=cache, progress=False)
+    prof = first.fit()
+    assert prof.optimizer_bandwidth == first.optimizer_bandwidth > 0
+    again = ModelProfiler(lambda: (_ for _ in ()).throw(AssertionError("re-profiled")), SHAPE, batch_sizes=(1, 4),
+                          repeats=2, cache=cache, progress=False)
+    hit = again.fit()
+    assert again.optimizer_bandwidth == first.optimizer_bandwidth
+    hw = HardwareProfile.uniform(1, 2, 1e9)
+    plan = ParallelPlan.uniform(2, 2, LayerStrategy(dp=2, zero=1), global_batch=4)
+
+    def predict(p):
+        cost = GalvatronCostModel(p, priced_hardware(p, hw, 1e9), runtime="native").evaluate(plan)
+        return cost.step_time_s, cost.stage_extra_s, cost.stage_memory_bytes
+
+    assert predict(hit) == predict(prof)
+    # and the optimizer step is really priced (a zero bandwidth would make both sides trivially equal)
+    unpriced = GalvatronCostModel(prof, priced_hardware(prof.with_(optimizer_bandwidth=0.0), hw, 1e9),
+                                  runtime="native").evaluate(plan)
+    assert predict(prof)[0] > unpriced.step_time_s
+
+
+class BufferBlock(Block):
+    """Block with a RoPE-like table: a buffer the forward multiplies with (autograd saves a view of it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.linspace(0.5, 1.5, 16 * 32).reshape(16, 32), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * self.table[: x.shape[1]])
+
+
+def test_buffers_are_fixed_memory_not_activations(tmp_path) -> None:
+    from lightning_galv.profiling.profilers import buffer_bytes
+
+    plain = ModelProfiler(Block, SHAPE, batch_sizes=(1, 4), repeats=1, cache=None, progress=False).fit()
+    table = 16 * 32 * 4
+    prof = ModelProfiler(BufferBlock, SHAPE, batch_sizes=(1, 4), repeats=1, cache=None, progress=False).fit()
+    assert plain.framework_bytes == 0.0 and prof.framework_bytes == table
+    # x * table saves only the table slice for backward (x needs no saving: the table has no gradient),
+    # and `up` saves x * table instead of x: the same activation bytes as without the table. Counted as an
+    # activation the slice would add table / b bytes per sample to every layer.
+    key = act_key(1, "none", False)
+    assert prof.layer(0).activation_bytes[key] == plain.layer(0).activation_bytes[key]
+    # a table shared by several blocks (one RoPE for the model) is one storage; the caller's count wins
+    shared = BufferBlock()
+    model = nn.ModuleList([shared, BufferBlock()])
+    model[1].table = shared.table
+    assert buffer_bytes(model) == table
+    told = ModelProfiler(BufferBlock, SHAPE, batch_sizes=(1, 4), repeats=1, progress=False, buffer_bytes=3 * table).fit()
+    assert told.framework_bytes == 3 * table

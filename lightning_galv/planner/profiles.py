@@ -389,6 +389,10 @@ class ModelProfile:
     head_forward: TimeFit = TimeFit()
     framework_bytes: float = 0.0  # CUDA/CPU context, allocator slack, workspace: per rank
     source: str = "custom"
+    # bytes/s of a memory-bound optimizer step measured on this model's block (0 = not measured). Kept with
+    # the profile because it was measured with it: a cached profile must price the optimizer step exactly
+    # like the run that measured it (it becomes HardwareProfile.memory_bandwidth in automatic mode).
+    optimizer_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.shape, Mapping):
@@ -400,6 +404,9 @@ class ModelProfile:
             v = getattr(self, attr)
             if isinstance(v, Mapping):
                 object.__setattr__(self, attr, TimeFit(**v))
+        if not (self.optimizer_bandwidth >= 0 and math.isfinite(self.optimizer_bandwidth)):
+            raise _bad(f"optimizer_bandwidth={self.optimizer_bandwidth}", "must be a finite number >= 0 (bytes/s)",
+                       "use 0 when unknown; re-profile otherwise.")
         if self.precision not in PRECISIONS:
             raise _bad(f"precision={self.precision}", f"must be one of {PRECISIONS}", "use 'bf16' for mixed precision.")
         if len(self.layer_type_of) != self.shape.num_layers:

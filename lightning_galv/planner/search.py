@@ -21,6 +21,14 @@ Structure (Galvatron VLDB'23, Galvatron-BMW TKDE'24), outermost first:
 
 Memory is accounted on a grid of ``budget / memory_bins`` bytes, rounding every layer *up*: the
 search is conservative (a plan it returns fits) and exact with respect to that grid.
+
+The budget the plans must fit is ``memory_budget_bytes * (1 - memory_margin)``, 2 % below the given
+budget by default (:data:`DEFAULT_MEMORY_MARGIN`): the cost model counts the tensors it knows (model
+states, saved activations, recomputation buffers, gathered ZeRO-3 parameters, the profile's fixed
+bytes), but a real step also allocates small temporaries (norm statistics, softmax scratch, the loss'
+intermediates) that no profile itemizes. Measured per-rank peaks on CPU came out up to ~0.3 % above the
+predictions for that reason (benchmarks/RESULTS.md); the margin keeps a plan predicted to fit inside
+the budget without pricing those temporaries one by one. ``memory_margin=0`` searches the exact budget.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from .cost import CostModel, GalvatronCostModel, LayerCost, PlanCost, StageConte
 from .profiles import HardwareProfile, ModelProfile
 
 GiB = float(2**30)
+DEFAULT_MEMORY_MARGIN = 0.02  # fraction of the budget kept free for what the cost model does not itemize
 
 
 def _bad(value: object, rule: str, hint: str) -> ValueError:
@@ -589,14 +598,15 @@ def _batches(global_batch: int | Sequence[int] | range) -> list[int]:
 def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: int | None = None,
            memory_budget_bytes: float | None = None, *, global_batch: int | Sequence[int] = 8,
            top_k: int = 5, space: SearchSpace | None = None, cost_model: CostModel | None = None,
-           ) -> SearchResult:
+           memory_margin: float = DEFAULT_MEMORY_MARGIN) -> SearchResult:
     """The ``top_k`` fastest plans (by throughput) that fit ``memory_budget_bytes`` per device.
 
     ``model`` is a measured/imported :class:`ModelProfile`, or a :class:`ModelShape` (then an analytic
     profile is used). ``world_size`` defaults to the hardware profile's; the budget to its device
     memory. ``global_batch`` is one value or a range to sweep: plans are ranked by samples/second, ties
     going to the larger batch (fewer optimizer steps for the same samples). Raises ``ValueError`` with
-    the smallest budget that would fit when nothing does.
+    the smallest budget that would fit when nothing does. Plans must fit ``memory_budget_bytes x
+    (1 - memory_margin)`` (see the module docstring for why the margin exists).
     """
     t_start = time.perf_counter()
     profile = _as_profile(model)
@@ -608,6 +618,11 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
     budget = hw.device_memory_bytes if memory_budget_bytes is None else float(memory_budget_bytes)
     if not budget > 0:
         raise _bad(f"memory_budget_bytes={memory_budget_bytes}", "must be > 0", "e.g. 40 * 2**30 for 40 GiB.")
+    if isinstance(memory_margin, bool) or not isinstance(memory_margin, (int, float)) or not 0 <= memory_margin < 1:
+        raise _bad(f"memory_margin={memory_margin}", "must be a fraction in [0, 1)",
+                   f"e.g. memory_margin={DEFAULT_MEMORY_MARGIN} keeps 2 % of the budget free; 0 uses all of it.")
+    given = budget
+    budget = given * (1.0 - memory_margin)  # what plans may use
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise _bad(f"top_k={top_k}", "must be a positive int", "top_k=5.")
     space = space or SearchSpace()
@@ -672,12 +687,15 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
     if not found:
         fits = [r for r in (s.smallest_fit(c) for c in configs if math.isfinite(c.bound)) if r is not None]
         need, how = min(fits) if fits else (math.inf, "none")
+        need /= 1.0 - memory_margin  # the budget to ask for, margin included
         raise ValueError(
-            f"memory_budget_bytes={budget:.0f} ({budget / GiB:.2f} GiB): no plan fits on {world} devices for "
+            f"memory_budget_bytes={given:.0f} ({given / GiB:.2f} GiB, {budget / GiB:.2f} GiB usable after the "
+            f"{memory_margin:.0%} margin): no plan fits on {world} devices for "
             f"global batch {batches}; the smallest memory that would fit is {need / GiB:.2f} GiB "
             f"({need:.0f} bytes, {how}). HINT: raise the budget to at least {need / GiB:.2f} GiB, lower the "
             f"global batch, or allow more ZeRO stages / checkpointing / pipeline stages in the SearchSpace.")
-    return SearchResult(found, explain(found, profile, s.stats, budget, batches), s.stats)
+    s.stats["usable_budget_bytes"] = budget
+    return SearchResult(found, explain(found, profile, s.stats, budget, batches, given), s.stats)
 
 
 def _rank_key(plan: ParallelPlan) -> tuple:
@@ -688,14 +706,15 @@ def _rank_key(plan: ParallelPlan) -> tuple:
 
 
 def explain(plans: Sequence[ParallelPlan], profile: ModelProfile, stats: dict[str, float], budget: float,
-            batches: list[int]) -> str:
+            batches: list[int], given: float | None = None) -> str:
     """Why the winner won, in a few lines: what was searched, the winner, and the runners-up."""
     best = plans[0]
     assert best.prediction is not None
     lines = [f"searched {int(stats['configs'])} pipeline configurations ({int(stats['pruned_by_bound'])} skipped by "
              f"bound, {int(stats['infeasible'])} without a fitting plan; {int(stats['dp_runs'])} layer DPs, "
              f"{int(stats['shortcuts'])} closed-form) in {stats.get('wall_s', 0.0):.3f} s under "
-             f"{budget / GiB:.2f} GiB per device",
+             f"{budget / GiB:.2f} GiB per device"
+             + (f" ({given / GiB:.2f} GiB less the safety margin)" if given is not None and given != budget else ""),
              best.describe()]
     counts = list(best.pp_division or ())
     if best.pp > 1 and len(set(counts)) > 1:

@@ -33,7 +33,7 @@ class _SavedBytes:
 
     def __init__(self, exclude: set[int] | None = None) -> None:
         self.seen: dict[int, int] = {}
-        self.exclude = exclude or set()  # parameter storages: saved for backward but not activations
+        self.exclude = exclude or set()  # parameter/buffer storages: saved for backward but not activations
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         st = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # DTensor: its local shard
@@ -46,22 +46,49 @@ class _SavedBytes:
         return sum(self.seen.values())
 
 
+def _storages(module: nn.Module) -> set[int]:
+    """Storages of parameters and buffers: autograd saves them (weights, RoPE table slices), but they are
+    not activations -- they exist once per rank whatever the batch, and are counted elsewhere."""
+    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+
+
+def buffer_bytes(module: nn.Module) -> float:
+    """Bytes of ``module``'s buffers, each storage once (blocks sharing one RoPE table count it once).
+
+    Buffers are not parameters, so neither model states nor saved activations include them, yet every
+    rank holds them for the whole step; the planner books them as fixed memory (``framework_bytes``).
+    """
+    seen: dict[int, int] = {}
+    for b in module.buffers():
+        t = b.to_local() if hasattr(b, "to_local") else b
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return float(sum(seen.values()))
+
+
 class ModelProfiler:
     """Profile one block type: ``make_block()`` builds a block called as ``block(x)`` on ``[b, s, h]``."""
 
     def __init__(self, make_block: Callable[[], nn.Module], shape: ModelShape, batch_sizes: Sequence[int] = (1, 2, 4),
                  seq_lens: Sequence[int] | None = None, repeats: int = 3, dtype: torch.dtype = torch.float32,
                  cache: ProfileCache | None = None, progress: bool = True,
-                 make_head: Callable[[], nn.Module] | None = None) -> None:
+                 make_head: Callable[[], nn.Module] | None = None, buffer_bytes: float | None = None) -> None:
+        """``buffer_bytes``: bytes of the model's buffers (non-parameter tensors such as RoPE cos/sin
+        tables) one rank holds, when the caller knows the whole model (automatic mode counts its distinct
+        buffer storages). ``None`` counts the buffers of one block and the head once: the reference models
+        share one RoPE table across blocks, so a per-block count would overstate them L times."""
         self.make_block, self.shape = make_block, shape
+        self.buffer_bytes = buffer_bytes
         self.make_head = make_head  # final norm + output projection, called on [b, s, h] -> logits
-        self.optimizer_bandwidth = 0.0  # bytes/s of a memory-bound Adam step, set by fit()
+        self.optimizer_bandwidth = 0.0  # bytes/s of a memory-bound Adam step, set by fit() (also in the profile)
         self.batch_sizes = tuple(batch_sizes)
         self.seq_lens = tuple(seq_lens or (max(1, shape.seq_len // 2), shape.seq_len))
         self.repeats, self.dtype, self.cache, self.progress = repeats, dtype, cache, progress
 
     def key(self) -> str:
-        return fingerprint({"shape": self.shape.to_dict(), "b": self.batch_sizes, "s": self.seq_lens,
+        # "v": bump when the profile gains fields, so older cache files are measured again instead of
+        # loading with defaults (v2: optimizer_bandwidth; v3: buffers in framework_bytes)
+        return fingerprint({"v": 3, "buffers": self.buffer_bytes, "shape": self.shape.to_dict(), "b": self.batch_sizes, "s": self.seq_lens,
                             "dtype": str(self.dtype), "torch": torch.__version__, "threads": torch.get_num_threads(),
                             "head": self.make_head is not None})
 
@@ -70,9 +97,11 @@ class ModelProfiler:
             hit = self.cache.load("model", self.key())
             if isinstance(hit, ModelProfile):
                 _progress("model profile from cache", self.progress)
+                self.optimizer_bandwidth = hit.optimizer_bandwidth
                 return hit
         block = self.make_block().to(self.dtype)
         params = sum(p.numel() for p in block.parameters())
+        fixed = buffer_bytes(block) if self.buffer_bytes is None else float(self.buffer_bytes)
         h = self.shape.hidden
         fwd, bwd, act_at_s = [], [], 0.0
         points = [(b, s) for s in self.seq_lens for b in self.batch_sizes]
@@ -81,7 +110,7 @@ class ModelProfiler:
             tf = tb = float("inf")
             for _ in range(self.repeats + 1):  # first run warms up
                 x = torch.randn(b, s, h, dtype=self.dtype, requires_grad=True)
-                saved = _SavedBytes({p.untyped_storage().data_ptr() for p in block.parameters()})
+                saved = _SavedBytes(_storages(block))
                 t0 = time.perf_counter()
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                     y = block(x)
@@ -113,13 +142,15 @@ class ModelProfiler:
         head_act = float((4 + el) * self.shape.seq_len * self.shape.vocab_size)
         if self.make_head is not None:  # forward of norm + output projection + cross entropy
             head = self.make_head().to(self.dtype)
+            if self.buffer_bytes is None:
+                fixed += buffer_bytes(head)
             pts = []
             for b, s in points:
                 best = float("inf")
                 for _ in range(self.repeats + 1):
                     x = torch.randn(b, s, h, dtype=self.dtype, requires_grad=True)
                     tgt = torch.randint(0, self.shape.vocab_size, (b * s,))
-                    saved = _SavedBytes({p.untyped_storage().data_ptr() for p in head.parameters()})
+                    saved = _SavedBytes(_storages(head))
                     t0 = time.perf_counter()
                     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                         logits = head(x)
@@ -137,7 +168,8 @@ class ModelProfiler:
                             embed_params=self.shape.vocab_size * h, head_params=self.shape.vocab_size * h,
                             embed_act_bytes=float(el * self.shape.seq_len * h),
                             head_act_bytes=float(head_act),
-                            head_forward=head_fit, source="ModelProfiler")
+                            head_forward=head_fit, framework_bytes=fixed, source="ModelProfiler",
+                            optimizer_bandwidth=self.optimizer_bandwidth)
         if self.cache is not None:
             self.cache.save("model", self.key(), prof)
         return prof

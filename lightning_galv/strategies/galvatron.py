@@ -42,6 +42,7 @@ from ..plan import LayerStrategy, ParallelPlan, parse_plan
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
+    from ..auto import AutoSearch
     from ..parallel.deepspeed import DeepSpeedRuntime
     from ..parallel.parallelize import ParallelRuntime
 
@@ -58,6 +59,8 @@ class GalvatronStrategy(ParallelStrategy):
             embedding and the head use ``LayerStrategy(tp, dp=world/tp, sp, zero, checkpoint)``).
         memory_budget: device memory the automatic planner may use per rank ("20GB", bytes, or None for
             the device's capacity).
+        memory_margin: fraction of ``memory_budget`` the automatic planner keeps free for temporaries the
+            cost model does not itemize (None: the planner's default, 2 %).
         save_distributed_checkpoint: sharded DCP folder (True) or one full ``.ckpt`` file (False).
         start_method: ``"subprocess"`` re-runs the script per rank (like torchrun); ``"spawn"``/``"fork"``
             start ranks with multiprocessing (notebooks).
@@ -77,6 +80,7 @@ class GalvatronStrategy(ParallelStrategy):
         checkpoint: bool | None = None,
         tp_consecutive: bool | None = None,
         memory_budget: str | int | float | None = None,
+        memory_margin: float | None = None,
         save_distributed_checkpoint: bool = True,
         start_method: Literal["subprocess", "spawn", "fork", "forkserver"] = "subprocess",
         process_group_backend: str | None = None,
@@ -100,6 +104,11 @@ class GalvatronStrategy(ParallelStrategy):
         if shortcuts:  # validate early: a typo must fail at construction, not after the launch
             LayerStrategy(**{**shortcuts, "tp": shortcuts.get("tp", 1)})
         self._memory_budget = memory_budget
+        if memory_margin is not None and (isinstance(memory_margin, bool) or not isinstance(memory_margin, (int, float))
+                                          or not 0 <= memory_margin < 1):
+            raise ValueError(f"memory_margin={memory_margin!r}: must be a fraction in [0, 1). "
+                             "HINT: e.g. memory_margin=0.02 keeps 2 % of the budget free; 0 uses all of it.")
+        self._memory_margin = memory_margin
         self._save_distributed_checkpoint = save_distributed_checkpoint
         if start_method not in ("subprocess", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r}: must be subprocess, spawn, fork or forkserver. "
@@ -109,6 +118,7 @@ class GalvatronStrategy(ParallelStrategy):
         self._timeout = timeout
         self._num_nodes = 1
         self.plan: ParallelPlan | None = None
+        self.auto: AutoSearch | None = None  # automatic mode: what was searched and predicted
         self.layout: RankLayout | None = None
         self.mesh_factory: MeshFactory | None = None
         self.runtime: ParallelRuntime | None = None
@@ -200,7 +210,11 @@ class GalvatronStrategy(ParallelStrategy):
         if self.runtime is None:  # a reused Trainer (fit then test) keeps the parallelized model
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
-            self.plan = self._resolve_plan()
+            self.plan = self._resolve_plan(trainer)
+            assert self.layout is not None
+            if self.layout.pp != self.plan.pp:  # automatic mode chose a pipeline: stages change the rank layout
+                self.layout = RankLayout(self.world_size, self.plan.pp)
+                self.mesh_factory = MeshFactory(self.layout, self.root_device.type, self.global_rank)
             from ..parallel.parallelize import parallelize
 
             assert self.mesh_factory is not None
@@ -256,7 +270,7 @@ class GalvatronStrategy(ParallelStrategy):
                              "'bf16-true'. HINT: fp16 needs loss scaling across meshes, which is not implemented; "
                              "use bf16-mixed.")
 
-    def _resolve_plan(self) -> ParallelPlan:
+    def _resolve_plan(self, trainer: "pl.Trainer") -> ParallelPlan:
         from ..models.protocol import find_parts
 
         assert self.model is not None
@@ -272,7 +286,12 @@ class GalvatronStrategy(ParallelStrategy):
             return ParallelPlan.uniform(self.world_size, len(parts.blocks), s)
         from ..auto import auto_plan
 
-        return auto_plan(self.model, parts, self.world_size, self.root_device, self._memory_budget)
+        module = self.lightning_module
+        pipeline = all(callable(getattr(module, n, None)) for n in ("galv_pipeline_batch", "galv_pipeline_loss"))
+        self.auto = auto_plan(self.model, parts, self.world_size, self.root_device, self._memory_budget,
+                              loader_batch=_loader_batch_size(trainer), pipeline=pipeline,
+                              memory_margin=self._memory_margin)
+        return self.auto.plan
 
     # -- gradients ---------------------------------------------------------------------------------
     @contextmanager
@@ -495,3 +514,24 @@ class GalvatronStrategy(ParallelStrategy):
         }
         for name, kw in presets.items():
             strategy_registry.register(name, cls, description=f"Galvatron uniform plan {kw}", **kw)
+
+
+def _loader_batch_size(trainer: "pl.Trainer") -> int | None:
+    """Per-shard batch size of the loader this run will draw from, or None when it cannot be read.
+
+    Automatic mode needs it before Lightning requests the loader (the plan decides the sampler's
+    shards). A loader given to ``fit`` is read directly; a ``*_dataloader`` hook is called once more,
+    which Lightning's hooks must tolerate anyway (``reload_dataloaders_every_n_epochs`` re-calls them).
+    """
+    from torch.utils.data import DataLoader
+
+    loop = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
+            TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}.get(trainer.state.fn)
+    source = getattr(loop, "_data_source", None)
+    if source is None or not source.is_defined():
+        return None
+    loader = source.dataloader()
+    if not isinstance(loader, DataLoader):
+        return None
+    batch = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+    return batch if isinstance(batch, int) and batch > 0 else None
