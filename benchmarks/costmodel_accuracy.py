@@ -85,7 +85,7 @@ def profile_world(world: int) -> tuple[ModelProfile, HardwareProfile]:
 
     r = run_distributed(f"{RANKS}::profile_machine", world, ((1 << 16, 1 << 20, 1 << 22, 1 << 24), 5, CFG, SEQ))[0]
     model = ModelProfile.from_json(r["model"])
-    lt = replace(model.layer_types[0], activation_bytes=r["acts"])
+    lt = replace(model.layer_types[0], activation_bytes=r["acts"], sharded=r["sharded"])
     model = model.with_(layer_types=(lt,))
     hw = replace(HardwareProfile.from_json(r["hardware"]), memory_bandwidth=r["optimizer_bandwidth"],
                  name=f"cpu-gloo-{world}")

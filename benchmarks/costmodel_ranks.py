@@ -39,12 +39,14 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
 
     * HardwareProfiler: collectives on every group size, consecutive and strided; overlap coefficient.
     * ModelProfiler on every rank concurrently: block fwd/bwd fits, head forward, Adam step bandwidth.
+    * ShardedLayerProfiler: per-rank compute of the real parallelized block for every (tp, sp).
     * Activation bytes per local sample of one block under each (tp, sp, checkpoint) the runtime
       supports, counted with the ModelProfiler's saved-tensor counter on the real parallelized block.
     """
     from lightning_galv.models.common import Rotary
     from lightning_galv.models.llama import LlamaBlock
     from lightning_galv.profiling import HardwareProfiler, ModelProfiler
+    from lightning_galv.profiling.profilers import ShardedLayerProfiler
 
     world, rank = dist.get_world_size(), dist.get_rank()
     probes = [probe(cfg, seq)]
@@ -67,11 +69,13 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     probes.append(probe(cfg, seq))
     model = prof.fit()
     probes.append(probe(cfg, seq))
+    sharded = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=3, progress=False).fit()
+    probes.append(probe(cfg, seq))
     probe_s = statistics.median(probes)
     acts = dict(model.layer(0).activation_bytes)
     acts.update(_activation_table(block, world, rank, seq, lcfg.dim))
     return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": prof.optimizer_bandwidth,
-            "acts": acts, "probe_s": probe_s}
+            "acts": acts, "probe_s": probe_s, "sharded": {k: {kk: vars(vv) for kk, vv in v.items()} for k, v in sharded.items()}}
 
 
 def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 5) -> float:
@@ -103,7 +107,7 @@ def _activation_table(make_block, world: int, rank: int, seq: int, dim: int, b: 
     from lightning_galv.parallel import sequence, tensor
     from lightning_galv.parallel.checkpointing import apply_checkpointing
     from lightning_galv.planner.profiles import act_key
-    from lightning_galv.profiling.profilers import _SavedBytes
+    from lightning_galv.profiling.profilers import _SavedBytes, _storages
 
     out = {}
     for tp in [d for d in range(1, world + 1) if world % d == 0]:
@@ -119,18 +123,12 @@ def _activation_table(make_block, world: int, rank: int, seq: int, dim: int, b: 
                 if ckpt:
                     apply_checkpointing(blk)
                 x = torch.randn(b, seq, dim, requires_grad=True)
-                params = {local_storage(p) for p in blk.parameters()}
-                saved = _SavedBytes(params)
+                saved = _SavedBytes(_storages(blk))  # parameters and buffers (RoPE tables) are not activations
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                     y = blk(x)
                 y.sum().backward()
                 out[act_key(tp, sp, ckpt)] = float(saved.total) / b
     return out
-
-
-def local_storage(p: torch.Tensor) -> int:
-    t = p.to_local() if hasattr(p, "to_local") else p
-    return t.untyped_storage().data_ptr()
 
 
 def _train_step(model, opt, rt, x, y, micro_batches: int, between=None, marks: list | None = None) -> torch.Tensor:

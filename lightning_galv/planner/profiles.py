@@ -57,18 +57,29 @@ class LinkFit:
 
     @classmethod
     def fit(cls, points: Sequence[tuple[float, float]]) -> "LinkFit":
-        """Least-squares alpha-beta fit of ``(volume_bytes, seconds)`` points (latency clipped at 0)."""
+        """Alpha-beta fit of ``(volume_bytes, seconds)`` points minimizing *relative* error (latency >= 0).
+
+        Relative, because plain least squares lets the largest message decide everything and leaves the
+        latency (what small messages cost) as noise; sizes spanning 64 KiB..16 MiB matter equally here.
+        """
         if len(points) < 2:
             raise _bad(points, "need at least 2 (bytes, seconds) points to fit a link", "measure >= 2 sizes.")
-        xs = [p[0] for p in points]
-        ys = [p[1] for p in points]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else my / max(mx, 1.0)
-        if slope <= 0:
-            slope = max(ys) / max(xs)
-        latency = max(0.0, my - slope * mx)
-        return cls(bandwidth=1.0 / slope, latency_s=latency)
+        # minimize sum ((a + x*k - y) / y)^2: weighted normal equations with w = 1/y^2
+        w = [1.0 / (y * y) if y > 0 else 0.0 for _, y in points]
+        s1 = sum(w)
+        sx = sum(wi * x for wi, (x, _) in zip(w, points))
+        sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
+        sy = sum(wi * y for wi, (_, y) in zip(w, points))
+        sxy = sum(wi * x * y for wi, (x, y) in zip(w, points))
+        det = s1 * sxx - sx * sx
+        k = (s1 * sxy - sx * sy) / det if det > 0 else 0.0
+        a = (sy - k * sx) / s1 if s1 > 0 else 0.0
+        if a < 0 or k <= 0:  # through the origin (pure bandwidth), still relative
+            k = sxy / sxx if sxx > 0 else 0.0
+            a = 0.0
+        if k <= 0:
+            k = max(y for _, y in points) / max(x for x, _ in points)
+        return cls(bandwidth=1.0 / k, latency_s=a)
 
 
 def link_key(op: str, size: int, consecutive: bool, intra_node: bool) -> str:

@@ -10,6 +10,8 @@ Both cache their result by a fingerprint of what was measured.
 
 from __future__ import annotations
 
+import math
+import statistics
 import sys
 import time
 from typing import Callable, Sequence
@@ -49,7 +51,8 @@ class _SavedBytes:
 def _storages(module: nn.Module) -> set[int]:
     """Storages of parameters and buffers: autograd saves them (weights, RoPE table slices), but they are
     not activations -- they exist once per rank whatever the batch, and are counted elsewhere."""
-    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    return {(t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr()
+            for t in (*module.parameters(), *module.buffers())}
 
 
 def buffer_bytes(module: nn.Module) -> float:
@@ -72,13 +75,15 @@ class ModelProfiler:
     def __init__(self, make_block: Callable[[], nn.Module], shape: ModelShape, batch_sizes: Sequence[int] = (1, 2, 4),
                  seq_lens: Sequence[int] | None = None, repeats: int = 3, dtype: torch.dtype = torch.float32,
                  cache: ProfileCache | None = None, progress: bool = True,
-                 make_head: Callable[[], nn.Module] | None = None, buffer_bytes: float | None = None) -> None:
+                 make_head: Callable[[], nn.Module] | None = None, buffer_bytes: float | None = None,
+                 device: str = "cpu") -> None:
         """``buffer_bytes``: bytes of the model's buffers (non-parameter tensors such as RoPE cos/sin
         tables) one rank holds, when the caller knows the whole model (automatic mode counts its distinct
         buffer storages). ``None`` counts the buffers of one block and the head once: the reference models
         share one RoPE table across blocks, so a per-block count would overstate them L times."""
         self.make_block, self.shape = make_block, shape
         self.buffer_bytes = buffer_bytes
+        self.device = torch.device(device)  # time the block where training will run it
         self.make_head = make_head  # final norm + output projection, called on [b, s, h] -> logits
         self.optimizer_bandwidth = 0.0  # bytes/s of a memory-bound Adam step, set by fit() (also in the profile)
         self.batch_sizes = tuple(batch_sizes)
@@ -87,10 +92,16 @@ class ModelProfiler:
 
     def key(self) -> str:
         # "v": bump when the profile gains fields, so older cache files are measured again instead of
-        # loading with defaults (v2: optimizer_bandwidth; v3: buffers in framework_bytes)
-        return fingerprint({"v": 3, "buffers": self.buffer_bytes, "shape": self.shape.to_dict(), "b": self.batch_sizes, "s": self.seq_lens,
+        # loading with defaults (v2: optimizer_bandwidth; v3: buffers in framework_bytes; v4: median
+        # times, optimizer bandwidth on the whole model's parameter volume)
+        return fingerprint({"v": 4, "buffers": self.buffer_bytes, "shape": self.shape.to_dict(), "b": self.batch_sizes, "s": self.seq_lens,
                             "dtype": str(self.dtype), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                            "head": self.make_head is not None})
+                            "head": self.make_head is not None,
+                            "device": self.device.type})
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def fit(self) -> ModelProfile:
         if self.cache is not None:
@@ -99,7 +110,7 @@ class ModelProfiler:
                 _progress("model profile from cache", self.progress)
                 self.optimizer_bandwidth = hit.optimizer_bandwidth
                 return hit
-        block = self.make_block().to(self.dtype)
+        block = self.make_block().to(self.device, self.dtype)
         params = sum(p.numel() for p in block.parameters())
         fixed = buffer_bytes(block) if self.buffer_bytes is None else float(self.buffer_bytes)
         h = self.shape.hidden
@@ -107,20 +118,25 @@ class ModelProfiler:
         points = [(b, s) for s in self.seq_lens for b in self.batch_sizes]
         for i, (b, s) in enumerate(points):
             _progress(f"block fwd+bwd b={b} s={s} ({i + 1}/{len(points)})", self.progress)
-            tf = tb = float("inf")
+            tfs, tbs = [], []
             for _ in range(self.repeats + 1):  # first run warms up
-                x = torch.randn(b, s, h, dtype=self.dtype, requires_grad=True)
+                x = torch.randn(b, s, h, dtype=self.dtype, device=self.device, requires_grad=True)
                 saved = _SavedBytes(_storages(block))
+                self._sync()
                 t0 = time.perf_counter()
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                     y = block(x)
+                self._sync()
                 t1 = time.perf_counter()
                 y.backward(torch.ones_like(y))
+                self._sync()
                 t2 = time.perf_counter()
-                tf, tb = min(tf, t1 - t0), min(tb, t2 - t1)
+                tfs.append(t1 - t0)
+                tbs.append(t2 - t1)
                 block.zero_grad(set_to_none=True)
-            fwd.append((b, s, tf))
-            bwd.append((b, s, tb))
+            # median, not min: a training step runs at the machine's typical speed, not its best moment
+            fwd.append((b, s, statistics.median(tfs[1:])))
+            bwd.append((b, s, statistics.median(tbs[1:])))
             if s == self.shape.seq_len:
                 act_at_s = max(act_at_s, saved.total / b)
         el = torch.finfo(self.dtype).bits // 8
@@ -128,35 +144,29 @@ class ModelProfiler:
         # OPTIMIZER_TRAFFIC_BYTES per parameter / bandwidth, so report the bandwidth that reproduces it.
         from ..planner.cost import OPTIMIZER_TRAFFIC_BYTES
 
-        for p in block.parameters():
-            p.grad = torch.randn_like(p)
-        opt = torch.optim.Adam(block.parameters(), lr=1e-6, foreach=False)
-        t_opt = float("inf")
-        for _ in range(self.repeats + 1):
-            t0 = time.perf_counter()
-            opt.step()
-            t_opt = min(t_opt, time.perf_counter() - t0)
-        self.optimizer_bandwidth = OPTIMIZER_TRAFFIC_BYTES * params / t_opt
-        block.zero_grad(set_to_none=True)
+        self.optimizer_bandwidth = _optimizer_bandwidth(block, self.shape.num_layers, self.repeats,
+                                                        OPTIMIZER_TRAFFIC_BYTES)
         head_fit = TimeFit()
         head_act = float((4 + el) * self.shape.seq_len * self.shape.vocab_size)
         if self.make_head is not None:  # forward of norm + output projection + cross entropy
-            head = self.make_head().to(self.dtype)
+            head = self.make_head().to(self.device, self.dtype)
             if self.buffer_bytes is None:
                 fixed += buffer_bytes(head)
             pts = []
             for b, s in points:
-                best = float("inf")
+                hts = []
                 for _ in range(self.repeats + 1):
-                    x = torch.randn(b, s, h, dtype=self.dtype, requires_grad=True)
-                    tgt = torch.randint(0, self.shape.vocab_size, (b * s,))
+                    x = torch.randn(b, s, h, dtype=self.dtype, device=self.device, requires_grad=True)
+                    tgt = torch.randint(0, self.shape.vocab_size, (b * s,), device=self.device)
                     saved = _SavedBytes(_storages(head))
+                    self._sync()
                     t0 = time.perf_counter()
                     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                         logits = head(x)
                         torch.nn.functional.cross_entropy(logits.reshape(b * s, -1), tgt)
-                    best = min(best, time.perf_counter() - t0)
-                pts.append((b, s, best))
+                    self._sync()
+                    hts.append(time.perf_counter() - t0)
+                pts.append((b, s, statistics.median(hts[1:])))
                 if s == self.shape.seq_len:
                     # saved for backward + the logits the loop holds + their gradient at the start of backward
                     head_act = saved.total / b + 2 * el * s * self.shape.vocab_size
@@ -175,14 +185,128 @@ class ModelProfiler:
         return prof
 
 
+def _optimizer_bandwidth(block: nn.Module, num_layers: int, repeats: int, traffic_per_param: float,
+                         cap_params: int = 64 * 2**20) -> float:
+    """Bytes/s of an Adam step over the whole model's parameter volume (``num_layers`` blocks, capped).
+
+    One block's parameters can sit in the CPU caches and update ~2x faster than a model's worth, so
+    the step is timed on as many copies of the block's tensors as the model has blocks (up to
+    ``cap_params`` parameters), each with a gradient, like the real step.
+    """
+    shapes = [p.shape for p in block.parameters()]
+    per_block = sum(math.prod(sh) for sh in shapes)
+    copies = max(1, min(num_layers, cap_params // max(1, per_block)))
+    ref = next(block.parameters())
+    tensors = [torch.zeros(sh, dtype=ref.dtype, device=ref.device, requires_grad=True) for _ in range(copies) for sh in shapes]
+    for t in tensors:
+        t.grad = torch.randn_like(t)
+    opt = torch.optim.Adam(tensors, lr=1e-6, foreach=False)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return traffic_per_param * per_block * copies / statistics.median(times[1:])
+
+
+class ShardedLayerProfiler:
+    """Per-rank compute of one block *as the runtime shards it*, for every tp degree and sp kind.
+
+    Why: the cost model's fallback divides the unsharded block's time by tp, which assumes sharding
+    costs nothing. DTensor dispatch, Megatron-SP's re-sharding and Ulysses' head shuffles add work that
+    does not shrink with tp (on CPU it outweighs the saved math). So the real parallelized block is
+    timed on real tp groups, with every rank busy at once (ranks that share cores share them here too),
+    and the collectives' predicted time (from ``hw``) is subtracted so that the cost model can price
+    them per placement. Every rank must call :meth:`fit` together.
+    """
+
+    def __init__(self, make_block: Callable[[], nn.Module], shape: ModelShape, hw: HardwareProfile,
+                 batch_sizes: Sequence[int] = (1, 2, 4), repeats: int = 3, device: str = "cpu",
+                 sp_kinds: Sequence[str] = ("none", "megatron", "ulysses"), progress: bool = True) -> None:
+        if not dist.is_initialized():
+            raise ValueError("process group: not initialized. HINT: call torch.distributed.init_process_group first.")
+        self.make_block, self.shape, self.hw = make_block, shape, hw
+        self.batch_sizes, self.repeats, self.device = tuple(batch_sizes), repeats, device
+        self.sp_kinds = tuple(sp_kinds)
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.progress = progress and self.rank == 0
+
+    def _sync(self) -> None:
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def variants(self) -> list[tuple[int, str]]:
+        """(tp, sp) pairs this model and world allow (the rules of ``ParallelPlan.check_model``)."""
+        from ..plan import LayerStrategy, ParallelPlan
+
+        out = [(1, "none")]
+        for tp in (d for d in range(2, self.world + 1) if self.world % d == 0):
+            for sp in self.sp_kinds:
+                s = LayerStrategy(tp=tp, dp=self.world // tp, sp=sp)
+                try:
+                    ParallelPlan.uniform(self.world, self.shape.num_layers, s).check_model(self.shape)
+                except ValueError:
+                    continue
+                out.append((tp, sp))
+        return out
+
+    def fit(self) -> dict[str, dict[str, TimeFit]]:
+        """``{time_key(tp, sp): {"forward": fit, "backward": fit}}`` for :class:`LayerTypeProfile`.sharded."""
+        from ..layout import MeshFactory, RankLayout
+        from ..parallel import sequence, tensor
+        from ..plan import LayerStrategy
+        from ..planner.cost import block_comm_time
+        from ..planner.profiles import time_key
+
+        factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
+        out: dict[str, dict[str, TimeFit]] = {}
+        for tp, sp in self.variants():
+            _progress(f"sharded block tp={tp} sp={sp}", self.progress)
+            s = LayerStrategy(tp=tp, dp=self.world // tp, sp=sp)
+            block = self.make_block().to(self.device)
+            el = next(block.parameters()).element_size()  # activations travel in the block's dtype
+            if tp > 1:
+                mesh = factory.mesh(LayerStrategy(tp=tp, dp=self.world // tp))
+                (sequence.apply_ulysses if sp == "ulysses" else tensor.apply_tp)(block, mesh, s)
+            fwd, bwd = [], []
+            for b in self.batch_sizes:
+                tf, tb, cf, cb = [], [], [], []
+                for _ in range(self.repeats + 1):
+                    x = torch.randn(b, self.shape.seq_len, self.shape.hidden, device=self.device, requires_grad=True)
+                    dist.barrier()
+                    c0, t0 = time.thread_time(), time.perf_counter()
+                    y = block(x)
+                    self._sync()
+                    c1, t1 = time.thread_time(), time.perf_counter()
+                    y.backward(torch.ones_like(y))
+                    self._sync()
+                    c2, t2 = time.thread_time(), time.perf_counter()
+                    tf.append(t1 - t0), tb.append(t2 - t1), cf.append(c1 - c0), cb.append(c2 - c1)
+                    block.zero_grad(set_to_none=True)
+                comm = block_comm_time(self.hw, self.shape, s, b * self.shape.seq_len * self.shape.hidden * el)
+                # compute = wall minus the collectives' predicted share, but never below the rank's own CPU time
+                times = torch.tensor([max(statistics.median(tf[1:]) - comm, statistics.median(cf[1:])),
+                                      max(statistics.median(tb[1:]) - comm, statistics.median(cb[1:]))],
+                                     dtype=torch.float64)
+                dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                fwd.append((b, self.shape.seq_len, float(times[0])))
+                bwd.append((b, self.shape.seq_len, float(times[1])))
+            out[time_key(tp, sp)] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
+        return out
+
+
 class HardwareProfiler:
     """Time collectives on the default process group. Every rank must call :meth:`fit` together."""
 
-    def __init__(self, gpus_per_node: int | None = None, sizes_bytes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22),
+    def __init__(self, gpus_per_node: int | None = None, sizes_bytes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22, 1 << 24),
                  repeats: int = 3, device_memory_bytes: float | None = None, cache: ProfileCache | None = None,
-                 progress: bool = True) -> None:
+                 progress: bool = True, device: str | None = None) -> None:
+        """``device``: where the timed buffers live; default ``cuda`` under NCCL, else ``cpu``."""
         if not dist.is_initialized():
             raise ValueError("process group: not initialized. HINT: call torch.distributed.init_process_group first.")
+        if device is None:
+            device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+        self.device = torch.device(device)
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         self.gpus_per_node = gpus_per_node or self.world
@@ -191,18 +315,20 @@ class HardwareProfiler:
         self.device_memory_bytes = device_memory_bytes or 8 * 2**30
 
     def key(self) -> str:
-        return fingerprint({"world": self.world, "backend": dist.get_backend(), "sizes": self.sizes,
+        return fingerprint({"v": 2, "world": self.world, "backend": dist.get_backend(), "sizes": self.sizes,
                             "node": self.gpus_per_node, "torch": torch.__version__})
 
     def _time(self, fn: Callable[[], None]) -> float:
         fn()
-        best = float("inf")
+        times = []
         for _ in range(self.repeats):
             dist.barrier()
             t0 = time.perf_counter()
             fn()
-            best = min(best, time.perf_counter() - t0)
-        t = torch.tensor([best], dtype=torch.float64)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
@@ -232,8 +358,8 @@ class HardwareProfiler:
                     pts = []
                     for nbytes in self.sizes:
                         n = max(size, nbytes // 4 // size * size)
-                        buf = torch.ones(n)
-                        out = [torch.empty(n // size) for _ in range(size)]
+                        buf = torch.ones(n, device=self.device)
+                        out = [torch.empty(n // size, device=self.device) for _ in range(size)]
                         fn = {"allreduce": lambda: dist.all_reduce(buf, group=mine),
                               "allgather": lambda: dist.all_gather(out, buf[: n // size], group=mine),
                               "reducescatter": lambda: _reduce_scatter(out[0], buf, size, mine),
@@ -246,12 +372,14 @@ class HardwareProfiler:
             _progress("p2p", self.progress)
             pts = []
             for nbytes in self.sizes:
-                buf = torch.ones(nbytes // 4)
+                buf = torch.ones(nbytes // 4, device=self.device)
                 pts.append((nbytes, self._time(lambda: _pingpong(buf, self.rank)) / 2))
             p2p["intra" if self.world <= self.gpus_per_node else "inter"] = LinkFit.fit(pts)
         overlap = self._overlap()
+        # FSDP2 and DTensor issue collectives on a side CUDA stream; on CPU they run inline (no overlap)
         prof = HardwareProfile(max(1, self.world // self.gpus_per_node), min(self.gpus_per_node, self.world),
-                               self.device_memory_bytes, links, p2p, overlap, 0.0, name=f"profiled:{dist.get_backend()}")
+                               self.device_memory_bytes, links, p2p, overlap, 0.0, name=f"profiled:{dist.get_backend()}",
+                               async_collectives=self.device.type == "cuda")
         if self.cache is not None and self.rank == 0:
             self.cache.save("hardware", self.key(), prof)
         return prof
@@ -259,8 +387,8 @@ class HardwareProfiler:
     def _overlap(self) -> float:
         """Slowdown of compute and an all-reduce run together vs apart (Galvatron VLDB'23 overlap coefficient)."""
         _progress("overlap coefficient", self.progress)
-        a = torch.randn(256, 256)
-        buf = torch.ones(1 << 20)
+        a = torch.randn(256, 256, device=self.device)
+        buf = torch.ones(1 << 20, device=self.device)
         compute = lambda: [a @ a for _ in range(20)]  # noqa: E731
         t_c = self._time(lambda: compute() and None)
         t_m = self._time(lambda: dist.all_reduce(buf))
