@@ -39,9 +39,8 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
 
     * HardwareProfiler: collectives on every group size, consecutive and strided; overlap coefficient.
     * ModelProfiler on every rank concurrently: block fwd/bwd fits, head forward, Adam step bandwidth.
-    * ShardedLayerProfiler: per-rank compute of the real parallelized block for every (tp, sp).
-    * Activation bytes per local sample of one block under each (tp, sp, checkpoint) the runtime
-      supports, counted with the ModelProfiler's saved-tensor counter on the real parallelized block.
+    * ShardedLayerProfiler on the real parallelized block for every (tp, sp): per-rank compute,
+      activation bytes with and without checkpointing, the recompute peak, FSDP2's own overhead.
     """
     from lightning_galv.models.common import Rotary
     from lightning_galv.models.llama import LlamaBlock
@@ -69,13 +68,12 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     probes.append(probe(cfg, seq))
     model = prof.fit()
     probes.append(probe(cfg, seq))
-    sharded = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=3, progress=False).fit()
+    layer = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=5, progress=False).fit(model.layer(0))
+    model = model.with_(layer_types=(layer,))
     probes.append(probe(cfg, seq))
     probe_s = statistics.median(probes)
-    acts = dict(model.layer(0).activation_bytes)
-    acts.update(_activation_table(block, world, rank, seq, lcfg.dim))
     return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": prof.optimizer_bandwidth,
-            "acts": acts, "probe_s": probe_s, "sharded": {k: {kk: vars(vv) for kk, vv in v.items()} for k, v in sharded.items()}}
+            "probe_s": probe_s}
 
 
 def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 5) -> float:
@@ -101,34 +99,6 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 5) -> float:
     t = torch.tensor([statistics.median(ts[1:])], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
-
-
-def _activation_table(make_block, world: int, rank: int, seq: int, dim: int, b: int = 2) -> dict[str, float]:
-    from lightning_galv.parallel import sequence, tensor
-    from lightning_galv.parallel.checkpointing import apply_checkpointing
-    from lightning_galv.planner.profiles import act_key
-    from lightning_galv.profiling.profilers import _SavedBytes, _storages
-
-    out = {}
-    for tp in [d for d in range(1, world + 1) if world % d == 0]:
-        s0 = LayerStrategy(tp=tp, dp=world // tp)
-        factory = MeshFactory(RankLayout(world), "cpu", rank)
-        for sp in (("none",) if tp == 1 else ("none", "megatron", "ulysses")):
-            st = LayerStrategy(tp=tp, dp=world // tp, sp=sp)
-            for ckpt in (False, True):
-                blk = make_block()
-                if tp > 1:
-                    mesh = factory.mesh(s0)
-                    (sequence.apply_ulysses if sp == "ulysses" else tensor.apply_tp)(blk, mesh, st)
-                if ckpt:
-                    apply_checkpointing(blk)
-                x = torch.randn(b, seq, dim, requires_grad=True)
-                saved = _SavedBytes(_storages(blk))  # parameters and buffers (RoPE tables) are not activations
-                with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                    y = blk(x)
-                y.sum().backward()
-                out[act_key(tp, sp, ckpt)] = float(saved.total) / b
-    return out
 
 
 def _train_step(model, opt, rt, x, y, micro_batches: int, between=None, marks: list | None = None) -> torch.Tensor:

@@ -298,10 +298,18 @@ class GalvatronCostModel(CostModel):
         precision = "fp32" if m.precision == "fp32" else "mixed"
         fwd_t, bwd_t, extra = self._data_parallel(local_params, s.zero, d, dp_stride, fwd_t, bwd_t)
         native = self.runtime == "native"
+        over = lt.zero_overhead.get(f"zero{s.zero}") if native and d > 1 else None
+        if over is not None:  # FSDP2's own work around its collectives, on this rank's share of the layer
+            share = local_params / lt.params
+            of, ob = over["forward"](b, m.seq_len) * share, over["backward"](b, m.seq_len) * share
+            if s.zero == 3:  # every micro-batch gathers again
+                fwd_t, bwd_t = fwd_t + of, bwd_t + ob
+            else:  # ZeRO-2 gathers once per step and reduce-scatters on the last micro-batch
+                extra += of + ob
         states = local_params * state_bytes_per_param(s.zero, d, precision)
-        full_act = lt.activation(t, s.sp, False) * b
         act = lt.activation(t, s.sp, s.checkpoint) * b
-        transient = full_act - act if s.checkpoint else 0.0
+        # recomputing a checkpointed layer briefly holds its activations again (+ gradient temporaries)
+        transient = max(0.0, lt.recompute_peak(t, s.sp) * b - act) if s.checkpoint else 0.0
         if native and d > 1 and s.zero == 2:  # FSDP2: sharded parameter + the gathered one it keeps
             states += grad_bytes / d
         if native and d > 1 and s.zero == 3:  # FSDP2: gathered params of this layer + the prefetched one
@@ -370,6 +378,13 @@ class GalvatronCostModel(CostModel):
             fwd += 2 * hw.collective_time("allreduce", b * seq * 4.0, s.tp, 1 if s.tp_consecutive else s.dp)
         return LayerCost(fwd, bwd, extra, states, act)
 
+    def backward_freed(self, plan_head: LayerStrategy, ctx: StageContext) -> float:
+        """Bytes of the head's activations (logits, loss) of one micro-batch, freed before any block runs
+        its backward -- so a checkpointed block's recompute peak does not stack on top of them."""
+        if ctx.stage != ctx.pp - 1:
+            return 0.0
+        return self.other_cost(plan_head, ctx, False, True).act
+
     def stage_fixed(self, plan_embed: LayerStrategy, plan_head: LayerStrategy, ctx: StageContext) -> tuple[float, float, float]:
         """(mb time, step extra, memory) of everything on a stage that is not a transformer block."""
         first, last = ctx.stage == 0, ctx.stage == ctx.pp - 1
@@ -437,7 +452,7 @@ class GalvatronCostModel(CostModel):
                 prev = s
             mb_times.append(t)
             extras.append(e)
-            mems.append(mem + transient)
+            mems.append(mem + max(0.0, transient - self.backward_freed(plan.head, ctx)))
         step = pipeline_time(mb_times, extras, m, v)
         return PlanCost(step, tuple(mb_times), tuple(extras), tuple(mems), plan.global_batch, breakdown)
 

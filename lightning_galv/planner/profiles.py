@@ -320,6 +320,11 @@ def time_key(tp: int, sp: str) -> str:
     return f"tp{tp}/{sp}"
 
 
+def transient_key(tp: int, sp: str) -> str:
+    """Key of the measured recompute peak of a checkpointed layer, e.g. ``tp2/ulysses/ckpt/peak``."""
+    return act_key(tp, sp, True) + "/peak"
+
+
 def act_key(tp: int, sp: str, checkpoint: bool) -> str:
     """Key of an activation measurement, e.g. ``tp2/none`` or ``tp1/none/ckpt``."""
     return f"tp{tp}/{sp}" + ("/ckpt" if checkpoint else "")
@@ -341,6 +346,10 @@ class LayerTypeProfile:
     # Measured because dispatch overhead does not shrink with 1/tp (large on CPU); missing entries fall
     # back to dividing the unsharded fit (cost.sharded_compute).
     sharded: Mapping[str, Mapping[str, TimeFit]] = field(default_factory=dict)
+    # "zero2"/"zero3" -> {"forward": fit, "backward": fit}: what FSDP2 adds to one pass of the whole
+    # (unsharded) layer beyond the collectives themselves -- copy-in/out of the flat buffers, hooks
+    # (measured; scaled by the rank's parameter share under tp; missing = free)
+    zero_overhead: Mapping[str, Mapping[str, TimeFit]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if "tp1/none" not in self.activation_bytes:
@@ -358,6 +367,13 @@ class LayerTypeProfile:
                            "record both passes of the sharded layer (ShardedLayerProfiler).")
             sharded[key] = {k: v if isinstance(v, TimeFit) else TimeFit(**v) for k, v in fits.items()}
         object.__setattr__(self, "sharded", sharded)
+        over = {}
+        for key, fits in dict(self.zero_overhead).items():
+            if key not in ("zero2", "zero3") or set(fits) != {"forward", "backward"}:
+                raise _bad(f"zero_overhead[{key!r}]", "keys are 'zero2'/'zero3', each with 'forward' and 'backward'",
+                           "record both passes (ShardedLayerProfiler).")
+            over[key] = {k: v if isinstance(v, TimeFit) else TimeFit(**v) for k, v in fits.items()}
+        object.__setattr__(self, "zero_overhead", over)
 
     def sharded_fit(self, kind: str, tp: int, sp: str) -> TimeFit | None:
         """The measured per-rank ``"forward"``/``"backward"`` fit under (tp, sp), if profiled."""
@@ -366,6 +382,12 @@ class LayerTypeProfile:
 
     def recompute_fit(self) -> TimeFit:
         return self.recompute if self.recompute is not None else self.forward
+
+    def recompute_peak(self, tp: int, sp: str) -> float:
+        """Bytes per local sample alive while a checkpointed layer recomputes and runs backward
+        (activations + gradient temporaries); unmeasured: its full activations."""
+        hit = self.activation_bytes.get(transient_key(tp, sp))
+        return hit if hit is not None else self.activation(tp, sp, False)
 
     def activation(self, tp: int, sp: str, checkpoint: bool) -> float:
         """Bytes per local sample; missing entries follow Korthikanti et al. '22 (Table 2)."""

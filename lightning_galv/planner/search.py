@@ -338,9 +338,11 @@ class _Searcher:
         fixed_t, fixed_e, fixed_mem = self.cost.stage_fixed(emb, emb, ctx)
         k = ctx.inflight
         types = np.array(self.p.layer_type_of[start:start + n_hi]) if not self.p.homogeneous else None
-        key = (S, ctx.micro_batch, cfg.m, k, round(fixed_mem), n_hi, start if types is not None else -1, cfg.v)
+        freed = self.cost.backward_freed(emb, ctx) if isinstance(self.cost, GalvatronCostModel) else 0.0
+        key = (S, ctx.micro_batch, cfg.m, k, round(fixed_mem), round(freed), n_hi, start if types is not None else -1,
+               cfg.v)
         base = fixed_t * cfg.m + fixed_e
-        info = {"fixed_t": fixed_t, "fixed_e": fixed_e, "fixed_mem": fixed_mem, "ctx": ctx}
+        info = {"fixed_t": fixed_t, "fixed_e": fixed_e, "fixed_mem": fixed_mem, "ctx": ctx, "freed": freed}
         hit = self.dp_cache.get(key)
         if hit is not None:
             vals = hit[0]
@@ -360,7 +362,7 @@ class _Searcher:
         levels = sorted({0.0} | {float(x) for x in np.unique(r_all[layer_types].ravel()) if x > 0})
         choice: dict = {"levels": levels, "by_n": {}}
         for li, tau in enumerate(levels):
-            capacity = int(math.floor((avail - tau) / self.grid + 1e-9))
+            capacity = int(math.floor((avail - max(0.0, tau - freed)) / self.grid + 1e-9))
             if capacity < 0:
                 continue
             allowed = np.flatnonzero((r_all[layer_types] <= tau + 1e-6).all(axis=0))
@@ -404,7 +406,7 @@ class _Searcher:
         c_all = cfg.m * tab.fb + tab.extra
         q_all = np.ceil((tab.states + k * tab.act) / self.grid - 1e-9).astype(np.int64)
         allowed = np.flatnonzero((tab.transient[layer_types] <= tau + 1e-6).all(axis=0))
-        capacity = int(math.floor((self.budget - info["fixed_mem"] - tau) / self.grid + 1e-9))
+        capacity = int(math.floor((self.budget - info["fixed_mem"] - max(0.0, tau - info["freed"])) / self.grid + 1e-9))
         _, path = layer_dp(c_all[layer_types][:, allowed], q_all[layer_types][:, allowed], tab.cls[allowed],
                            cfg.m * tab.trans, n, capacity, want_path=n)
         assert path is not None

@@ -14,7 +14,8 @@ import math
 import statistics
 import sys
 import time
-from typing import Callable, Sequence
+from dataclasses import replace
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torch import nn
 
 from ..plan import ModelShape
 from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, ProfileCache,
-                                TimeFit, act_key, fingerprint, link_key)
+                                TimeFit, act_key, fingerprint, link_key, transient_key)
 
 
 def _progress(msg: str, enabled: bool) -> None:
@@ -250,49 +251,137 @@ class ShardedLayerProfiler:
                 out.append((tp, sp))
         return out
 
-    def fit(self) -> dict[str, dict[str, TimeFit]]:
-        """``{time_key(tp, sp): {"forward": fit, "backward": fit}}`` for :class:`LayerTypeProfile`.sharded."""
+    def fit(self, layer: LayerTypeProfile) -> LayerTypeProfile:
+        """``layer`` (from :class:`ModelProfiler`) with ``sharded``, ``activation_bytes`` for every
+        (tp, sp, checkpoint), the recompute transients, and ``zero_overhead`` filled in from real runs."""
         from ..layout import MeshFactory, RankLayout
         from ..parallel import sequence, tensor
+        from ..parallel.checkpointing import apply_checkpointing
         from ..plan import LayerStrategy
         from ..planner.cost import block_comm_time
-        from ..planner.profiles import time_key
+        from ..planner.profiles import act_key, time_key
 
         factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
-        out: dict[str, dict[str, TimeFit]] = {}
+        sharded: dict[str, dict[str, TimeFit]] = {}
+        acts = dict(layer.activation_bytes)
+        seq, h = self.shape.seq_len, self.shape.hidden
         for tp, sp in self.variants():
             _progress(f"sharded block tp={tp} sp={sp}", self.progress)
             s = LayerStrategy(tp=tp, dp=self.world // tp, sp=sp)
-            block = self.make_block().to(self.device)
+
+            def build(checkpointed: bool) -> nn.Module:
+                block = self.make_block().to(self.device)
+                if tp > 1:
+                    mesh = factory.mesh(LayerStrategy(tp=tp, dp=self.world // tp))
+                    (sequence.apply_ulysses if sp == "ulysses" else tensor.apply_tp)(block, mesh, s)
+                if checkpointed:
+                    apply_checkpointing(block)
+                return block
+
+            block = build(False)
             el = next(block.parameters()).element_size()  # activations travel in the block's dtype
-            if tp > 1:
-                mesh = factory.mesh(LayerStrategy(tp=tp, dp=self.world // tp))
-                (sequence.apply_ulysses if sp == "ulysses" else tensor.apply_tp)(block, mesh, s)
             fwd, bwd = [], []
             for b in self.batch_sizes:
-                tf, tb, cf, cb = [], [], [], []
-                for _ in range(self.repeats + 1):
-                    x = torch.randn(b, self.shape.seq_len, self.shape.hidden, device=self.device, requires_grad=True)
-                    dist.barrier()
-                    c0, t0 = time.thread_time(), time.perf_counter()
-                    y = block(x)
-                    self._sync()
-                    c1, t1 = time.thread_time(), time.perf_counter()
-                    y.backward(torch.ones_like(y))
-                    self._sync()
-                    c2, t2 = time.thread_time(), time.perf_counter()
-                    tf.append(t1 - t0), tb.append(t2 - t1), cf.append(c1 - c0), cb.append(c2 - c1)
-                    block.zero_grad(set_to_none=True)
-                comm = block_comm_time(self.hw, self.shape, s, b * self.shape.seq_len * self.shape.hidden * el)
+                tf, tb, cf, cb = self._time_passes(block, b)
+                comm = block_comm_time(self.hw, self.shape, s, b * seq * h * el)
                 # compute = wall minus the collectives' predicted share, but never below the rank's own CPU time
-                times = torch.tensor([max(statistics.median(tf[1:]) - comm, statistics.median(cf[1:])),
-                                      max(statistics.median(tb[1:]) - comm, statistics.median(cb[1:]))],
-                                     dtype=torch.float64)
+                times = torch.tensor([max(tf - comm, cf), max(tb - comm, cb)], dtype=torch.float64)
                 dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                fwd.append((b, self.shape.seq_len, float(times[0])))
-                bwd.append((b, self.shape.seq_len, float(times[1])))
-            out[time_key(tp, sp)] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
+                fwd.append((b, seq, float(times[0])))
+                bwd.append((b, seq, float(times[1])))
+            sharded[time_key(tp, sp)] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
+            b = max(self.batch_sizes)
+            acts[act_key(tp, sp, False)] = self._saved_per_sample(block, b)
+            ckpt = build(True)
+            acts[act_key(tp, sp, True)] = self._saved_per_sample(ckpt, b)
+            acts[transient_key(tp, sp)] = self._backward_peak_per_sample(ckpt, b)
+        prof = replace(layer, sharded=sharded, activation_bytes=acts)
+        return replace(prof, zero_overhead=self._zero_overhead(sharded["tp1/none"]))
+
+    def _saved_per_sample(self, block: nn.Module, b: int) -> float:
+        """Bytes autograd keeps for backward per sample (this rank's shard), parameters/buffers excluded."""
+        x = torch.randn(b, self.shape.seq_len, self.shape.hidden, device=self.device, requires_grad=True)
+        saved = _SavedBytes(_storages(block))
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            y = block(x)
+        y.backward(torch.ones_like(y))
+        block.zero_grad(set_to_none=True)
+        return float(saved.total) / b
+
+    def _backward_peak_per_sample(self, block: nn.Module, b: int) -> float:
+        """Peak bytes of activations + temporaries while a checkpointed block recomputes and runs its
+        backward, per sample: the recomputed activations plus the gradients of the intermediate tensors
+        (which the forward-only count above cannot see)."""
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        x = torch.randn(b, self.shape.seq_len, self.shape.hidden, device=self.device, requires_grad=True)
+        y = block(x)
+        g = torch.ones_like(y)
+        mt = MemTracker()
+        mt.track_external(block)
+        with mt:
+            y.backward(g)
+        block.zero_grad(set_to_none=True)
+        peak = mt.get_tracker_snapshot("peak")
+        kinds = next(iter(peak.values())) if peak else {}
+        live = sum(float(v) for k, v in kinds.items() if getattr(k, "name", str(k)) in ("ACT", "TEMP"))
+        t = torch.tensor([live / b], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def _zero_overhead(self, plain: Mapping[str, TimeFit]) -> dict[str, dict[str, TimeFit]]:
+        """``{"zero2"|"zero3": {"forward": fit, "backward": fit}}`` for :class:`LayerTypeProfile`.zero_overhead.
+
+        The block under FSDP2 on the whole world as its data group, timed like the sharded variants;
+        minus the predicted all-gather / reduce-scatter and the unsharded compute ``plain`` (the
+        ``tp1/none`` fits), the rest is FSDP2's own work: flat-buffer copies and hooks.
+        """
+        from ..layout import MeshFactory, RankLayout
+        from ..parallel.data import apply_fsdp
+        from ..plan import LayerStrategy
+
+        if self.world == 1:
+            return {}
+        factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
+        out: dict[str, dict[str, TimeFit]] = {}
+        for zero in (2, 3):
+            _progress(f"sharded block zero={zero}", self.progress)
+            s = LayerStrategy(dp=self.world, zero=zero)
+            block = self.make_block().to(self.device)
+            nbytes = sum(p.numel() * p.element_size() for p in block.parameters())
+            apply_fsdp(block, factory.data_mesh(s), s, self.world)
+            gather = self.hw.collective_time("allgather", nbytes, self.world)
+            scatter = self.hw.collective_time("reducescatter", nbytes, self.world)
+            comm_f, comm_b = gather, scatter + (gather if zero == 3 else 0.0)
+            seq = self.shape.seq_len
+            fwd, bwd = [], []
+            for b in self.batch_sizes:
+                tf, tb, _, _ = self._time_passes(block, b)
+                t = torch.tensor([max(0.0, tf - comm_f - plain["forward"](b, seq)),
+                                  max(0.0, tb - comm_b - plain["backward"](b, seq))], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                fwd.append((b, seq, float(t[0])))
+                bwd.append((b, seq, float(t[1])))
+            out[f"zero{zero}"] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
         return out
+
+    def _time_passes(self, block: nn.Module, b: int) -> tuple[float, float, float, float]:
+        """Median (forward wall, backward wall, forward CPU, backward CPU) seconds of ``block`` on ``b``
+        samples, every rank starting together. CPU = this thread's time: compute without the waits."""
+        rec: list[tuple[float, float, float, float]] = []
+        for _ in range(self.repeats + 1):  # the first run warms up
+            x = torch.randn(b, self.shape.seq_len, self.shape.hidden, device=self.device, requires_grad=True)
+            dist.barrier()
+            c0, t0 = time.thread_time(), time.perf_counter()
+            y = block(x)
+            self._sync()
+            c1, t1 = time.thread_time(), time.perf_counter()
+            y.backward(torch.ones_like(y))
+            self._sync()
+            rec.append((t1 - t0, time.perf_counter() - t1, c1 - c0, time.thread_time() - c1))
+            block.zero_grad(set_to_none=True)
+        tf, tb, cf, cb = (statistics.median(r[k] for r in rec[1:]) for k in range(4))
+        return tf, tb, cf, cb
 
 
 class HardwareProfiler:
