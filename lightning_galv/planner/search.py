@@ -5,7 +5,9 @@ Structure (Galvatron VLDB'23, Galvatron-BMW TKDE'24), outermost first:
 1. **Outer loop** over global batch (fixed or a range), pipeline degree (any divisor of the world
    size), schedule (GPipe / 1F1B / interleaved 1F1B) and micro-batch count. Configurations are
    visited in order of an optimistic lower bound on step time and skipped once the bound cannot
-   beat the k-th best plan found so far.
+   beat the k-th best plan found so far. In the uniform ("3-D") space the unit is a (configuration,
+   strategy) pair with its own bound, and a stage's cost is closed-form (n identical layers), so
+   that space needs no layer DP at all.
 2. **Decision tree** per stage size: the per-layer strategy space (tp x dp factorizations, Megatron
    or Ulysses sequence parallelism, ZeRO stage, checkpointing, tp rank order) is enumerated and pruned:
    Galvatron's guideline rules (tp inside a node, consecutive tp groups; ``heuristic_pruning``) plus
@@ -195,7 +197,8 @@ def layer_dp(c: np.ndarray, q: np.ndarray, cls: np.ndarray, trans: np.ndarray, n
 
     ``c``/``q`` are [n, J] (per layer position) so heterogeneous layers work. Returns the best value for
     every prefix length 1..n_max (index 0 unused) and, if ``want_path``, the argmin sequence for that
-    length. Vectorized over (memory, strategy): O(n * M * (J + K^2)).
+    length. Vectorized over (memory, strategy): O(n * M * (J + K^2)). The table is kept as
+    [strategy, memory] so that every reduction runs over whole contiguous memory rows.
     """
     n_layers, J = c.shape
     K = trans.shape[0]
@@ -203,30 +206,32 @@ def layer_dp(c: np.ndarray, q: np.ndarray, cls: np.ndarray, trans: np.ndarray, n
     best = np.full(n_max + 1, np.inf)
     if capacity < 0 or J == 0:
         return best, None
-    f = np.full((M, J), np.inf)
+    f = np.full((J, M), np.inf)
     for j in range(J):
         if q[0, j] < M:
-            f[q[0, j], j] = min(f[q[0, j], j], c[0, j])
+            f[j, q[0, j]] = min(f[j, q[0, j]], c[0, j])
     members = [np.flatnonzero(cls == k) for k in range(K)]
     parents: list[tuple[np.ndarray, np.ndarray]] = []
     best[1] = f.min()
     for layer in range(1, n_max):
-        g = np.full((M, K), np.inf)
-        garg = np.zeros((M, K), dtype=np.int64)
+        g = np.full((K, M), np.inf)
+        garg = np.zeros((K, M), dtype=np.int64)
         for k, mem in enumerate(members):
-            if len(mem):
-                sub = f[:, mem]
-                a = sub.argmin(axis=1)
-                garg[:, k] = mem[a]
-                g[:, k] = sub[np.arange(M), a]
-        h3 = g[:, :, None] + trans[None, :, :]  # [M, K_prev, K_next]
-        harg = h3.argmin(axis=1)
-        h = np.take_along_axis(h3, harg[:, None, :], axis=1)[:, 0, :]
-        nf = np.full((M, J), np.inf)
+            if not len(mem):
+                continue
+            sub = f[mem]
+            g[k] = sub.min(axis=0)
+            if want_path is not None:
+                garg[k] = mem[sub.argmin(axis=0)]  # first minimum: lowest strategy index of the class
+        h3 = g[:, None, :] + trans[:, :, None]  # [K_prev, K_next, M]
+        h = h3.min(axis=0)
+        if want_path is not None:
+            harg = h3.argmin(axis=0)
+        nf = np.full((J, M), np.inf)
         for j in range(J):
             qj = q[layer, j]
             if qj < M:
-                nf[qj:, j] = h[: M - qj, cls[j]] + c[layer, j]
+                nf[j, qj:] = h[cls[j], : M - qj] + c[layer, j]
         f = nf
         if want_path is not None:
             parents.append((harg, garg))
@@ -235,16 +240,15 @@ def layer_dp(c: np.ndarray, q: np.ndarray, cls: np.ndarray, trans: np.ndarray, n
             break
     path = None
     if want_path is not None and np.isfinite(best[want_path]):
-        # re-run to the wanted length is implicit: f here is at n_max; recompute if needed
-        if want_path != n_max:
+        if want_path != n_max:  # the parents above are for n_max layers: rerun to the wanted length
             return layer_dp(c, q, cls, trans, want_path, capacity, want_path)
-        mem, j = np.unravel_index(np.argmin(f), f.shape)
+        mem, j = np.unravel_index(np.argmin(f.T), (M, J))  # ties: least memory, then lowest index
         path = [int(j)]
         for layer in range(n_max - 1, 0, -1):
             harg, garg = parents[layer - 1]
             mem = mem - q[layer, j]
-            k_prev = harg[mem, cls[j]]
-            j = garg[mem, k_prev]
+            k_prev = harg[cls[j], mem]
+            j = garg[k_prev, mem]
             path.append(int(j))
         path.reverse()
     return best, path
@@ -260,7 +264,13 @@ class _Config:
     schedule: str
     v: int
     m: int
+    j: int = -1  # uniform ("3-D") space: index of the one strategy in the table; -1 = per-layer search
     bound: float = 0.0
+
+    @property
+    def key(self) -> tuple[int, int, str, int, int]:
+        """The pipeline configuration, without the strategy: the top-k holds one plan per configuration."""
+        return (self.global_batch, self.pp, self.schedule, self.v, self.m)
 
 
 class _Searcher:
@@ -270,21 +280,28 @@ class _Searcher:
         self.L = profile.num_layers
         self.types = sorted(set(profile.layer_type_of))
         self.grid = budget / space.memory_bins
-        self.tables: dict[tuple[int, int, int], _Table | None] = {}
+        self.tables: dict[tuple[int, int], _Table | None] = {}
+        self.fixed_cache: dict[tuple, tuple[float, float, float]] = {}
         self.dp_cache: dict[tuple, tuple[np.ndarray, np.ndarray, list]] = {}
-        self.stats = {"configs": 0, "pruned_by_bound": 0, "infeasible": 0, "dp_runs": 0, "shortcuts": 0}
+        self.stats = {"configs": 0, "pruned_by_bound": 0, "infeasible": 0, "dp_runs": 0, "shortcuts": 0,
+                      "levels_skipped": 0}
         self.min_fit: tuple[float, str] = (math.inf, "")
 
     # -- cost tables ---------------------------------------------------------------------------------
-    def table(self, S: int, mb: int, m: int) -> _Table | None:
-        key = (S, mb, m)
+    def table(self, S: int, mb: int) -> _Table | None:
+        """Per-strategy layer costs of a stage of ``S`` ranks at micro-batch ``mb``.
+
+        Keyed by (S, mb) only: layer costs and transitions do not depend on the micro-batch count or the
+        stage position, so one table serves every (pp, m) of a batch sweep that lands on the same pair.
+        """
+        key = (S, mb)
         if key in self.tables:
             return self.tables[key]
         strategies = candidate_strategies(self.p.shape, S, mb, self.space, self.hw)
         if not strategies:
             self.tables[key] = None
             return None
-        ctx = StageContext(S, mb, m)
+        ctx = StageContext(S, mb, 1)
         T, J = len(self.p.layer_types), len(strategies)
         fb, extra, states, act, tr = (np.zeros((T, J)) for _ in range(5))
         first_layer_of_type = {t: self.p.layer_type_of.index(t) for t in self.types}
@@ -303,7 +320,10 @@ class _Searcher:
                 reps.append(s)
             cls[j] = classes[key2]
         K = len(reps)
-        trans = np.array([[self.cost.transition_time(a, b, ctx) for b in reps] for a in reps]).reshape(K, K)
+        if self.space.uniform:  # one strategy for all layers: activations never change layout
+            trans = np.zeros((K, K))
+        else:
+            trans = np.array([[self.cost.transition_time(a, b, ctx) for b in reps] for a in reps]).reshape(K, K)
         tab = _Table(strategies, fb, extra, states, act, tr, cls, trans)
         self.tables[key] = tab
         return tab
@@ -326,10 +346,10 @@ class _Searcher:
         S = self.world // cfg.pp
         ctx = StageContext(S, cfg.global_batch // cfg.m, cfg.m, cfg.pp, stage, cfg.schedule, cfg.v)
         assert isinstance(self.cost, GalvatronCostModel)
-        fixed_t, fixed_e, fixed_mem = self.cost.stage_fixed(emb, emb, ctx)
+        fixed_t, fixed_e, fixed_mem = self.fixed(emb, emb, ctx)
         k = ctx.inflight
         types = np.array(self.p.layer_type_of[start:start + n_hi]) if not self.p.homogeneous else None
-        key = (S, ctx.micro_batch, cfg.m, k, round(fixed_mem), n_hi, start if types is not None else -1, cfg.v)
+        key = (S, ctx.micro_batch, cfg.m, k, round(fixed_mem), n_lo, n_hi, start if types is not None else -1, cfg.v)
         base = fixed_t * cfg.m + fixed_e
         info = {"fixed_t": fixed_t, "fixed_e": fixed_e, "fixed_mem": fixed_mem, "ctx": ctx}
         hit = self.dp_cache.get(key)
@@ -358,6 +378,12 @@ class _Searcher:
             if len(allowed) == 0:
                 continue
             c = c_all[layer_types][:, allowed]
+            # every layer at its fastest allowed strategy, memory and transitions ignored: if even that
+            # cannot beat what lower transient levels already reach for n_lo..n_hi, skip this level's DP
+            lb = np.concatenate(([0.0], np.cumsum(c.min(axis=1))))
+            if np.all(lb[n_lo:] >= vals[n_lo:]):
+                self.stats["levels_skipped"] += 1
+                continue
             q = q_all[layer_types][:, allowed]
             cl = tab.cls[allowed]
             if types is None:  # drop dominated strategies (exact: same class, no better anywhere)
@@ -412,23 +438,24 @@ class _Searcher:
         if len(xs) == 0:
             return None
 
+        ns = np.arange(lo, hi + 1)
+        Uw = Uc[:, lo:hi + 1]
+        # min-plus convolution as one (L+1) x W gather per stage instead of a Python loop over counts
+        back = np.arange(L + 1)[:, None] - ns[None, :]
+        reach = back >= 0
+        back = np.where(reach, back, 0)
+        rows = np.arange(L + 1)
+
         def solve(X: float) -> tuple[float, list[int]] | None:
-            masked = np.where(Uc <= X, Uc, np.inf)
+            masked = np.where(Uw <= X, Uw, np.inf)
             best = np.full(L + 1, np.inf)
             best[0] = 0.0
             args = []
             for i in range(p):
-                nb = np.full(L + 1, np.inf)
-                arg = np.zeros(L + 1, dtype=np.int64)
-                for n in range(lo, hi + 1):
-                    if not np.isfinite(masked[i, n]):
-                        continue
-                    cand = best[: L + 1 - n] + masked[i, n]
-                    upd = cand < nb[n:]
-                    nb[n:] = np.where(upd, cand, nb[n:])
-                    arg[n:] = np.where(upd, n, arg[n:])
-                best = nb
-                args.append(arg)
+                cand = np.where(reach, best[back] + masked[i][None, :], np.inf)
+                a = cand.argmin(axis=1)  # first minimum = fewest layers on stage i among ties
+                best = cand[rows, a]
+                args.append(ns[a])
             if not np.isfinite(best[L]):
                 return None
             counts, k = [], L
@@ -464,35 +491,117 @@ class _Searcher:
         return (best_counts, best_t) if best_counts is not None else None
 
     # -- one configuration ------------------------------------------------------------------------------
+    def fixed(self, emb: LayerStrategy, head: LayerStrategy, ctx: StageContext) -> tuple[float, float, float]:
+        """``stage_fixed`` memoized: the same (stage, micro-batch) recurs for every strategy of the 3-D space."""
+        key = (emb, head, ctx)
+        hit = self.fixed_cache.get(key)
+        if hit is None:
+            assert isinstance(self.cost, GalvatronCostModel)
+            hit = self.fixed_cache[key] = self.cost.stage_fixed(emb, head, ctx)
+        return hit
+
+    def lower_bounds(self, cfg: _Config, tab: _Table, per_strategy: bool) -> np.ndarray:
+        """Optimistic step time of each strategy used for every layer (``per_strategy``), else one
+        bound for the configuration with every layer free to take its own fastest strategy.
+
+        Every layer at its fastest time and smallest per-step extra, stages perfectly balanced: the
+        pipeline time m*max + (sum - max)/v is at least (m - 1/v)*max(ceil(L/p) t, sum/p) + sum/v, and
+        the slowest stage's extra is at least ceil(L/p) * the smallest extra (Narayanan SC'21, Sec. 2.2).
+        """
+        p, v, m, L = cfg.pp, cfg.v, cfg.m, self.L
+        fb, ex = tab.fb, tab.extra
+        if not per_strategy:
+            fb, ex = fb.min(axis=1, keepdims=True), ex.min(axis=1, keepdims=True)
+        counts = np.bincount(np.asarray(self.p.layer_type_of), minlength=fb.shape[0])
+        present = counts > 0
+        per = math.ceil(L / p)
+        total = counts @ fb  # [cols]
+        slow = per * fb[present].min(axis=0)
+        return (m - 1.0 / v) * np.maximum(slow, total / p) + total / v + per * ex[present].min(axis=0)
+
     def solve(self, cfg: _Config) -> ParallelPlan | None:
         S = self.world // cfg.pp
         mb = cfg.global_batch // cfg.m
-        tab = self.table(S, mb, cfg.m)
+        tab = self.table(S, mb)
         emb = self.embed_strategy(S, mb)
         if tab is None or emb is None:
             return None
-        if self.space.uniform:
-            best: ParallelPlan | None = None
-            for j, s in enumerate(tab.strategies):
-                sub = _Table([s], tab.fb[:, [j]], tab.extra[:, [j]], tab.states[:, [j]], tab.act[:, [j]],
-                             tab.transient[:, [j]], np.zeros(1, dtype=np.int64), np.zeros((1, 1)))
-                plan = self._solve_with(cfg, sub, emb, uniform_key=j)
-                if plan is not None and (best is None or plan.prediction.step_time_s < best.prediction.step_time_s):
-                    best = plan
-            return best
+        if cfg.j >= 0 and self.p.homogeneous:
+            return self._solve_uniform(cfg, tab, emb)
+        if cfg.j >= 0:
+            j = cfg.j
+            sub = _Table([tab.strategies[j]], tab.fb[:, [j]], tab.extra[:, [j]], tab.states[:, [j]],
+                         tab.act[:, [j]], tab.transient[:, [j]], np.zeros(1, dtype=np.int64), np.zeros((1, 1)))
+            return self._solve_with(cfg, sub, emb, uniform_key=j)
         return self._solve_with(cfg, tab, emb)
+
+    def _layout(self, cfg: _Config) -> tuple[tuple[int, ...] | None, int, int]:
+        """Even chunk division (interleaved, no uneven search, pp 1) or the (lo, hi) range of layers per stage."""
+        p, L, v = cfg.pp, self.L, cfg.v
+        if v > 1 or not self.space.uneven_partition or p == 1 or not self.p.homogeneous:
+            return even_division(L, p * v), 0, 0
+        lo = max(1, L // p - max(2, math.ceil(L / (2 * p))))
+        hi = min(L - (p - 1), math.ceil(L / p) + max(2, math.ceil(L / (2 * p))))
+        return None, lo, hi
+
+    def _solve_uniform(self, cfg: _Config, tab: _Table, emb: LayerStrategy) -> ParallelPlan | None:
+        """One strategy for every (identical) layer: a stage's cost is n * c, so no layer DP is needed.
+
+        Same numbers as the general path on a one-strategy table (same memory grid, same transient
+        rule), in closed form: n layers fit while n * q <= capacity.
+        """
+        p, L, v, m = cfg.pp, self.L, cfg.v, cfg.m
+        S, mb = self.world // p, cfg.global_batch // m
+        t, j = self.p.layer_type_of[0], cfg.j
+        c = m * tab.fb[t, j] + tab.extra[t, j]
+        r = float(tab.transient[t, j])
+        tau = r if r > 1e-6 else 0.0
+        division, lo, hi = self._layout(cfg)
+        per_stage = None if division is None else [sum(division[ch] for ch in range(i, p * v, p)) for i in range(p)]
+        U = []
+        for i in range(p):
+            ctx = StageContext(S, mb, m, p, i, cfg.schedule, v)
+            ft, fe, fmem = self.fixed(emb, emb, ctx)
+            capacity = int(math.floor((self.budget - fmem - tau) / self.grid + 1e-9))
+            if capacity < 0:
+                return None
+            q = int(math.ceil((tab.states[t, j] + ctx.inflight * tab.act[t, j]) / self.grid - 1e-9))
+            n_fit = capacity // q if q > 0 else L
+            if per_stage is not None:
+                if per_stage[i] > n_fit:
+                    return None
+                continue
+            n = np.arange(hi + 1, dtype=np.float64)
+            u = (n * c + (ft * m + fe)) / m
+            u[min(n_fit, hi) + 1:] = np.inf
+            U.append(u)
+        self.stats["shortcuts"] += p
+        if per_stage is None:
+            part = self.partition(U, m, v, lo, hi)
+            if part is None:
+                return None
+            division = tuple(part[0])
+        return self._finish(cfg, (tab.strategies[j],) * L, tuple(division), emb)
+
+    def _finish(self, cfg: _Config, layers: tuple[LayerStrategy, ...], division: tuple[int, ...],
+                emb: LayerStrategy) -> ParallelPlan | None:
+        """Build the plan and price it with the full cost model (the search's objective is only a proxy)."""
+        plan = ParallelPlan(world_size=self.world, layers=layers, pp=cfg.pp, pp_division=division,
+                            micro_batches=cfg.m, global_batch=cfg.global_batch, pipeline_schedule=cfg.schedule,
+                            virtual_stages=cfg.v, embed=emb, head=emb)
+        pc = self.cost.evaluate(plan)
+        if pc.peak_memory_bytes > self.budget * (1 + 1e-9):  # cannot happen with the conservative grid
+            return None
+        # the plan was built just above and nobody else holds it: attach the prediction without a
+        # second round of validation (prediction is not part of the plan's identity, compare=False)
+        object.__setattr__(plan, "prediction", Prediction(pc.step_time_s, pc.throughput, pc.stage_memory_bytes))
+        return plan
 
     def _solve_with(self, cfg: _Config, tab: _Table, emb: LayerStrategy, uniform_key: int = -1) -> ParallelPlan | None:
         p, L, v = cfg.pp, self.L, cfg.v
         chunks = p * v
-        if v > 1 or not self.space.uneven_partition or p == 1 or not self.p.homogeneous:
-            division = even_division(L, chunks)
-            per_stage = [sum(division[c] for c in range(i, chunks, p)) for i in range(p)]
-            lo = hi = None
-        else:
-            lo = max(1, L // p - max(2, math.ceil(L / (2 * p))))
-            hi = min(L - (p - 1), math.ceil(L / p) + max(2, math.ceil(L / (2 * p))))
-            per_stage = None
+        division, lo, hi = self._layout(cfg)
+        per_stage = None if division is None else [sum(division[c] for c in range(i, chunks, p)) for i in range(p)]
         saved_cache = self.dp_cache
         if uniform_key >= 0:
             self.dp_cache = {}
@@ -520,7 +629,6 @@ class _Searcher:
                         cursor[i] += division[c]
                 pp_division = division
             else:
-                assert lo is not None and hi is not None
                 U, infos = [], []
                 for i in range(p):
                     vals, info = self.stage_costs(cfg, tab, i, emb, lo, hi, 0)
@@ -536,20 +644,14 @@ class _Searcher:
                 pp_division = tuple(counts)
         finally:
             self.dp_cache = saved_cache
-        plan = ParallelPlan(world_size=self.world, layers=tuple(strategies), pp=p, pp_division=tuple(pp_division),
-                            micro_batches=cfg.m, global_batch=cfg.global_batch, pipeline_schedule=cfg.schedule,
-                            virtual_stages=v, embed=emb, head=emb)
-        pc = self.cost.evaluate(plan)
-        if pc.peak_memory_bytes > self.budget * (1 + 1e-9):  # cannot happen with the conservative grid
-            return None
-        return plan.with_(prediction=Prediction(pc.step_time_s, pc.throughput, pc.stage_memory_bytes))
+        return self._finish(cfg, tuple(strategies), tuple(pp_division), emb)
 
     # -- what would fit ---------------------------------------------------------------------------------
     def smallest_fit(self, cfg: _Config) -> tuple[float, str] | None:
         """Peak memory of the leanest plan of this configuration (uniform leanest strategy, even split)."""
         S = self.world // cfg.pp
         mb = cfg.global_batch // cfg.m
-        tab, emb = self.table(S, mb, cfg.m), self.embed_strategy(S, mb)
+        tab, emb = self.table(S, mb), self.embed_strategy(S, mb)
         if tab is None or emb is None:
             return None
         division = even_division(self.L, cfg.pp * cfg.v)
@@ -637,36 +739,49 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
         raise _bad(f"world_size={world}, global_batch={batches}", "no pipeline configuration is possible",
                    "check that the global batch is divisible by the micro-batch counts and pp <= layers.")
 
-    # optimistic bound: every layer at its fastest strategy, perfectly balanced, no extra costs
+    # optimistic bound per unit of work: a configuration, or in the uniform space a (configuration,
+    # strategy) pair -- the 3-D space then prunes strategies, not just pipeline shapes
+    units: list[_Config] = []
     for cfg in configs:
         S, mb = world // cfg.pp, cfg.global_batch // cfg.m
-        tab = s.table(S, mb, cfg.m)
-        if tab is None:
+        tab = s.table(S, mb)
+        if tab is None or s.embed_strategy(S, mb) is None:
             cfg.bound = math.inf
             continue
-        t_min = float(tab.fb.min(axis=1)[list(profile.layer_type_of[:1])][0])
-        per_stage = math.ceil(L / cfg.pp)
-        cfg.bound = (cfg.m - 1 / cfg.v) * per_stage * t_min + L * t_min / cfg.v
-    configs.sort(key=lambda c: c.bound / c.global_batch)
+        if space.uniform:
+            bounds = s.lower_bounds(cfg, tab, per_strategy=True)
+            units += [replace(cfg, j=j, bound=float(bd)) for j, bd in enumerate(bounds)]
+        else:
+            cfg.bound = float(s.lower_bounds(cfg, tab, per_strategy=False)[0])
+            units.append(cfg)
+    units.sort(key=lambda c: c.bound / c.global_batch)
 
+    best_of: dict[tuple, tuple[ParallelPlan, int]] = {}  # configuration -> (its best plan, strategy index)
     found: list[ParallelPlan] = []
-    kth = 0.0  # throughput of the k-th best so far
-    for cfg in configs:
-        if not math.isfinite(cfg.bound):
-            continue
-        if len(found) >= top_k and cfg.global_batch / cfg.bound < kth * (1 - 1e-9):
-            s.stats["pruned_by_bound"] += 1
-            continue
+    for n_done, unit in enumerate(units):
+        # units come in order of their throughput bound: once one cannot reach the k-th best (compared
+        # as the ranking rounds it), none of the rest can
+        if len(found) >= top_k and unit.bound > 0 and _tput_key(unit.global_batch / unit.bound) < _tput_key(
+                found[-1].prediction.throughput):  # type: ignore[union-attr]
+            s.stats["pruned_by_bound"] += len(units) - n_done
+            break
         s.stats["configs"] += 1
-        plan = s.solve(cfg)
+        plan = s.solve(unit)
         if plan is None:
             s.stats["infeasible"] += 1
             continue
+        assert plan.prediction is not None
+        prev = best_of.get(unit.key)
+        if prev is not None:  # uniform space: keep the configuration's fastest strategy (lower index on ties)
+            old, old_j = prev
+            assert old.prediction is not None
+            if (plan.prediction.step_time_s, unit.j) >= (old.prediction.step_time_s, old_j):
+                continue
+            found = [f for f in found if f is not old]
+        best_of[unit.key] = (plan, unit.j)
         found.append(plan)
         found.sort(key=_rank_key)
         del found[top_k:]
-        if len(found) >= top_k:
-            kth = found[-1].prediction.throughput  # type: ignore[union-attr]
     wall = time.perf_counter() - t_start
     s.stats["wall_s"] = wall
     if not found:
@@ -680,10 +795,15 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
     return SearchResult(found, explain(found, profile, s.stats, budget, batches), s.stats)
 
 
+def _tput_key(throughput: float) -> float:
+    """Throughput rounded to 5 significant digits: closer plans count as tied in the ranking."""
+    return round(throughput, 4 - int(math.floor(math.log10(throughput))))
+
+
 def _rank_key(plan: ParallelPlan) -> tuple:
     assert plan.prediction is not None
     # throughput first; near-ties (0.01 %) go to the larger batch, then to fewer micro-batches and 1F1B
-    return (-round(plan.prediction.throughput, 4 - int(math.floor(math.log10(plan.prediction.throughput)))),
+    return (-_tput_key(plan.prediction.throughput),
             -(plan.global_batch or 0), plan.micro_batches, SCHEDULES.index(plan.pipeline_schedule) != 1)
 
 
