@@ -78,7 +78,9 @@ def run(ref: Path, repeats: int = 5) -> str:
         g_ours = GalvatronCostModel(prof, hw).evaluate(gp).step_time_s
         kinds = sorted({s.short() for s in best.layers})
         desc = f"pp{best.pp} {'/'.join(kinds)} m={best.micro_batches}" + (
-            f" div {list(best.pp_division)}" if best.pp > 1 else "")
+            f" div {list(best.pp_division)}" if best.pp > 1 else "") + (
+            f", embed {best.embed.short()} head {best.head.short()}" if (best.embed, best.head) != (
+                best.layers[0], best.layers[-1]) else "")
         label = name + (" (full space)" if full else " (3-D)" if three_d else "")
         out.append(f"| {label} | {nodes}×8 | {batch} | {_secs(wall)} [{_secs(min(walls))}–{_secs(max(walls))}] | "
                    f"{'~' if three_d else ''}{g_wall:.0f} s | {g_wall / wall:.0f}× | {desc} | "

@@ -39,6 +39,7 @@ from .cost import CostModel, GalvatronCostModel, LayerCost, PlanCost, StageConte
 from .profiles import HardwareProfile, ModelProfile
 
 GiB = float(2**30)
+Edge = tuple[LayerStrategy, LayerStrategy]  # (embedding, head) strategies as one stage sees them
 
 
 def _bad(value: object, rule: str, hint: str) -> ValueError:
@@ -68,8 +69,8 @@ class SearchSpace:
     uneven_partition: bool = True
     heuristic_pruning: bool = True
     memory_bins: int = 2048
-    embed_tp: int = 1  # vocabulary-parallel degree of embedding and head
-    embed_zero: int | None = None  # None: the largest ZeRO stage <= 2 in zero_stages
+    embed_tp: int | None = None  # vocabulary-parallel degree of embedding and head; None: searched
+    embed_zero: int | None = None  # ZeRO stage of embedding and head; None: searched over zero_stages
     vocab_padding: bool = False  # allow vocab-parallel degrees that do not divide the vocabulary (Megatron pads it)
 
     def __post_init__(self) -> None:
@@ -282,9 +283,10 @@ class _Searcher:
         self.grid = budget / space.memory_bins
         self.tables: dict[tuple[int, int], _Table | None] = {}
         self.fixed_cache: dict[tuple, tuple[float, float, float]] = {}
+        self.edge_cache: dict[tuple, list[LayerStrategy]] = {}
         self.dp_cache: dict[tuple, tuple[np.ndarray, np.ndarray, list]] = {}
         self.stats = {"configs": 0, "pruned_by_bound": 0, "infeasible": 0, "dp_runs": 0, "shortcuts": 0,
-                      "levels_skipped": 0}
+                      "levels_skipped": 0, "edges_skipped": 0}
         self.min_fit: tuple[float, str] = (math.inf, "")
 
     # -- cost tables ---------------------------------------------------------------------------------
@@ -328,25 +330,74 @@ class _Searcher:
         self.tables[key] = tab
         return tab
 
-    def embed_strategy(self, S: int, mb: int) -> LayerStrategy | None:
-        """Vocabulary-parallel degree ``embed_tp``, raised to the next divisor when the micro-batch is too small to split."""
+    def edge_options(self, S: int, mb: int) -> list[LayerStrategy]:
+        """Strategies the embedding and the head may take on a stage of ``S`` ranks at micro-batch ``mb``.
+
+        What the runtime supports (parallel/tensor.py apply_tp_embedding / apply_tp_head, plan rules):
+        vocab-parallel degree tp (no sequence parallelism, consecutive ranks) times data parallel dp
+        with any ZeRO stage. A fixed ``embed_tp`` keeps the old behaviour: that degree, raised to the
+        next divisor when the micro-batch is too small to split.
+        """
+        key = ("edges", S, mb)
+        hit = self.edge_cache.get(key)
+        if hit is not None:
+            return hit  # type: ignore[return-value]
+        sp, vocab = self.space, self.p.shape.vocab_size
+        out: list[LayerStrategy] = []
         for vtp in divisors(S):
-            if vtp < self.space.embed_tp and S % self.space.embed_tp == 0:
-                continue
             dp = S // vtp
-            if mb % dp or (vtp > 1 and self.p.shape.vocab_size % vtp and not self.space.vocab_padding):
+            if mb % dp or (vtp > 1 and vocab % vtp and not sp.vocab_padding):
                 continue
-            return LayerStrategy(tp=vtp, dp=dp, zero=self.space.default_embed_zero if dp > 1 else 0)
-        return None
+            if sp.embed_tp is not None:
+                if vtp < sp.embed_tp and S % sp.embed_tp == 0:
+                    continue
+            elif vtp > (sp.max_tp or S) or (sp.heuristic_pruning and vtp > 1 and not self.hw.is_intra_node(vtp, 1)):
+                continue  # vocab-parallel groups stay inside a node, as the layers' tp groups do
+            zeros = (0,) if dp == 1 else (sp.default_embed_zero,) if sp.embed_tp is not None or \
+                sp.embed_zero is not None else sp.zero_stages
+            out += [LayerStrategy(tp=vtp, dp=dp, zero=z) for z in zeros]
+            if sp.embed_tp is not None:
+                break
+        self.edge_cache[key] = out
+        return out
+
+    def edge_front(self, S: int, mb: int, first: bool, uniform: LayerStrategy | None) -> list[LayerStrategy]:
+        """Options of one end (embedding or head) that no other option beats in time, extra and memory.
+
+        Dominance is checked on the end's own cost (``other_cost``), which is exact whenever embedding
+        and head are priced separately (different stages, or different strategies on one stage). In the
+        uniform (3-D) space the ends take the layers' tensor-parallel degree, as Galvatron's 3-D plans do.
+        """
+        opts = self.edge_options(S, mb)
+        if uniform is not None:
+            same = [e for e in opts if e.tp == uniform.tensor_parallel]
+            opts = same or opts
+        key = ("front", S, mb, first, uniform.tensor_parallel if uniform is not None else 0)
+        hit = self.edge_cache.get(key)
+        if hit is not None:
+            return hit
+        assert isinstance(self.cost, GalvatronCostModel)
+        ctx = StageContext(S, mb, 1)
+        cs = [self.cost.other_cost(e, ctx, first, not first) for e in opts]
+        vec = np.array([[c.fwd + c.bwd, c.step_extra, c.states, c.act] for c in cs]).reshape(len(cs), 4)
+        keep = []
+        for i in range(len(opts)):
+            le = (vec <= vec[i]).all(axis=1)
+            lt = (vec < vec[i]).any(axis=1)
+            if not (le & (lt | (np.arange(len(opts)) < i))).any():
+                keep.append(opts[i])
+        self.edge_cache[key] = keep
+        return keep
 
     # -- one stage ----------------------------------------------------------------------------------
-    def stage_costs(self, cfg: _Config, tab: _Table, stage: int, emb: LayerStrategy, n_lo: int, n_hi: int,
-                    start: int) -> tuple[np.ndarray, dict]:
-        """Best objective (seconds per step, m-weighted) for n = 0..n_hi layers on ``stage``."""
+    def stage_costs(self, cfg: _Config, tab: _Table, stage: int, edge: tuple[LayerStrategy, LayerStrategy],
+                    n_lo: int, n_hi: int, start: int) -> tuple[np.ndarray, dict]:
+        """Best objective (seconds per step, m-weighted) for n = 0..n_hi layers on ``stage`` with the
+        embedding / head strategies ``edge``."""
         S = self.world // cfg.pp
         ctx = StageContext(S, cfg.global_batch // cfg.m, cfg.m, cfg.pp, stage, cfg.schedule, cfg.v)
         assert isinstance(self.cost, GalvatronCostModel)
-        fixed_t, fixed_e, fixed_mem = self.fixed(emb, emb, ctx)
+        fixed_t, fixed_e, fixed_mem = self.fixed(edge[0], edge[1], ctx)
         k = ctx.inflight
         types = np.array(self.p.layer_type_of[start:start + n_hi]) if not self.p.homogeneous else None
         key = (S, ctx.micro_batch, cfg.m, k, round(fixed_mem), n_lo, n_hi, start if types is not None else -1, cfg.v)
@@ -500,6 +551,64 @@ class _Searcher:
             hit = self.fixed_cache[key] = self.cost.stage_fixed(emb, head, ctx)
         return hit
 
+    def solve(self, cfg: _Config) -> ParallelPlan | None:
+        S = self.world // cfg.pp
+        mb = cfg.global_batch // cfg.m
+        tab = self.table(S, mb)
+        if tab is None:
+            return None
+        uni = tab.strategies[cfg.j] if cfg.j >= 0 else None
+        groups = self.stage_edges(cfg, S, mb, uni)
+        if not groups:
+            return None
+        if cfg.j >= 0 and self.p.homogeneous:
+            return self._solve_uniform(cfg, tab, groups)
+        if cfg.j >= 0:
+            j = cfg.j
+            sub = _Table([tab.strategies[j]], tab.fb[:, [j]], tab.extra[:, [j]], tab.states[:, [j]],
+                         tab.act[:, [j]], tab.transient[:, [j]], np.zeros(1, dtype=np.int64), np.zeros((1, 1)))
+            return self._solve_with(cfg, sub, groups, uniform_key=j)
+        return self._solve_with(cfg, tab, groups)
+
+    def stage_edges(self, cfg: _Config, S: int, mb: int, uni: LayerStrategy | None) -> list[list[list[Edge]]]:
+        """Candidate (embedding, head) strategies per stage, in groups that are solved one by one.
+
+        The embedding only costs on stage 0 and the head only on the last stage, so each stage picks
+        its own end independently -- except that the cost model sizes the stage-boundary sends of the
+        middle stages by the embedding's dp: with pp >= 3 the embedding options are grouped by dp and
+        each group is solved separately. With pp = 1 both ends share the stage: pairs are priced jointly.
+        """
+        p = cfg.pp
+        emb = self.edge_front(S, mb, True, uni)
+        head = self.edge_front(S, mb, False, uni)
+        if not emb or not head:
+            return []
+        if p == 1:
+            ctx = StageContext(S, mb, cfg.m, 1, 0, cfg.schedule, cfg.v)
+            pairs = [(e, h) for e in emb for h in head]
+            return [[self._front(pairs, ctx)]]
+        ctxs = [StageContext(S, mb, cfg.m, p, i, cfg.schedule, cfg.v) for i in (0, p - 1)]
+        last = self._front([(h, h) for h in head], ctxs[1])
+        if p == 2:
+            return [[self._front([(e, e) for e in emb], ctxs[0]), last]]
+        out = []
+        for dp in sorted({e.dp for e in emb}, reverse=True):
+            first = self._front([(e, e) for e in emb if e.dp == dp], ctxs[0])
+            out.append([first] + [first[:1]] * (p - 2) + [last])
+        return out
+
+    def _front(self, edges: list[Edge], ctx: StageContext) -> list[Edge]:
+        """Edges of one stage not beaten by another in mb time, step extra and memory (all of stage_fixed)."""
+        vec = np.array([self.fixed(e, h, ctx) for e, h in edges]).reshape(len(edges), 3)
+        idx = np.arange(len(edges))
+        keep = []
+        for i in range(len(edges)):
+            le = (vec <= vec[i]).all(axis=1)
+            lt = (vec < vec[i]).any(axis=1)
+            if not (le & (lt | (idx < i))).any():
+                keep.append(edges[i])
+        return keep
+
     def lower_bounds(self, cfg: _Config, tab: _Table, per_strategy: bool) -> np.ndarray:
         """Optimistic step time of each strategy used for every layer (``per_strategy``), else one
         bound for the configuration with every layer free to take its own fastest strategy.
@@ -519,22 +628,6 @@ class _Searcher:
         slow = per * fb[present].min(axis=0)
         return (m - 1.0 / v) * np.maximum(slow, total / p) + total / v + per * ex[present].min(axis=0)
 
-    def solve(self, cfg: _Config) -> ParallelPlan | None:
-        S = self.world // cfg.pp
-        mb = cfg.global_batch // cfg.m
-        tab = self.table(S, mb)
-        emb = self.embed_strategy(S, mb)
-        if tab is None or emb is None:
-            return None
-        if cfg.j >= 0 and self.p.homogeneous:
-            return self._solve_uniform(cfg, tab, emb)
-        if cfg.j >= 0:
-            j = cfg.j
-            sub = _Table([tab.strategies[j]], tab.fb[:, [j]], tab.extra[:, [j]], tab.states[:, [j]],
-                         tab.act[:, [j]], tab.transient[:, [j]], np.zeros(1, dtype=np.int64), np.zeros((1, 1)))
-            return self._solve_with(cfg, sub, emb, uniform_key=j)
-        return self._solve_with(cfg, tab, emb)
-
     def _layout(self, cfg: _Config) -> tuple[tuple[int, ...] | None, int, int]:
         """Even chunk division (interleaved, no uneven search, pp 1) or the (lo, hi) range of layers per stage."""
         p, L, v = cfg.pp, self.L, cfg.v
@@ -544,7 +637,7 @@ class _Searcher:
         hi = min(L - (p - 1), math.ceil(L / p) + max(2, math.ceil(L / (2 * p))))
         return None, lo, hi
 
-    def _solve_uniform(self, cfg: _Config, tab: _Table, emb: LayerStrategy) -> ParallelPlan | None:
+    def _solve_uniform(self, cfg: _Config, tab: _Table, groups: list[list[list[Edge]]]) -> ParallelPlan | None:
         """One strategy for every (identical) layer: a stage's cost is n * c, so no layer DP is needed.
 
         Same numbers as the general path on a one-strategy table (same memory grid, same transient
@@ -558,37 +651,54 @@ class _Searcher:
         tau = r if r > 1e-6 else 0.0
         division, lo, hi = self._layout(cfg)
         per_stage = None if division is None else [sum(division[ch] for ch in range(i, p * v, p)) for i in range(p)]
-        U = []
-        for i in range(p):
-            ctx = StageContext(S, mb, m, p, i, cfg.schedule, v)
-            ft, fe, fmem = self.fixed(emb, emb, ctx)
-            capacity = int(math.floor((self.budget - fmem - tau) / self.grid + 1e-9))
-            if capacity < 0:
-                return None
-            q = int(math.ceil((tab.states[t, j] + ctx.inflight * tab.act[t, j]) / self.grid - 1e-9))
-            n_fit = capacity // q if q > 0 else L
-            if per_stage is not None:
-                if per_stage[i] > n_fit:
-                    return None
-                continue
-            n = np.arange(hi + 1, dtype=np.float64)
-            u = (n * c + (ft * m + fe)) / m
-            u[min(n_fit, hi) + 1:] = np.inf
-            U.append(u)
-        self.stats["shortcuts"] += p
+        n_hi = hi if per_stage is None else max(per_stage)
+        n = np.arange(n_hi + 1, dtype=np.float64)
+        best: tuple[float, list[int], list[Edge]] | None = None
+        for group in groups:
+            U, picks = [], []
+            for i in range(p):
+                ctx = StageContext(S, mb, m, p, i, cfg.schedule, v)
+                q = int(math.ceil((tab.states[t, j] + ctx.inflight * tab.act[t, j]) / self.grid - 1e-9))
+                u_best, which = np.full(n_hi + 1, np.inf), np.zeros(n_hi + 1, dtype=np.int64)
+                for idx, (e, h) in enumerate(group[i]):
+                    ft, fe, fmem = self.fixed(e, h, ctx)
+                    capacity = int(math.floor((self.budget - fmem - tau) / self.grid + 1e-9))
+                    if capacity < 0:
+                        continue
+                    n_fit = capacity // q if q > 0 else L
+                    u = (n * c + (ft * m + fe)) / m
+                    u[min(n_fit, n_hi) + 1:] = np.inf
+                    better = u < u_best
+                    u_best[better], which[better] = u[better], idx
+                U.append(u_best)
+                picks.append(which)
+            self.stats["shortcuts"] += p
+            got = self._place(U, cfg, per_stage, lo, hi)
+            if got is not None and (best is None or got[1] < best[0]):
+                counts = got[0]
+                best = (got[1], counts, [group[i][int(picks[i][counts[i]])] for i in range(p)])
+        if best is None:
+            return None
+        _, counts, edges = best
+        div = tuple(counts) if per_stage is None else tuple(division)  # type: ignore[arg-type]
+        return self._finish(cfg, (tab.strategies[j],) * L, div, edges[0][0], edges[-1][1])
+
+    def _place(self, U: list[np.ndarray], cfg: _Config, per_stage: list[int] | None, lo: int,
+               hi: int) -> tuple[list[int], float] | None:
+        """Layer counts per stage and the partition objective: the given even split, or the best uneven one."""
         if per_stage is None:
-            part = self.partition(U, m, v, lo, hi)
-            if part is None:
-                return None
-            division = tuple(part[0])
-        return self._finish(cfg, (tab.strategies[j],) * L, tuple(division), emb)
+            return self.partition(U, cfg.m, cfg.v, lo, hi)
+        us = [float(U[i][n]) for i, n in enumerate(per_stage)]
+        if not all(math.isfinite(u) for u in us):
+            return None
+        return list(per_stage), cfg.m * max(us) + (sum(us) - max(us)) / cfg.v
 
     def _finish(self, cfg: _Config, layers: tuple[LayerStrategy, ...], division: tuple[int, ...],
-                emb: LayerStrategy) -> ParallelPlan | None:
+                embed: LayerStrategy, head: LayerStrategy) -> ParallelPlan | None:
         """Build the plan and price it with the full cost model (the search's objective is only a proxy)."""
         plan = ParallelPlan(world_size=self.world, layers=layers, pp=cfg.pp, pp_division=division,
                             micro_batches=cfg.m, global_batch=cfg.global_batch, pipeline_schedule=cfg.schedule,
-                            virtual_stages=cfg.v, embed=emb, head=emb)
+                            virtual_stages=cfg.v, embed=embed, head=head)
         pc = self.cost.evaluate(plan)
         if pc.peak_memory_bytes > self.budget * (1 + 1e-9):  # cannot happen with the conservative grid
             return None
@@ -597,69 +707,97 @@ class _Searcher:
         object.__setattr__(plan, "prediction", Prediction(pc.step_time_s, pc.throughput, pc.stage_memory_bytes))
         return plan
 
-    def _solve_with(self, cfg: _Config, tab: _Table, emb: LayerStrategy, uniform_key: int = -1) -> ParallelPlan | None:
-        p, L, v = cfg.pp, self.L, cfg.v
+    def stage_values(self, cfg: _Config, tab: _Table, stage: int, edges: list[Edge], n_lo: int, n_hi: int,
+                     start: int) -> tuple[np.ndarray, list[dict], np.ndarray]:
+        """``stage_costs`` minimized over the stage's embedding/head options, pointwise in n.
+
+        Options are visited leanest first: the layers of that one see the most memory, so its layer
+        values bound every later option's from below (less memory never helps); an option whose fixed
+        cost plus that bound cannot beat the running minimum anywhere in n_lo..n_hi skips its DP.
+        """
+        ctx = StageContext(self.world // cfg.pp, cfg.global_batch // cfg.m, cfg.m, cfg.pp, stage, cfg.schedule, cfg.v)
+        fixed = [self.fixed(e, h, ctx) for e, h in edges]
+        base = [ft * cfg.m + fe for ft, fe, _ in fixed]
+        best, which = np.full(n_hi + 1, np.inf), np.zeros(n_hi + 1, dtype=np.int64)
+        infos: list[dict] = [{} for _ in edges]
+        floor: np.ndarray | None = None
+        for idx in sorted(range(len(edges)), key=lambda i: fixed[i][2]):
+            if floor is not None and np.all(base[idx] + floor[n_lo:] >= best[n_lo:]):
+                self.stats["edges_skipped"] += 1
+                continue
+            vals, infos[idx] = self.stage_costs(cfg, tab, stage, edges[idx], n_lo, n_hi, start)
+            if floor is None:
+                floor = vals - base[idx]
+            better = vals < best
+            best[better], which[better] = vals[better], idx
+        return best, infos, which
+
+    def _solve_with(self, cfg: _Config, tab: _Table, groups: list[list[list[Edge]]],
+                    uniform_key: int = -1) -> ParallelPlan | None:
+        p, v = cfg.pp, cfg.v
         chunks = p * v
         division, lo, hi = self._layout(cfg)
         per_stage = None if division is None else [sum(division[c] for c in range(i, chunks, p)) for i in range(p)]
+        starts_even = [sum(per_stage[:i]) if v == 1 else 0 for i in range(p)] if per_stage is not None else None
         saved_cache = self.dp_cache
         if uniform_key >= 0:
             self.dp_cache = {}
         try:
-            if per_stage is not None:
-                starts = [sum(per_stage[:i]) for i in range(p)]
-                infos, counts, total = [], per_stage, []
+            best: tuple | None = None
+            for group in groups:
+                U, stage_info = [], []
                 for i in range(p):
-                    vals, info = self.stage_costs(cfg, tab, i, emb, per_stage[i], per_stage[i],
-                                                  starts[i] if v == 1 else 0)
-                    if not np.isfinite(vals[per_stage[i]]):
-                        return None
-                    infos.append(info)
-                strategies: list[LayerStrategy] = []
-                paths = [self.stage_path(cfg, tab, infos[i], per_stage[i], starts[i] if v == 1 else 0)
-                         for i in range(p)]
-                if v == 1:
-                    for path in paths:
-                        strategies += path
-                else:  # stage i owns chunks i, i+p, ...; hand out its layers chunk by chunk
-                    cursor = [0] * p
-                    for c in range(chunks):
-                        i = c % p
-                        strategies += paths[i][cursor[i]:cursor[i] + division[c]]
-                        cursor[i] += division[c]
-                pp_division = division
-            else:
-                U, infos = [], []
-                for i in range(p):
-                    vals, info = self.stage_costs(cfg, tab, i, emb, lo, hi, 0)
+                    if starts_even is not None:
+                        assert per_stage is not None
+                        vals, infos, which = self.stage_values(cfg, tab, i, group[i], per_stage[i], per_stage[i],
+                                                               starts_even[i])
+                    else:
+                        vals, infos, which = self.stage_values(cfg, tab, i, group[i], lo, hi, 0)
                     U.append(vals / cfg.m)
-                    infos.append(info)
-                part = self.partition(U, cfg.m, v, lo, hi)
-                if part is None:
-                    return None
-                counts, _ = part
-                strategies = []
-                for i, n in enumerate(counts):
-                    strategies += self.stage_path(cfg, tab, infos[i], n, 0)
-                pp_division = tuple(counts)
+                    stage_info.append((infos, which))
+                got = self._place(U, cfg, per_stage, lo, hi)
+                if got is not None and (best is None or got[1] < best[0]):
+                    best = (got[1], got[0], group, stage_info)
+            if best is None:
+                return None
+            _, counts, group, stage_info = best
+            paths, edges = [], []
+            for i, n in enumerate(counts):
+                infos, which = stage_info[i]
+                k = int(which[n])
+                edges.append(group[i][k])
+                start = starts_even[i] if starts_even is not None else 0
+                paths.append(self.stage_path(cfg, tab, infos[k], n, start))
         finally:
             self.dp_cache = saved_cache
-        return self._finish(cfg, tuple(strategies), tuple(pp_division), emb)
+        strategies: list[LayerStrategy] = []
+        if v == 1:
+            for path in paths:
+                strategies += path
+            pp_division = tuple(counts)
+        else:  # stage i owns chunks i, i+p, ...; hand out its layers chunk by chunk
+            assert division is not None
+            cursor = [0] * p
+            for c in range(chunks):
+                i = c % p
+                strategies += paths[i][cursor[i]:cursor[i] + division[c]]
+                cursor[i] += division[c]
+            pp_division = tuple(division)
+        return self._finish(cfg, tuple(strategies), pp_division, edges[0][0], edges[-1][1])
 
     # -- what would fit ---------------------------------------------------------------------------------
     def smallest_fit(self, cfg: _Config) -> tuple[float, str] | None:
         """Peak memory of the leanest plan of this configuration (uniform leanest strategy, even split)."""
         S = self.world // cfg.pp
         mb = cfg.global_batch // cfg.m
-        tab, emb = self.table(S, mb), self.embed_strategy(S, mb)
-        if tab is None or emb is None:
+        tab, edges = self.table(S, mb), self.edge_options(S, mb)
+        if tab is None or not edges:
             return None
         division = even_division(self.L, cfg.pp * cfg.v)
         peak = 0.0
         for i in range(cfg.pp):
             ctx = StageContext(S, mb, cfg.m, cfg.pp, i, cfg.schedule, cfg.v)
-            assert isinstance(self.cost, GalvatronCostModel)
-            _, _, fixed = self.cost.stage_fixed(emb, emb, ctx)
+            fixed = min(self.fixed(e, e, ctx)[2] for e in edges)  # the leanest embedding/head
             n = sum(division[c] for c in range(i, cfg.pp * cfg.v, cfg.pp))
             mem = tab.states + ctx.inflight * tab.act
             t = self.p.layer_type_of[0]
@@ -745,7 +883,7 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
     for cfg in configs:
         S, mb = world // cfg.pp, cfg.global_batch // cfg.m
         tab = s.table(S, mb)
-        if tab is None or s.embed_strategy(S, mb) is None:
+        if tab is None or not s.edge_options(S, mb):
             cfg.bound = math.inf
             continue
         if space.uniform:
