@@ -236,3 +236,37 @@ def test_vocab_parallel_head_chosen_under_tight_memory() -> None:
     with pytest.raises(ValueError, match="HINT:"):
         search(prof, hw, 2, budget, global_batch=8, top_k=1,
                space=SearchSpace(pp_degrees=(1,), micro_batches=(1,), embed_tp=1, embed_zero=2))
+
+
+# ---------------------------------------------------------------------------------------------------
+# heterogeneous layer types: uneven partitions
+# ---------------------------------------------------------------------------------------------------
+def hetero_profile(types: tuple[int, ...], heavy_ms: float = 3.0) -> ModelProfile:
+    """Two layer types: type 0 takes ``heavy_ms`` forward per sample, type 1 takes 1 ms (backward 2x)."""
+    seq = 8
+    shape = ModelShape(len(types), 8, 4, 4, 16, 64, seq)
+
+    def lt(name: str, ms: float) -> LayerTypeProfile:
+        return LayerTypeProfile(name, TimeFit(0.0, ms * MS / seq), TimeFit(0.0, 2 * ms * MS / seq), 0,
+                                {act_key(1, "none", False): 1.0}, 8)
+
+    return ModelProfile("hetero", shape, (lt("heavy", heavy_ms), lt("light", 1.0)), types, "bf16")
+
+
+@pytest.mark.parametrize("types, m", [((0, 0, 0, 1, 1, 1), 4), ((1, 1, 0, 1, 0, 0, 0), 2), ((0, 1, 0, 1, 1, 1), 8)])
+def test_heterogeneous_uneven_partition_matches_brute_force(types: tuple[int, ...], m: int) -> None:
+    """First case by hand: heavy blocks cost 3 units, light 1; an even 3/3 split gives stages of 9 and 3
+    units, the split 2/4 gives 6 and 6 -- the search must find the uneven one."""
+    prof, hw = hetero_profile(types), toy_hw(2)
+    space = SearchSpace(pp_degrees=(2,), micro_batches=(m,), schedules=("1f1b",))
+    best = search(prof, hw, 2, 1e12, global_batch=m, top_k=1, space=space)[0]
+    cm = GalvatronCostModel(prof, hw)
+    L = len(types)
+    times = {n0: cm.evaluate(best.with_(pp_division=(n0, L - n0))).step_time_s for n0 in range(1, L)}
+    want = min(times.values())
+    assert sum(best.pp_division) == L
+    assert best.prediction.step_time_s == pytest.approx(want, rel=1e-12)  # ties between splits may go either way
+    assert times[best.pp_division[0]] == pytest.approx(want, rel=1e-12)
+    if types == (0, 0, 0, 1, 1, 1):
+        assert best.pp_division == (2, 4)
+        assert times[2] < 0.8 * times[3]

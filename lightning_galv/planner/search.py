@@ -480,30 +480,35 @@ class _Searcher:
 
     # -- partition ------------------------------------------------------------------------------------
     def partition(self, U: list[np.ndarray], m: int, v: int, lo: int, hi: int) -> tuple[list[int], float] | None:
-        """Layer counts per stage minimizing m*max(u) + (sum(u) - max(u))/v (thresholding the bottleneck)."""
+        """Layer counts per stage minimizing m*max(u) + (sum(u) - max(u))/v (thresholding the bottleneck).
+
+        ``U[i]`` is stage i's cost by layer count, ``[hi + 1]``, or by (first layer, count), ``[L + 1, hi + 1]``,
+        when layer types differ along the model (heterogeneous models: a stage's cost depends on where it starts).
+        """
         p, L = len(U), self.L
-        Uc = np.full((p, hi + 1), np.inf)
+        W = hi - lo + 1
+        Uc = np.full((p, L + 1, W), np.inf)  # [stage, start, count - lo]
         for i in range(p):
-            Uc[i, lo:hi + 1] = U[i][lo:hi + 1]
+            Uc[i] = U[i][..., lo:hi + 1] if U[i].ndim == 2 else U[i][None, lo:hi + 1]
         xs = np.unique(Uc[np.isfinite(Uc)])
         if len(xs) == 0:
             return None
 
         ns = np.arange(lo, hi + 1)
-        Uw = Uc[:, lo:hi + 1]
         # min-plus convolution as one (L+1) x W gather per stage instead of a Python loop over counts
         back = np.arange(L + 1)[:, None] - ns[None, :]
         reach = back >= 0
         back = np.where(reach, back, 0)
         rows = np.arange(L + 1)
+        cols = np.arange(W)[None, :]
+        Ug = [Uc[i][back, cols] for i in range(p)]  # [end, count]: the stage ending at `end` with `count` layers
 
         def solve(X: float) -> tuple[float, list[int]] | None:
-            masked = np.where(Uw <= X, Uw, np.inf)
             best = np.full(L + 1, np.inf)
             best[0] = 0.0
             args = []
             for i in range(p):
-                cand = np.where(reach, best[back] + masked[i][None, :], np.inf)
+                cand = np.where(reach & (Ug[i] <= X), best[back] + Ug[i], np.inf)
                 a = cand.argmin(axis=1)  # first minimum = fewest layers on stage i among ties
                 best = cand[rows, a]
                 args.append(ns[a])
@@ -535,7 +540,8 @@ class _Searcher:
             if r is None:
                 continue
             total, counts = r
-            mx = max(Uc[i, n] for i, n in enumerate(counts))
+            starts = np.cumsum([0] + counts[:-1])
+            mx = max(Uc[i, starts[i], n - lo] for i, n in enumerate(counts))
             t = m * mx + (total - mx) / v
             if t < best_t - 1e-15:
                 best_t, best_counts = t, counts
@@ -631,7 +637,7 @@ class _Searcher:
     def _layout(self, cfg: _Config) -> tuple[tuple[int, ...] | None, int, int]:
         """Even chunk division (interleaved, no uneven search, pp 1) or the (lo, hi) range of layers per stage."""
         p, L, v = cfg.pp, self.L, cfg.v
-        if v > 1 or not self.space.uneven_partition or p == 1 or not self.p.homogeneous:
+        if v > 1 or not self.space.uneven_partition or p == 1:
             return even_division(L, p * v), 0, 0
         lo = max(1, L // p - max(2, math.ceil(L / (2 * p))))
         hi = min(L - (p - 1), math.ceil(L / p) + max(2, math.ceil(L / (2 * p))))
@@ -751,8 +757,18 @@ class _Searcher:
                         assert per_stage is not None
                         vals, infos, which = self.stage_values(cfg, tab, i, group[i], per_stage[i], per_stage[i],
                                                                starts_even[i])
-                    else:
+                    elif self.p.homogeneous:
                         vals, infos, which = self.stage_values(cfg, tab, i, group[i], lo, hi, 0)
+                    else:  # layer types vary along the model: a stage's cost depends on its first layer
+                        vals = np.full((self.L + 1, hi + 1), np.inf)
+                        by_start = {}
+                        first = max(i * lo, self.L - (p - i) * hi)
+                        for st in range(first, min(i * hi, self.L - (p - i) * lo) + 1):
+                            top = min(hi, self.L - st)
+                            vs, inf_s, wh = self.stage_values(cfg, tab, i, group[i], lo, top, st)
+                            vals[st, :top + 1] = vs
+                            by_start[st] = (inf_s, wh)
+                        infos, which = by_start, None  # type: ignore[assignment]
                     U.append(vals / cfg.m)
                     stage_info.append((infos, which))
                 got = self._place(U, cfg, per_stage, lo, hi)
@@ -762,11 +778,16 @@ class _Searcher:
                 return None
             _, counts, group, stage_info = best
             paths, edges = [], []
+            starts = [int(x) for x in np.cumsum([0] + list(counts[:-1]))]
             for i, n in enumerate(counts):
                 infos, which = stage_info[i]
+                if which is None:  # heterogeneous uneven: per-start results
+                    infos, which = infos[starts[i]]
+                    start = starts[i]
+                else:
+                    start = starts_even[i] if starts_even is not None else 0
                 k = int(which[n])
                 edges.append(group[i][k])
-                start = starts_even[i] if starts_even is not None else 0
                 paths.append(self.stage_path(cfg, tab, infos[k], n, start))
         finally:
             self.dp_cache = saved_cache
