@@ -34,15 +34,25 @@ def toy_hw(world: int) -> HardwareProfile:
 # ---------------------------------------------------------------------------------------------------
 # DP against brute force
 # ---------------------------------------------------------------------------------------------------
+def edge_choices(prof: ModelProfile, world: int, mb: int, space: SearchSpace) -> list[LayerStrategy]:
+    """Every embedding/head strategy the runtime accepts: vocab-parallel tp x dp, any allowed ZeRO stage."""
+    out = []
+    for tp in (d for d in range(1, world + 1) if world % d == 0):
+        dp = world // tp
+        if mb % dp or prof.shape.vocab_size % tp:
+            continue
+        out += [LayerStrategy(tp=tp, dp=dp, zero=z) for z in ((0,) if dp == 1 else space.zero_stages)]
+    return out
+
+
 def brute_force(prof: ModelProfile, hw: HardwareProfile, world: int, G: int, m: int, budget: float,
-                space: SearchSpace) -> tuple[float, tuple[LayerStrategy, ...] | None]:
-    """Enumerate every per-layer assignment; feasibility on the search's documented memory grid."""
+                space: SearchSpace) -> tuple[float, tuple | None]:
+    """(best objective, (embed, head, layers)). Enumerate every per-layer assignment and every (embedding, head) pair; feasibility on the search's
+    documented memory grid."""
     cm = GalvatronCostModel(prof, hw, space.default_embed_zero)
     mb = G // m
     cands = candidate_strategies(prof.shape, world, mb, space)
     ctx = StageContext(world, mb, m)
-    emb = LayerStrategy(dp=world, zero=space.default_embed_zero if world > 1 else 0)
-    fixed_t, fixed_e, fixed_mem = cm.stage_fixed(emb, emb, ctx)
     costs = [cm.layer_cost(0, s, ctx) for s in cands]
     c = np.array([m * (x.fwd + x.bwd) + x.step_extra for x in costs])
     grid = budget / space.memory_bins
@@ -53,12 +63,18 @@ def brute_force(prof: ModelProfile, hw: HardwareProfile, world: int, G: int, m: 
     idx = np.array(list(itertools.product(range(J), repeat=L)))
     total = c[idx].sum(axis=1) + sum(tr[idx[:, i], idx[:, i + 1]] for i in range(L - 1))
     tau = r[idx].max(axis=1)
-    cap = np.floor((budget - fixed_mem - tau) / grid + 1e-9)
-    ok = q[idx].sum(axis=1) <= cap
-    if not ok.any():
-        return math.inf, None
-    best = int(np.argmin(np.where(ok, total, np.inf)))
-    return float(total[best] + m * fixed_t + fixed_e), tuple(cands[j] for j in idx[best])
+    best_t, best_layers = math.inf, None
+    for emb, head in itertools.product(edge_choices(prof, world, mb, space), repeat=2):
+        fixed_t, fixed_e, fixed_mem = cm.stage_fixed(emb, head, ctx)
+        cap = np.floor((budget - fixed_mem - tau) / grid + 1e-9)
+        ok = q[idx].sum(axis=1) <= cap
+        if not ok.any():
+            continue
+        i = int(np.argmin(np.where(ok, total, np.inf)))
+        t = float(total[i] + m * fixed_t + fixed_e)
+        if t < best_t:
+            best_t, best_layers = t, (emb, head, tuple(cands[j] for j in idx[i]))
+    return best_t, best_layers
 
 
 def test_dp_matches_brute_force_on_every_small_instance() -> None:
@@ -91,7 +107,7 @@ def test_dp_matches_brute_force_on_every_small_instance() -> None:
             assert max(got.prediction.stage_memory_bytes) <= budget
             assert plan_bf is not None
             # the brute-force optimum, evaluated as a plan, costs the same
-            bf_plan = got.with_(layers=plan_bf)
+            bf_plan = got.with_(embed=plan_bf[0], head=plan_bf[1], layers=plan_bf[2])
             assert cm.evaluate(bf_plan).step_time_s == pytest.approx(want, rel=1e-9)
             agreed += 1
     # the sweep really exercised feasible, infeasible and memory-constrained (DP, not closed-form) cases
@@ -214,3 +230,63 @@ def test_simulated_1024_gpus_80_layers() -> None:
     # a 70B model does not fit pure data parallel (16 bytes/param x 70e9 / 1024 ranks is fine only with ZeRO)
     assert any(s.tp > 1 or s.zero > 0 for s in best.layers) or best.pp > 1
     assert best.prediction.throughput > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# embedding / head strategies
+# ---------------------------------------------------------------------------------------------------
+def test_vocab_parallel_head_chosen_under_tight_memory() -> None:
+    """A 100M-parameter head on 2 ranks, 16 bytes/param of mixed-precision Adam states (ZeRO SC'20):
+
+    tp1·dp2: zero0 1.6e9, zero1 1.0e9, zero2 0.9e9, zero3 0.8e9 bytes; tp2 (vocab-parallel, dp1) 0.8e9.
+    Under 0.82e9 only zero3 and tp2 fit; zero3 all-gathers 2e8 bytes of weights twice per micro-batch
+    and reduce-scatters the gradient (3 x 1e8 / 2e9 B/s = 0.15 s), tp2 only all-reduces a few
+    logit statistics, so the search must pick the tp2 head; with the old fixed tp1 ZeRO-2 head nothing fits.
+    """
+    prof = toy_profile(2, params=0, act=1.0).with_(head_params=100_000_000, embed_params=0)
+    hw = toy_hw(2)
+    budget = 0.82e9
+    space = SearchSpace(pp_degrees=(1,), micro_batches=(1,))
+    best = search(prof, hw, 2, budget, global_batch=8, top_k=1, space=space)[0]
+    assert best.head == LayerStrategy(tp=2, dp=1)
+    assert max(best.prediction.stage_memory_bytes) == pytest.approx(0.8e9, rel=1e-6)
+    zero3 = GalvatronCostModel(prof, hw).evaluate(best.with_(head=LayerStrategy(dp=2, zero=3), embed=best.embed))
+    assert zero3.peak_memory_bytes <= budget  # the other fitting head is there, and slower by ~0.15 s
+    assert zero3.step_time_s - best.prediction.step_time_s == pytest.approx(0.15, rel=0.02)
+    with pytest.raises(ValueError, match="HINT:"):
+        search(prof, hw, 2, budget, global_batch=8, top_k=1,
+               space=SearchSpace(pp_degrees=(1,), micro_batches=(1,), embed_tp=1, embed_zero=2))
+
+
+# ---------------------------------------------------------------------------------------------------
+# heterogeneous layer types: uneven partitions
+# ---------------------------------------------------------------------------------------------------
+def hetero_profile(types: tuple[int, ...], heavy_ms: float = 3.0) -> ModelProfile:
+    """Two layer types: type 0 takes ``heavy_ms`` forward per sample, type 1 takes 1 ms (backward 2x)."""
+    seq = 8
+    shape = ModelShape(len(types), 8, 4, 4, 16, 64, seq)
+
+    def lt(name: str, ms: float) -> LayerTypeProfile:
+        return LayerTypeProfile(name, TimeFit(0.0, ms * MS / seq), TimeFit(0.0, 2 * ms * MS / seq), 0,
+                                {act_key(1, "none", False): 1.0}, 8)
+
+    return ModelProfile("hetero", shape, (lt("heavy", heavy_ms), lt("light", 1.0)), types, "bf16")
+
+
+@pytest.mark.parametrize("types, m", [((0, 0, 0, 1, 1, 1), 4), ((1, 1, 0, 1, 0, 0, 0), 2), ((0, 1, 0, 1, 1, 1), 8)])
+def test_heterogeneous_uneven_partition_matches_brute_force(types: tuple[int, ...], m: int) -> None:
+    """First case by hand: heavy blocks cost 3 units, light 1; an even 3/3 split gives stages of 9 and 3
+    units, the split 2/4 gives 6 and 6 -- the search must find the uneven one."""
+    prof, hw = hetero_profile(types), toy_hw(2)
+    space = SearchSpace(pp_degrees=(2,), micro_batches=(m,), schedules=("1f1b",))
+    best = search(prof, hw, 2, 1e12, global_batch=m, top_k=1, space=space)[0]
+    cm = GalvatronCostModel(prof, hw)
+    L = len(types)
+    times = {n0: cm.evaluate(best.with_(pp_division=(n0, L - n0))).step_time_s for n0 in range(1, L)}
+    want = min(times.values())
+    assert sum(best.pp_division) == L
+    assert best.prediction.step_time_s == pytest.approx(want, rel=1e-12)  # ties between splits may go either way
+    assert times[best.pp_division[0]] == pytest.approx(want, rel=1e-12)
+    if types == (0, 0, 0, 1, 1, 1):
+        assert best.pp_division == (2, 4)
+        assert times[2] < 0.8 * times[3]

@@ -423,33 +423,29 @@ class GalvatronCostModel(CostModel):
         mb = plan.global_batch // m
         v = plan.virtual_stages
         assert plan.embed is not None and plan.head is not None
-        stage_of = [0] * len(plan.layers)
-        for chunk in range(plan.pp * v):
-            for i in plan.stage_layers(chunk):
-                stage_of[i] = chunk % plan.pp
         mb_times, extras, mems = [], [], []
         breakdown = {"compute_and_comm": 0.0, "transitions": 0.0, "other": 0.0}
         for st in range(plan.pp):
             ctx = StageContext(plan.stage_size, mb, m, plan.pp, st, plan.pipeline_schedule, v)
+            inflight = ctx.inflight
             t, e, mem = self.stage_fixed(plan.embed, plan.head, ctx)
             breakdown["other"] += t
             transient = 0.0
-            prev: LayerStrategy | None = None
-            for i, s in enumerate(plan.layers):
-                if stage_of[i] != st:
-                    prev = None
-                    continue
-                c = self.layer_cost(i, s, ctx)
-                t += c.fwd + c.bwd
-                breakdown["compute_and_comm"] += c.fwd + c.bwd
-                e += c.step_extra
-                mem += c.memory(ctx.inflight)
-                transient = max(transient, c.transient)
-                if prev is not None:
-                    tr = self.transition_time(prev, s, ctx)
-                    t += tr
-                    breakdown["transitions"] += tr
-                prev = s
+            for chunk in range(st, plan.pp * v, plan.pp):  # this stage's chunks, layers in model order
+                prev: LayerStrategy | None = None
+                for i in plan.stage_layers(chunk):
+                    s = plan.layers[i]
+                    c = self.layer_cost(i, s, ctx)
+                    t += c.fwd + c.bwd
+                    breakdown["compute_and_comm"] += c.fwd + c.bwd
+                    e += c.step_extra
+                    mem += c.memory(inflight)
+                    transient = max(transient, c.transient)
+                    if prev is not None and prev != s:  # equal strategies never re-layout
+                        tr = self.transition_time(prev, s, ctx)
+                        t += tr
+                        breakdown["transitions"] += tr
+                    prev = s
             mb_times.append(t)
             extras.append(e)
             mems.append(mem + max(0.0, transient - self.backward_freed(plan.head, ctx)))

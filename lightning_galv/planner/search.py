@@ -5,7 +5,9 @@ Structure (Galvatron VLDB'23, Galvatron-BMW TKDE'24), outermost first:
 1. **Outer loop** over global batch (fixed or a range), pipeline degree (any divisor of the world
    size), schedule (GPipe / 1F1B / interleaved 1F1B) and micro-batch count. Configurations are
    visited in order of an optimistic lower bound on step time and skipped once the bound cannot
-   beat the k-th best plan found so far.
+   beat the k-th best plan found so far. In the uniform ("3-D") space the unit is a (configuration,
+   strategy) pair with its own bound, and a stage's cost is closed-form (n identical layers), so
+   that space needs no layer DP at all.
 2. **Decision tree** per stage size: the per-layer strategy space (tp x dp factorizations, Megatron
    or Ulysses sequence parallelism, ZeRO stage, checkpointing, tp rank order) is enumerated and pruned:
    Galvatron's guideline rules (tp inside a node, consecutive tp groups; ``heuristic_pruning``) plus
@@ -46,6 +48,7 @@ from .profiles import HardwareProfile, ModelProfile
 
 GiB = float(2**30)
 DEFAULT_MEMORY_MARGIN = 0.02  # fraction of the budget kept free for what the cost model does not itemize
+Edge = tuple[LayerStrategy, LayerStrategy]  # (embedding, head) strategies as one stage sees them
 
 
 def _bad(value: object, rule: str, hint: str) -> ValueError:
@@ -75,8 +78,8 @@ class SearchSpace:
     uneven_partition: bool = True
     heuristic_pruning: bool = True
     memory_bins: int = 2048
-    embed_tp: int = 1  # vocabulary-parallel degree of embedding and head
-    embed_zero: int | None = None  # None: the largest ZeRO stage <= 2 in zero_stages
+    embed_tp: int | None = None  # vocabulary-parallel degree of embedding and head; None: searched
+    embed_zero: int | None = None  # ZeRO stage of embedding and head; None: searched over zero_stages
     vocab_padding: bool = False  # allow vocab-parallel degrees that do not divide the vocabulary (Megatron pads it)
 
     def __post_init__(self) -> None:
@@ -204,7 +207,8 @@ def layer_dp(c: np.ndarray, q: np.ndarray, cls: np.ndarray, trans: np.ndarray, n
 
     ``c``/``q`` are [n, J] (per layer position) so heterogeneous layers work. Returns the best value for
     every prefix length 1..n_max (index 0 unused) and, if ``want_path``, the argmin sequence for that
-    length. Vectorized over (memory, strategy): O(n * M * (J + K^2)).
+    length. Vectorized over (memory, strategy): O(n * M * (J + K^2)). The table is kept as
+    [strategy, memory] so that every reduction runs over whole contiguous memory rows.
     """
     n_layers, J = c.shape
     K = trans.shape[0]
@@ -212,30 +216,32 @@ def layer_dp(c: np.ndarray, q: np.ndarray, cls: np.ndarray, trans: np.ndarray, n
     best = np.full(n_max + 1, np.inf)
     if capacity < 0 or J == 0:
         return best, None
-    f = np.full((M, J), np.inf)
+    f = np.full((J, M), np.inf)
     for j in range(J):
         if q[0, j] < M:
-            f[q[0, j], j] = min(f[q[0, j], j], c[0, j])
+            f[j, q[0, j]] = min(f[j, q[0, j]], c[0, j])
     members = [np.flatnonzero(cls == k) for k in range(K)]
     parents: list[tuple[np.ndarray, np.ndarray]] = []
     best[1] = f.min()
     for layer in range(1, n_max):
-        g = np.full((M, K), np.inf)
-        garg = np.zeros((M, K), dtype=np.int64)
+        g = np.full((K, M), np.inf)
+        garg = np.zeros((K, M), dtype=np.int64)
         for k, mem in enumerate(members):
-            if len(mem):
-                sub = f[:, mem]
-                a = sub.argmin(axis=1)
-                garg[:, k] = mem[a]
-                g[:, k] = sub[np.arange(M), a]
-        h3 = g[:, :, None] + trans[None, :, :]  # [M, K_prev, K_next]
-        harg = h3.argmin(axis=1)
-        h = np.take_along_axis(h3, harg[:, None, :], axis=1)[:, 0, :]
-        nf = np.full((M, J), np.inf)
+            if not len(mem):
+                continue
+            sub = f[mem]
+            g[k] = sub.min(axis=0)
+            if want_path is not None:
+                garg[k] = mem[sub.argmin(axis=0)]  # first minimum: lowest strategy index of the class
+        h3 = g[:, None, :] + trans[:, :, None]  # [K_prev, K_next, M]
+        h = h3.min(axis=0)
+        if want_path is not None:
+            harg = h3.argmin(axis=0)
+        nf = np.full((J, M), np.inf)
         for j in range(J):
             qj = q[layer, j]
             if qj < M:
-                nf[qj:, j] = h[: M - qj, cls[j]] + c[layer, j]
+                nf[j, qj:] = h[cls[j], : M - qj] + c[layer, j]
         f = nf
         if want_path is not None:
             parents.append((harg, garg))
@@ -244,16 +250,15 @@ def layer_dp(c: np.ndarray, q: np.ndarray, cls: np.ndarray, trans: np.ndarray, n
             break
     path = None
     if want_path is not None and np.isfinite(best[want_path]):
-        # re-run to the wanted length is implicit: f here is at n_max; recompute if needed
-        if want_path != n_max:
+        if want_path != n_max:  # the parents above are for n_max layers: rerun to the wanted length
             return layer_dp(c, q, cls, trans, want_path, capacity, want_path)
-        mem, j = np.unravel_index(np.argmin(f), f.shape)
+        mem, j = np.unravel_index(np.argmin(f.T), (M, J))  # ties: least memory, then lowest index
         path = [int(j)]
         for layer in range(n_max - 1, 0, -1):
             harg, garg = parents[layer - 1]
             mem = mem - q[layer, j]
-            k_prev = harg[mem, cls[j]]
-            j = garg[mem, k_prev]
+            k_prev = harg[cls[j], mem]
+            j = garg[k_prev, mem]
             path.append(int(j))
         path.reverse()
     return best, path
@@ -269,7 +274,13 @@ class _Config:
     schedule: str
     v: int
     m: int
+    j: int = -1  # uniform ("3-D") space: index of the one strategy in the table; -1 = per-layer search
     bound: float = 0.0
+
+    @property
+    def key(self) -> tuple[int, int, str, int, int]:
+        """The pipeline configuration, without the strategy: the top-k holds one plan per configuration."""
+        return (self.global_batch, self.pp, self.schedule, self.v, self.m)
 
 
 class _Searcher:
@@ -279,21 +290,29 @@ class _Searcher:
         self.L = profile.num_layers
         self.types = sorted(set(profile.layer_type_of))
         self.grid = budget / space.memory_bins
-        self.tables: dict[tuple[int, int, int], _Table | None] = {}
+        self.tables: dict[tuple[int, int], _Table | None] = {}
+        self.fixed_cache: dict[tuple, tuple[float, float, float]] = {}
+        self.edge_cache: dict[tuple, list[LayerStrategy]] = {}
         self.dp_cache: dict[tuple, tuple[np.ndarray, np.ndarray, list]] = {}
-        self.stats = {"configs": 0, "pruned_by_bound": 0, "infeasible": 0, "dp_runs": 0, "shortcuts": 0}
+        self.stats = {"configs": 0, "pruned_by_bound": 0, "infeasible": 0, "dp_runs": 0, "shortcuts": 0,
+                      "levels_skipped": 0, "edges_skipped": 0}
         self.min_fit: tuple[float, str] = (math.inf, "")
 
     # -- cost tables ---------------------------------------------------------------------------------
-    def table(self, S: int, mb: int, m: int) -> _Table | None:
-        key = (S, mb, m)
+    def table(self, S: int, mb: int) -> _Table | None:
+        """Per-strategy layer costs of a stage of ``S`` ranks at micro-batch ``mb``.
+
+        Keyed by (S, mb) only: layer costs and transitions do not depend on the micro-batch count or the
+        stage position, so one table serves every (pp, m) of a batch sweep that lands on the same pair.
+        """
+        key = (S, mb)
         if key in self.tables:
             return self.tables[key]
         strategies = candidate_strategies(self.p.shape, S, mb, self.space, self.hw)
         if not strategies:
             self.tables[key] = None
             return None
-        ctx = StageContext(S, mb, m)
+        ctx = StageContext(S, mb, 1)
         T, J = len(self.p.layer_types), len(strategies)
         fb, extra, states, act, tr = (np.zeros((T, J)) for _ in range(5))
         first_layer_of_type = {t: self.p.layer_type_of.index(t) for t in self.types}
@@ -312,35 +331,87 @@ class _Searcher:
                 reps.append(s)
             cls[j] = classes[key2]
         K = len(reps)
-        trans = np.array([[self.cost.transition_time(a, b, ctx) for b in reps] for a in reps]).reshape(K, K)
+        if self.space.uniform:  # one strategy for all layers: activations never change layout
+            trans = np.zeros((K, K))
+        else:
+            trans = np.array([[self.cost.transition_time(a, b, ctx) for b in reps] for a in reps]).reshape(K, K)
         tab = _Table(strategies, fb, extra, states, act, tr, cls, trans)
         self.tables[key] = tab
         return tab
 
-    def embed_strategy(self, S: int, mb: int) -> LayerStrategy | None:
-        """Vocabulary-parallel degree ``embed_tp``, raised to the next divisor when the micro-batch is too small to split."""
+    def edge_options(self, S: int, mb: int) -> list[LayerStrategy]:
+        """Strategies the embedding and the head may take on a stage of ``S`` ranks at micro-batch ``mb``.
+
+        What the runtime supports (parallel/tensor.py apply_tp_embedding / apply_tp_head, plan rules):
+        vocab-parallel degree tp (no sequence parallelism, consecutive ranks) times data parallel dp
+        with any ZeRO stage. A fixed ``embed_tp`` keeps the old behaviour: that degree, raised to the
+        next divisor when the micro-batch is too small to split.
+        """
+        key = ("edges", S, mb)
+        hit = self.edge_cache.get(key)
+        if hit is not None:
+            return hit  # type: ignore[return-value]
+        sp, vocab = self.space, self.p.shape.vocab_size
+        out: list[LayerStrategy] = []
         for vtp in divisors(S):
-            if vtp < self.space.embed_tp and S % self.space.embed_tp == 0:
-                continue
             dp = S // vtp
-            if mb % dp or (vtp > 1 and self.p.shape.vocab_size % vtp and not self.space.vocab_padding):
+            if mb % dp or (vtp > 1 and vocab % vtp and not sp.vocab_padding):
                 continue
-            return LayerStrategy(tp=vtp, dp=dp, zero=self.space.default_embed_zero if dp > 1 else 0)
-        return None
+            if sp.embed_tp is not None:
+                if vtp < sp.embed_tp and S % sp.embed_tp == 0:
+                    continue
+            elif vtp > (sp.max_tp or S) or (sp.heuristic_pruning and vtp > 1 and not self.hw.is_intra_node(vtp, 1)):
+                continue  # vocab-parallel groups stay inside a node, as the layers' tp groups do
+            zeros = (0,) if dp == 1 else (sp.default_embed_zero,) if sp.embed_tp is not None or \
+                sp.embed_zero is not None else sp.zero_stages
+            out += [LayerStrategy(tp=vtp, dp=dp, zero=z) for z in zeros]
+            if sp.embed_tp is not None:
+                break
+        self.edge_cache[key] = out
+        return out
+
+    def edge_front(self, S: int, mb: int, first: bool, uniform: LayerStrategy | None) -> list[LayerStrategy]:
+        """Options of one end (embedding or head) that no other option beats in time, extra and memory.
+
+        Dominance is checked on the end's own cost (``other_cost``), which is exact whenever embedding
+        and head are priced separately (different stages, or different strategies on one stage). In the
+        uniform (3-D) space the ends take the layers' tensor-parallel degree, as Galvatron's 3-D plans do.
+        """
+        opts = self.edge_options(S, mb)
+        if uniform is not None:
+            same = [e for e in opts if e.tp == uniform.tensor_parallel]
+            opts = same or opts
+        key = ("front", S, mb, first, uniform.tensor_parallel if uniform is not None else 0)
+        hit = self.edge_cache.get(key)
+        if hit is not None:
+            return hit
+        assert isinstance(self.cost, GalvatronCostModel)
+        ctx = StageContext(S, mb, 1)
+        cs = [self.cost.other_cost(e, ctx, first, not first) for e in opts]
+        vec = np.array([[c.fwd + c.bwd, c.step_extra, c.states, c.act] for c in cs]).reshape(len(cs), 4)
+        keep = []
+        for i in range(len(opts)):
+            le = (vec <= vec[i]).all(axis=1)
+            lt = (vec < vec[i]).any(axis=1)
+            if not (le & (lt | (np.arange(len(opts)) < i))).any():
+                keep.append(opts[i])
+        self.edge_cache[key] = keep
+        return keep
 
     # -- one stage ----------------------------------------------------------------------------------
-    def stage_costs(self, cfg: _Config, tab: _Table, stage: int, emb: LayerStrategy, n_lo: int, n_hi: int,
-                    start: int) -> tuple[np.ndarray, dict]:
-        """Best objective (seconds per step, m-weighted) for n = 0..n_hi layers on ``stage``."""
+    def stage_costs(self, cfg: _Config, tab: _Table, stage: int, edge: tuple[LayerStrategy, LayerStrategy],
+                    n_lo: int, n_hi: int, start: int) -> tuple[np.ndarray, dict]:
+        """Best objective (seconds per step, m-weighted) for n = 0..n_hi layers on ``stage`` with the
+        embedding / head strategies ``edge``."""
         S = self.world // cfg.pp
         ctx = StageContext(S, cfg.global_batch // cfg.m, cfg.m, cfg.pp, stage, cfg.schedule, cfg.v)
         assert isinstance(self.cost, GalvatronCostModel)
-        fixed_t, fixed_e, fixed_mem = self.cost.stage_fixed(emb, emb, ctx)
+        fixed_t, fixed_e, fixed_mem = self.fixed(edge[0], edge[1], ctx)
         k = ctx.inflight
         types = np.array(self.p.layer_type_of[start:start + n_hi]) if not self.p.homogeneous else None
-        freed = self.cost.backward_freed(emb, ctx) if isinstance(self.cost, GalvatronCostModel) else 0.0
-        key = (S, ctx.micro_batch, cfg.m, k, round(fixed_mem), round(freed), n_hi, start if types is not None else -1,
-               cfg.v)
+        freed = self.cost.backward_freed(edge[1], ctx)
+        key = (S, ctx.micro_batch, cfg.m, k, round(fixed_mem), round(freed), n_lo, n_hi,
+               start if types is not None else -1, cfg.v)
         base = fixed_t * cfg.m + fixed_e
         info = {"fixed_t": fixed_t, "fixed_e": fixed_e, "fixed_mem": fixed_mem, "ctx": ctx, "freed": freed}
         hit = self.dp_cache.get(key)
@@ -369,6 +440,12 @@ class _Searcher:
             if len(allowed) == 0:
                 continue
             c = c_all[layer_types][:, allowed]
+            # every layer at its fastest allowed strategy, memory and transitions ignored: if even that
+            # cannot beat what lower transient levels already reach for n_lo..n_hi, skip this level's DP
+            lb = np.concatenate(([0.0], np.cumsum(c.min(axis=1))))
+            if np.all(lb[n_lo:] >= vals[n_lo:]):
+                self.stats["levels_skipped"] += 1
+                continue
             q = q_all[layer_types][:, allowed]
             cl = tab.cls[allowed]
             if types is None:  # drop dominated strategies (exact: same class, no better anywhere)
@@ -414,32 +491,38 @@ class _Searcher:
 
     # -- partition ------------------------------------------------------------------------------------
     def partition(self, U: list[np.ndarray], m: int, v: int, lo: int, hi: int) -> tuple[list[int], float] | None:
-        """Layer counts per stage minimizing m*max(u) + (sum(u) - max(u))/v (thresholding the bottleneck)."""
+        """Layer counts per stage minimizing m*max(u) + (sum(u) - max(u))/v (thresholding the bottleneck).
+
+        ``U[i]`` is stage i's cost by layer count, ``[hi + 1]``, or by (first layer, count), ``[L + 1, hi + 1]``,
+        when layer types differ along the model (heterogeneous models: a stage's cost depends on where it starts).
+        """
         p, L = len(U), self.L
-        Uc = np.full((p, hi + 1), np.inf)
+        W = hi - lo + 1
+        Uc = np.full((p, L + 1, W), np.inf)  # [stage, start, count - lo]
         for i in range(p):
-            Uc[i, lo:hi + 1] = U[i][lo:hi + 1]
+            Uc[i] = U[i][..., lo:hi + 1] if U[i].ndim == 2 else U[i][None, lo:hi + 1]
         xs = np.unique(Uc[np.isfinite(Uc)])
         if len(xs) == 0:
             return None
 
+        ns = np.arange(lo, hi + 1)
+        # min-plus convolution as one (L+1) x W gather per stage instead of a Python loop over counts
+        back = np.arange(L + 1)[:, None] - ns[None, :]
+        reach = back >= 0
+        back = np.where(reach, back, 0)
+        rows = np.arange(L + 1)
+        cols = np.arange(W)[None, :]
+        Ug = [Uc[i][back, cols] for i in range(p)]  # [end, count]: the stage ending at `end` with `count` layers
+
         def solve(X: float) -> tuple[float, list[int]] | None:
-            masked = np.where(Uc <= X, Uc, np.inf)
             best = np.full(L + 1, np.inf)
             best[0] = 0.0
             args = []
             for i in range(p):
-                nb = np.full(L + 1, np.inf)
-                arg = np.zeros(L + 1, dtype=np.int64)
-                for n in range(lo, hi + 1):
-                    if not np.isfinite(masked[i, n]):
-                        continue
-                    cand = best[: L + 1 - n] + masked[i, n]
-                    upd = cand < nb[n:]
-                    nb[n:] = np.where(upd, cand, nb[n:])
-                    arg[n:] = np.where(upd, n, arg[n:])
-                best = nb
-                args.append(arg)
+                cand = np.where(reach & (Ug[i] <= X), best[back] + Ug[i], np.inf)
+                a = cand.argmin(axis=1)  # first minimum = fewest layers on stage i among ties
+                best = cand[rows, a]
+                args.append(ns[a])
             if not np.isfinite(best[L]):
                 return None
             counts, k = [], L
@@ -468,107 +551,286 @@ class _Searcher:
             if r is None:
                 continue
             total, counts = r
-            mx = max(Uc[i, n] for i, n in enumerate(counts))
+            starts = np.cumsum([0] + counts[:-1])
+            mx = max(Uc[i, starts[i], n - lo] for i, n in enumerate(counts))
             t = m * mx + (total - mx) / v
             if t < best_t - 1e-15:
                 best_t, best_counts = t, counts
         return (best_counts, best_t) if best_counts is not None else None
 
     # -- one configuration ------------------------------------------------------------------------------
+    def fixed(self, emb: LayerStrategy, head: LayerStrategy, ctx: StageContext) -> tuple[float, float, float]:
+        """``stage_fixed`` memoized: the same (stage, micro-batch) recurs for every strategy of the 3-D space."""
+        key = (emb, head, ctx)
+        hit = self.fixed_cache.get(key)
+        if hit is None:
+            assert isinstance(self.cost, GalvatronCostModel)
+            hit = self.fixed_cache[key] = self.cost.stage_fixed(emb, head, ctx)
+        return hit
+
     def solve(self, cfg: _Config) -> ParallelPlan | None:
         S = self.world // cfg.pp
         mb = cfg.global_batch // cfg.m
-        tab = self.table(S, mb, cfg.m)
-        emb = self.embed_strategy(S, mb)
-        if tab is None or emb is None:
+        tab = self.table(S, mb)
+        if tab is None:
             return None
-        if self.space.uniform:
-            best: ParallelPlan | None = None
-            for j, s in enumerate(tab.strategies):
-                sub = _Table([s], tab.fb[:, [j]], tab.extra[:, [j]], tab.states[:, [j]], tab.act[:, [j]],
-                             tab.transient[:, [j]], np.zeros(1, dtype=np.int64), np.zeros((1, 1)))
-                plan = self._solve_with(cfg, sub, emb, uniform_key=j)
-                if plan is not None and (best is None or plan.prediction.step_time_s < best.prediction.step_time_s):
-                    best = plan
-            return best
-        return self._solve_with(cfg, tab, emb)
+        uni = tab.strategies[cfg.j] if cfg.j >= 0 else None
+        groups = self.stage_edges(cfg, S, mb, uni)
+        if not groups:
+            return None
+        if cfg.j >= 0 and self.p.homogeneous:
+            return self._solve_uniform(cfg, tab, groups)
+        if cfg.j >= 0:
+            j = cfg.j
+            sub = _Table([tab.strategies[j]], tab.fb[:, [j]], tab.extra[:, [j]], tab.states[:, [j]],
+                         tab.act[:, [j]], tab.transient[:, [j]], np.zeros(1, dtype=np.int64), np.zeros((1, 1)))
+            return self._solve_with(cfg, sub, groups, uniform_key=j)
+        return self._solve_with(cfg, tab, groups)
 
-    def _solve_with(self, cfg: _Config, tab: _Table, emb: LayerStrategy, uniform_key: int = -1) -> ParallelPlan | None:
+    def stage_edges(self, cfg: _Config, S: int, mb: int, uni: LayerStrategy | None) -> list[list[list[Edge]]]:
+        """Candidate (embedding, head) strategies per stage, in groups that are solved one by one.
+
+        The embedding only costs on stage 0 and the head only on the last stage, so each stage picks
+        its own end independently -- except that the cost model sizes the stage-boundary sends of the
+        middle stages by the embedding's dp: with pp >= 3 the embedding options are grouped by dp and
+        each group is solved separately. With pp = 1 both ends share the stage: pairs are priced jointly.
+        """
+        p = cfg.pp
+        emb = self.edge_front(S, mb, True, uni)
+        head = self.edge_front(S, mb, False, uni)
+        if not emb or not head:
+            return []
+        if p == 1:
+            ctx = StageContext(S, mb, cfg.m, 1, 0, cfg.schedule, cfg.v)
+            pairs = [(e, h) for e in emb for h in head]
+            return [[self._front(pairs, ctx)]]
+        ctxs = [StageContext(S, mb, cfg.m, p, i, cfg.schedule, cfg.v) for i in (0, p - 1)]
+        last = self._front([(h, h) for h in head], ctxs[1])
+        if p == 2:
+            return [[self._front([(e, e) for e in emb], ctxs[0]), last]]
+        out = []
+        for dp in sorted({e.dp for e in emb}, reverse=True):
+            first = self._front([(e, e) for e in emb if e.dp == dp], ctxs[0])
+            out.append([first] + [first[:1]] * (p - 2) + [last])
+        return out
+
+    def _front(self, edges: list[Edge], ctx: StageContext) -> list[Edge]:
+        """Edges of one stage not beaten by another in mb time, step extra and memory (all of stage_fixed)."""
+        vec = np.array([self.fixed(e, h, ctx) for e, h in edges]).reshape(len(edges), 3)
+        idx = np.arange(len(edges))
+        keep = []
+        for i in range(len(edges)):
+            le = (vec <= vec[i]).all(axis=1)
+            lt = (vec < vec[i]).any(axis=1)
+            if not (le & (lt | (idx < i))).any():
+                keep.append(edges[i])
+        return keep
+
+    def lower_bounds(self, cfg: _Config, tab: _Table, per_strategy: bool) -> np.ndarray:
+        """Optimistic step time of each strategy used for every layer (``per_strategy``), else one
+        bound for the configuration with every layer free to take its own fastest strategy.
+
+        Every layer at its fastest time and smallest per-step extra, stages perfectly balanced: the
+        pipeline time m*max + (sum - max)/v is at least (m - 1/v)*max(ceil(L/p) t, sum/p) + sum/v, and
+        the slowest stage's extra is at least ceil(L/p) * the smallest extra (Narayanan SC'21, Sec. 2.2).
+        """
+        p, v, m, L = cfg.pp, cfg.v, cfg.m, self.L
+        fb, ex = tab.fb, tab.extra
+        if not per_strategy:
+            fb, ex = fb.min(axis=1, keepdims=True), ex.min(axis=1, keepdims=True)
+        counts = np.bincount(np.asarray(self.p.layer_type_of), minlength=fb.shape[0])
+        present = counts > 0
+        per = math.ceil(L / p)
+        total = counts @ fb  # [cols]
+        slow = per * fb[present].min(axis=0)
+        return (m - 1.0 / v) * np.maximum(slow, total / p) + total / v + per * ex[present].min(axis=0)
+
+    def _layout(self, cfg: _Config) -> tuple[tuple[int, ...] | None, int, int]:
+        """Even chunk division (interleaved, no uneven search, pp 1) or the (lo, hi) range of layers per stage."""
         p, L, v = cfg.pp, self.L, cfg.v
+        if v > 1 or not self.space.uneven_partition or p == 1:
+            return even_division(L, p * v), 0, 0
+        lo = max(1, L // p - max(2, math.ceil(L / (2 * p))))
+        hi = min(L - (p - 1), math.ceil(L / p) + max(2, math.ceil(L / (2 * p))))
+        return None, lo, hi
+
+    def _solve_uniform(self, cfg: _Config, tab: _Table, groups: list[list[list[Edge]]]) -> ParallelPlan | None:
+        """One strategy for every (identical) layer: a stage's cost is n * c, so no layer DP is needed.
+
+        Same numbers as the general path on a one-strategy table (same memory grid, same transient
+        rule), in closed form: n layers fit while n * q <= capacity.
+        """
+        p, L, v, m = cfg.pp, self.L, cfg.v, cfg.m
+        S, mb = self.world // p, cfg.global_batch // m
+        t, j = self.p.layer_type_of[0], cfg.j
+        c = m * tab.fb[t, j] + tab.extra[t, j]
+        r = float(tab.transient[t, j])
+        tau = r if r > 1e-6 else 0.0
+        division, lo, hi = self._layout(cfg)
+        per_stage = None if division is None else [sum(division[ch] for ch in range(i, p * v, p)) for i in range(p)]
+        n_hi = hi if per_stage is None else max(per_stage)
+        n = np.arange(n_hi + 1, dtype=np.float64)
+        best: tuple[float, list[int], list[Edge]] | None = None
+        for group in groups:
+            U, picks = [], []
+            for i in range(p):
+                ctx = StageContext(S, mb, m, p, i, cfg.schedule, v)
+                q = int(math.ceil((tab.states[t, j] + ctx.inflight * tab.act[t, j]) / self.grid - 1e-9))
+                u_best, which = np.full(n_hi + 1, np.inf), np.zeros(n_hi + 1, dtype=np.int64)
+                for idx, (e, h) in enumerate(group[i]):
+                    ft, fe, fmem = self.fixed(e, h, ctx)
+                    freed = self.cost.backward_freed(h, ctx)
+                    capacity = int(math.floor((self.budget - fmem - max(0.0, tau - freed)) / self.grid + 1e-9))
+                    if capacity < 0:
+                        continue
+                    n_fit = capacity // q if q > 0 else L
+                    u = (n * c + (ft * m + fe)) / m
+                    u[min(n_fit, n_hi) + 1:] = np.inf
+                    better = u < u_best
+                    u_best[better], which[better] = u[better], idx
+                U.append(u_best)
+                picks.append(which)
+            self.stats["shortcuts"] += p
+            got = self._place(U, cfg, per_stage, lo, hi)
+            if got is not None and (best is None or got[1] < best[0]):
+                counts = got[0]
+                best = (got[1], counts, [group[i][int(picks[i][counts[i]])] for i in range(p)])
+        if best is None:
+            return None
+        _, counts, edges = best
+        div = tuple(counts) if per_stage is None else tuple(division)  # type: ignore[arg-type]
+        return self._finish(cfg, (tab.strategies[j],) * L, div, edges[0][0], edges[-1][1])
+
+    def _place(self, U: list[np.ndarray], cfg: _Config, per_stage: list[int] | None, lo: int,
+               hi: int) -> tuple[list[int], float] | None:
+        """Layer counts per stage and the partition objective: the given even split, or the best uneven one."""
+        if per_stage is None:
+            return self.partition(U, cfg.m, cfg.v, lo, hi)
+        us = [float(U[i][n]) for i, n in enumerate(per_stage)]
+        if not all(math.isfinite(u) for u in us):
+            return None
+        return list(per_stage), cfg.m * max(us) + (sum(us) - max(us)) / cfg.v
+
+    def _finish(self, cfg: _Config, layers: tuple[LayerStrategy, ...], division: tuple[int, ...],
+                embed: LayerStrategy, head: LayerStrategy) -> ParallelPlan | None:
+        """Build the plan and price it with the full cost model (the search's objective is only a proxy)."""
+        plan = ParallelPlan(world_size=self.world, layers=layers, pp=cfg.pp, pp_division=division,
+                            micro_batches=cfg.m, global_batch=cfg.global_batch, pipeline_schedule=cfg.schedule,
+                            virtual_stages=cfg.v, embed=embed, head=head)
+        pc = self.cost.evaluate(plan)
+        if pc.peak_memory_bytes > self.budget * (1 + 1e-9):  # cannot happen with the conservative grid
+            return None
+        # the plan was built just above and nobody else holds it: attach the prediction without a
+        # second round of validation (prediction is not part of the plan's identity, compare=False)
+        object.__setattr__(plan, "prediction", Prediction(pc.step_time_s, pc.throughput, pc.stage_memory_bytes))
+        return plan
+
+    def stage_values(self, cfg: _Config, tab: _Table, stage: int, edges: list[Edge], n_lo: int, n_hi: int,
+                     start: int) -> tuple[np.ndarray, list[dict], np.ndarray]:
+        """``stage_costs`` minimized over the stage's embedding/head options, pointwise in n.
+
+        Options are visited leanest first: the layers of that one see the most memory, so its layer
+        values bound every later option's from below (less memory never helps); an option whose fixed
+        cost plus that bound cannot beat the running minimum anywhere in n_lo..n_hi skips its DP.
+        """
+        ctx = StageContext(self.world // cfg.pp, cfg.global_batch // cfg.m, cfg.m, cfg.pp, stage, cfg.schedule, cfg.v)
+        fixed = [self.fixed(e, h, ctx) for e, h in edges]
+        base = [ft * cfg.m + fe for ft, fe, _ in fixed]
+        best, which = np.full(n_hi + 1, np.inf), np.zeros(n_hi + 1, dtype=np.int64)
+        infos: list[dict] = [{} for _ in edges]
+        floor: np.ndarray | None = None
+        for idx in sorted(range(len(edges)), key=lambda i: fixed[i][2]):
+            if floor is not None and np.all(base[idx] + floor[n_lo:] >= best[n_lo:]):
+                self.stats["edges_skipped"] += 1
+                continue
+            vals, infos[idx] = self.stage_costs(cfg, tab, stage, edges[idx], n_lo, n_hi, start)
+            if floor is None:
+                floor = vals - base[idx]
+            better = vals < best
+            best[better], which[better] = vals[better], idx
+        return best, infos, which
+
+    def _solve_with(self, cfg: _Config, tab: _Table, groups: list[list[list[Edge]]],
+                    uniform_key: int = -1) -> ParallelPlan | None:
+        p, v = cfg.pp, cfg.v
         chunks = p * v
-        if v > 1 or not self.space.uneven_partition or p == 1 or not self.p.homogeneous:
-            division = even_division(L, chunks)
-            per_stage = [sum(division[c] for c in range(i, chunks, p)) for i in range(p)]
-            lo = hi = None
-        else:
-            lo = max(1, L // p - max(2, math.ceil(L / (2 * p))))
-            hi = min(L - (p - 1), math.ceil(L / p) + max(2, math.ceil(L / (2 * p))))
-            per_stage = None
+        division, lo, hi = self._layout(cfg)
+        per_stage = None if division is None else [sum(division[c] for c in range(i, chunks, p)) for i in range(p)]
+        starts_even = [sum(per_stage[:i]) if v == 1 else 0 for i in range(p)] if per_stage is not None else None
         saved_cache = self.dp_cache
         if uniform_key >= 0:
             self.dp_cache = {}
         try:
-            if per_stage is not None:
-                starts = [sum(per_stage[:i]) for i in range(p)]
-                infos, counts, total = [], per_stage, []
+            best: tuple | None = None
+            for group in groups:
+                U, stage_info = [], []
                 for i in range(p):
-                    vals, info = self.stage_costs(cfg, tab, i, emb, per_stage[i], per_stage[i],
-                                                  starts[i] if v == 1 else 0)
-                    if not np.isfinite(vals[per_stage[i]]):
-                        return None
-                    infos.append(info)
-                strategies: list[LayerStrategy] = []
-                paths = [self.stage_path(cfg, tab, infos[i], per_stage[i], starts[i] if v == 1 else 0)
-                         for i in range(p)]
-                if v == 1:
-                    for path in paths:
-                        strategies += path
-                else:  # stage i owns chunks i, i+p, ...; hand out its layers chunk by chunk
-                    cursor = [0] * p
-                    for c in range(chunks):
-                        i = c % p
-                        strategies += paths[i][cursor[i]:cursor[i] + division[c]]
-                        cursor[i] += division[c]
-                pp_division = division
-            else:
-                assert lo is not None and hi is not None
-                U, infos = [], []
-                for i in range(p):
-                    vals, info = self.stage_costs(cfg, tab, i, emb, lo, hi, 0)
+                    if starts_even is not None:
+                        assert per_stage is not None
+                        vals, infos, which = self.stage_values(cfg, tab, i, group[i], per_stage[i], per_stage[i],
+                                                               starts_even[i])
+                    elif self.p.homogeneous:
+                        vals, infos, which = self.stage_values(cfg, tab, i, group[i], lo, hi, 0)
+                    else:  # layer types vary along the model: a stage's cost depends on its first layer
+                        vals = np.full((self.L + 1, hi + 1), np.inf)
+                        by_start = {}
+                        first = max(i * lo, self.L - (p - i) * hi)
+                        for st in range(first, min(i * hi, self.L - (p - i) * lo) + 1):
+                            top = min(hi, self.L - st)
+                            vs, inf_s, wh = self.stage_values(cfg, tab, i, group[i], lo, top, st)
+                            vals[st, :top + 1] = vs
+                            by_start[st] = (inf_s, wh)
+                        infos, which = by_start, None  # type: ignore[assignment]
                     U.append(vals / cfg.m)
-                    infos.append(info)
-                part = self.partition(U, cfg.m, v, lo, hi)
-                if part is None:
-                    return None
-                counts, _ = part
-                strategies = []
-                for i, n in enumerate(counts):
-                    strategies += self.stage_path(cfg, tab, infos[i], n, 0)
-                pp_division = tuple(counts)
+                    stage_info.append((infos, which))
+                got = self._place(U, cfg, per_stage, lo, hi)
+                if got is not None and (best is None or got[1] < best[0]):
+                    best = (got[1], got[0], group, stage_info)
+            if best is None:
+                return None
+            _, counts, group, stage_info = best
+            paths, edges = [], []
+            starts = [int(x) for x in np.cumsum([0] + list(counts[:-1]))]
+            for i, n in enumerate(counts):
+                infos, which = stage_info[i]
+                if which is None:  # heterogeneous uneven: per-start results
+                    infos, which = infos[starts[i]]
+                    start = starts[i]
+                else:
+                    start = starts_even[i] if starts_even is not None else 0
+                k = int(which[n])
+                edges.append(group[i][k])
+                paths.append(self.stage_path(cfg, tab, infos[k], n, start))
         finally:
             self.dp_cache = saved_cache
-        plan = ParallelPlan(world_size=self.world, layers=tuple(strategies), pp=p, pp_division=tuple(pp_division),
-                            micro_batches=cfg.m, global_batch=cfg.global_batch, pipeline_schedule=cfg.schedule,
-                            virtual_stages=v, embed=emb, head=emb)
-        pc = self.cost.evaluate(plan)
-        if pc.peak_memory_bytes > self.budget * (1 + 1e-9):  # cannot happen with the conservative grid
-            return None
-        return plan.with_(prediction=Prediction(pc.step_time_s, pc.throughput, pc.stage_memory_bytes))
+        strategies: list[LayerStrategy] = []
+        if v == 1:
+            for path in paths:
+                strategies += path
+            pp_division = tuple(counts)
+        else:  # stage i owns chunks i, i+p, ...; hand out its layers chunk by chunk
+            assert division is not None
+            cursor = [0] * p
+            for c in range(chunks):
+                i = c % p
+                strategies += paths[i][cursor[i]:cursor[i] + division[c]]
+                cursor[i] += division[c]
+            pp_division = tuple(division)
+        return self._finish(cfg, tuple(strategies), pp_division, edges[0][0], edges[-1][1])
 
     # -- what would fit ---------------------------------------------------------------------------------
     def smallest_fit(self, cfg: _Config) -> tuple[float, str] | None:
         """Peak memory of the leanest plan of this configuration (uniform leanest strategy, even split)."""
         S = self.world // cfg.pp
         mb = cfg.global_batch // cfg.m
-        tab, emb = self.table(S, mb, cfg.m), self.embed_strategy(S, mb)
-        if tab is None or emb is None:
+        tab, edges = self.table(S, mb), self.edge_options(S, mb)
+        if tab is None or not edges:
             return None
         division = even_division(self.L, cfg.pp * cfg.v)
         peak = 0.0
         for i in range(cfg.pp):
             ctx = StageContext(S, mb, cfg.m, cfg.pp, i, cfg.schedule, cfg.v)
-            assert isinstance(self.cost, GalvatronCostModel)
-            _, _, fixed = self.cost.stage_fixed(emb, emb, ctx)
+            fixed = min(self.fixed(e, e, ctx)[2] for e in edges)  # the leanest embedding/head
             n = sum(division[c] for c in range(i, cfg.pp * cfg.v, cfg.pp))
             mem = tab.states + ctx.inflight * tab.act
             t = self.p.layer_type_of[0]
@@ -654,36 +916,49 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
         raise _bad(f"world_size={world}, global_batch={batches}", "no pipeline configuration is possible",
                    "check that the global batch is divisible by the micro-batch counts and pp <= layers.")
 
-    # optimistic bound: every layer at its fastest strategy, perfectly balanced, no extra costs
+    # optimistic bound per unit of work: a configuration, or in the uniform space a (configuration,
+    # strategy) pair -- the 3-D space then prunes strategies, not just pipeline shapes
+    units: list[_Config] = []
     for cfg in configs:
         S, mb = world // cfg.pp, cfg.global_batch // cfg.m
-        tab = s.table(S, mb, cfg.m)
-        if tab is None:
+        tab = s.table(S, mb)
+        if tab is None or not s.edge_options(S, mb):
             cfg.bound = math.inf
             continue
-        t_min = float(tab.fb.min(axis=1)[list(profile.layer_type_of[:1])][0])
-        per_stage = math.ceil(L / cfg.pp)
-        cfg.bound = (cfg.m - 1 / cfg.v) * per_stage * t_min + L * t_min / cfg.v
-    configs.sort(key=lambda c: c.bound / c.global_batch)
+        if space.uniform:
+            bounds = s.lower_bounds(cfg, tab, per_strategy=True)
+            units += [replace(cfg, j=j, bound=float(bd)) for j, bd in enumerate(bounds)]
+        else:
+            cfg.bound = float(s.lower_bounds(cfg, tab, per_strategy=False)[0])
+            units.append(cfg)
+    units.sort(key=lambda c: c.bound / c.global_batch)
 
+    best_of: dict[tuple, tuple[ParallelPlan, int]] = {}  # configuration -> (its best plan, strategy index)
     found: list[ParallelPlan] = []
-    kth = 0.0  # throughput of the k-th best so far
-    for cfg in configs:
-        if not math.isfinite(cfg.bound):
-            continue
-        if len(found) >= top_k and cfg.global_batch / cfg.bound < kth * (1 - 1e-9):
-            s.stats["pruned_by_bound"] += 1
-            continue
+    for n_done, unit in enumerate(units):
+        # units come in order of their throughput bound: once one cannot reach the k-th best (compared
+        # as the ranking rounds it), none of the rest can
+        if len(found) >= top_k and unit.bound > 0 and _tput_key(unit.global_batch / unit.bound) < _tput_key(
+                found[-1].prediction.throughput):  # type: ignore[union-attr]
+            s.stats["pruned_by_bound"] += len(units) - n_done
+            break
         s.stats["configs"] += 1
-        plan = s.solve(cfg)
+        plan = s.solve(unit)
         if plan is None:
             s.stats["infeasible"] += 1
             continue
+        assert plan.prediction is not None
+        prev = best_of.get(unit.key)
+        if prev is not None:  # uniform space: keep the configuration's fastest strategy (lower index on ties)
+            old, old_j = prev
+            assert old.prediction is not None
+            if (plan.prediction.step_time_s, unit.j) >= (old.prediction.step_time_s, old_j):
+                continue
+            found = [f for f in found if f is not old]
+        best_of[unit.key] = (plan, unit.j)
         found.append(plan)
         found.sort(key=_rank_key)
         del found[top_k:]
-        if len(found) >= top_k:
-            kth = found[-1].prediction.throughput  # type: ignore[union-attr]
     wall = time.perf_counter() - t_start
     s.stats["wall_s"] = wall
     if not found:
@@ -700,10 +975,15 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
     return SearchResult(found, explain(found, profile, s.stats, budget, batches, given), s.stats)
 
 
+def _tput_key(throughput: float) -> float:
+    """Throughput rounded to 5 significant digits: closer plans count as tied in the ranking."""
+    return round(throughput, 4 - int(math.floor(math.log10(throughput))))
+
+
 def _rank_key(plan: ParallelPlan) -> tuple:
     assert plan.prediction is not None
     # throughput first; near-ties (0.01 %) go to the larger batch, then to fewer micro-batches and 1F1B
-    return (-round(plan.prediction.throughput, 4 - int(math.floor(math.log10(plan.prediction.throughput)))),
+    return (-_tput_key(plan.prediction.throughput),
             -(plan.global_batch or 0), plan.micro_batches, SCHEDULES.index(plan.pipeline_schedule) != 1)
 
 
