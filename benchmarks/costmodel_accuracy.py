@@ -143,10 +143,12 @@ def main() -> None:
         for name, plan in batch:
             pred = cm.evaluate(plan)
             r0 = res[0][name]
-            # each step's time at the speed the machine had while profiling (probe taken right before the step)
-            speed = [ref / p for p in r0["probes"]]
-            norm = [t * f for t, f in zip(r0["times"], speed)]
-            ph = [[v * f for v in ph] for ph, f in zip(r0["phases"], speed)]
+            # the plan's time at the speed the machine had while profiling: one factor per plan from the
+            # median of the probes taken right before its steps (a single probe is too noisy on 4 ranks)
+            f = ref / statistics.median(r0["probes"])
+            speed = [f] * len(r0["times"])
+            norm = [t * f for t in r0["times"]]
+            ph = [[v * f for v in ph] for ph in r0["phases"]]
             meas_m = max(r[name]["peak_bytes"] for r in res)
             rows.append(dict(name=name, pred=pred.step_time_s, pred_extra=max(pred.stage_extra_s),
                              load=statistics.median(1 / f for f in speed), raw=r0["step_s"],
@@ -196,16 +198,23 @@ def table(rows: list[dict]) -> str:
 
 
 NOTES = """Model: reference LLaMA, dim 256, 4 layers, 8 heads (4 kv), ffn 768, vocab 512, seq 128, fp32, Adam,
-global batch 8, gloo, 1 thread per rank, on a 2-core machine shared with other engineers' test runs (load
-average 6-10 during the runs). Profiles (HardwareProfiler + ModelProfiler + per-(tp, sp, ckpt) activation
-counter on the real parallelized block) are measured inside a 2-rank and a 4-rank launch with every rank busy,
-and the plans of each world are predicted from that world's profiles with `GalvatronCostModel(...,
-runtime="native")`; nothing is fitted to the plans' step times. Measured time: median of 7 steps after 2
-warm-up steps, slowest rank. Measured memory: per-rank peak (max over ranks) of live tensor bytes during one
-step by torch's MemTracker = parameters + gradients (kept between steps) + optimizer states + activations +
-temporaries + buffers; interpreter/library memory is excluded (profile `framework_bytes` = 0). "load" = the
-ratio of a block fwd+bwd probe taken around each plan to the same probe at profiling time; the normalized
-prediction scales the profiled compute times by it."""
+global batch 8, gloo, 1 thread per rank, 2 vCPUs (a VM on a shared host). Profiles are measured inside a
+2-rank and a 4-rank launch with every rank busy: HardwareProfiler (collectives 64 KiB..16 MiB, fitted by
+relative error), ModelProfiler (head, optimizer bandwidth on the model's parameter volume) and
+ShardedLayerProfiler (the real parallelized block for every (tp, sp): per-rank compute with the predicted
+collectives subtracted, saved activations with/without checkpointing, the recompute peak, FSDP2's own
+overhead per ZeRO stage). Each world's plans are predicted from that world's profiles with
+`GalvatronCostModel(..., runtime="native")`; nothing is fitted to the plans' step times.
+
+Measured time: median of 7 steps after 2 warm-up steps, slowest rank. The VM's speed drifts (the same
+2-rank launch of the plain model ran at 45 ms and at 75 ms per forward minutes apart, nothing else
+running), so a compute probe (one block fwd+bwd, slowest rank) runs right before every step, and the same
+probe 7 times during profiling; "measured at profile speed" scales the plan's times by median probe at
+profiling / median probe before its steps ("load" = the inverse). Both errors are shown. Measured memory: per-rank peak (max over ranks) of live tensor bytes during
+one step by torch's MemTracker = parameters + gradients (kept between steps) + optimizer states +
+activations + temporaries + buffers. "fwd+bwd / sync+opt": the prediction split into per-micro-batch work
+and per-step work vs the measured wall time of the forward/backward loop and of gradient sync + optimizer
+(a collective absorbs the other ranks' lag, so the split is indicative; the total is what is scored)."""
 
 
 def write_results(report: str) -> None:

@@ -48,7 +48,7 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     from lightning_galv.profiling.profilers import ShardedLayerProfiler
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    probes = [probe(cfg, seq)]
+    probes = [probe(cfg, seq, repeats=1)]  # the same procedure as the probe before every measured step
     hw = HardwareProfiler(sizes_bytes=sizes, repeats=repeats, progress=False).fit()
     lcfg = LlamaConfig(**cfg)
 
@@ -65,12 +65,12 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     dist.barrier()
     prof = ModelProfiler(block, shape, batch_sizes=(1, 2, 4), seq_lens=(seq // 2, seq), repeats=3,
                          progress=False, make_head=head)
-    probes.append(probe(cfg, seq))
+    probes.append(probe(cfg, seq, repeats=1))
     model = prof.fit()
-    probes.append(probe(cfg, seq))
+    probes.append(probe(cfg, seq, repeats=1))
     layer = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=5, progress=False).fit(model.layer(0))
     model = model.with_(layer_types=(layer,))
-    probes.append(probe(cfg, seq))
+    probes += [probe(cfg, seq, repeats=1) for _ in range(4)]
     probe_s = statistics.median(probes)
     return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": prof.optimizer_bandwidth,
             "probe_s": probe_s}
