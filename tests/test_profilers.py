@@ -127,3 +127,37 @@ def test_buffers_are_fixed_memory_not_activations(tmp_path) -> None:
     assert buffer_bytes(model) == table
     told = ModelProfiler(BufferBlock, SHAPE, batch_sizes=(1, 4), repeats=1, progress=False, buffer_bytes=3 * table).fit()
     assert told.framework_bytes == 3 * table
+
+
+def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
+    """The runtime's own parallelized block, profiled on real tp groups: times, activations, recompute peak,
+    FSDP2 overhead -- and the saved-activation counts agree exactly with the unsharded profiler's."""
+    from pathlib import Path
+
+    from lightning_galv.planner.profiles import HardwareProfile, ModelProfile, transient_key
+    from lightning_galv.testing import run_distributed
+
+    r = run_distributed(f"{Path(__file__).parent / 'dist_profiler_checks.py'}::sharded_profile", 2, ())[0]
+    hw = HardwareProfile.from_dict(r["hw"])
+    assert hw.async_collectives is False  # CPU: FSDP2 / DTensor collectives run inline
+    plain = ModelProfile.from_dict(r["plain"]).layer(0)
+    layer = ModelProfile.from_dict(r["layer"]).layer(0)
+    assert r["variants"] == [(1, "none"), (2, "none"), (2, "megatron"), (2, "ulysses")]
+    assert set(layer.sharded) == {"tp1/none", "tp2/none", "tp2/megatron", "tp2/ulysses"}
+    for fits in layer.sharded.values():
+        assert fits["forward"](2, 16) > 0 and fits["backward"](2, 16) > 0
+    seq, h = 16, 32
+    # same block, same saved-tensor counter: identical to the unsharded profiler's count
+    assert layer.activation_bytes[act_key(1, "none", False)] == plain.activation_bytes[act_key(1, "none", False)]
+    # a checkpointed block keeps only its input: s * h fp32 values per sample, whatever the sharding
+    for tp, sp in r["variants"]:
+        assert layer.activation_bytes[act_key(tp, sp, True)] == seq * h * 4, (tp, sp)
+        # recomputation brings the activations back, plus the gradients of intermediates
+        assert layer.recompute_peak(tp, sp) >= layer.activation(tp, sp, False), (tp, sp)
+        assert transient_key(tp, sp) in layer.activation_bytes
+    # tensor parallelism shards part of the activations, sequence parallelism (Megatron) more
+    assert layer.activation(2, "none", False) < layer.activation(1, "none", False)
+    assert layer.activation(2, "megatron", False) < layer.activation(2, "none", False)
+    assert set(layer.zero_overhead) == {"zero2", "zero3"}
+    for fits in layer.zero_overhead.values():
+        assert fits["forward"](2, 16) >= 0 and fits["backward"](2, 16) >= 0

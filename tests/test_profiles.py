@@ -87,3 +87,31 @@ def test_cache_uses_env_dir(tmp_path, monkeypatch) -> None:
 def test_bad_input_names_value_and_hint(make) -> None:
     with pytest.raises(ValueError, match="HINT:"):
         make()
+
+
+def test_link_fit_minimizes_relative_error() -> None:
+    """Exact alpha-beta points are recovered; one slow large message does not wipe out the latency."""
+    from lightning_galv.planner.profiles import LinkFit
+
+    exact = [(x, 50e-6 + x / 2e9) for x in (1e4, 1e6, 1.6e7)]
+    fit = LinkFit.fit(exact)
+    assert fit.latency_s == pytest.approx(50e-6, rel=1e-6) and fit.bandwidth == pytest.approx(2e9, rel=1e-6)
+    skewed = exact[:2] + [(1.6e7, 1.5 * exact[2][1])]  # the 16 MB point 50 % slow (cache spill, noise)
+    rel = LinkFit.fit(skewed)
+    assert rel.time(1e4) == pytest.approx(exact[0][1], rel=0.25)  # small messages still priced near right
+
+
+def test_layer_profile_round_trips_measured_sharding() -> None:
+    from lightning_galv.planner.profiles import LayerTypeProfile, TimeFit, transient_key
+
+    lt = LayerTypeProfile("block", TimeFit(1e-3, 1e-6), TimeFit(2e-3, 2e-6), 10, {"tp1/none": 5.0,
+                          transient_key(2, "megatron"): 7.0}, 4,
+                          sharded={"tp2/megatron": {"forward": TimeFit(1e-3), "backward": TimeFit(3e-3)}},
+                          zero_overhead={"zero3": {"forward": TimeFit(1e-4), "backward": TimeFit(2e-4)}})
+    prof = ModelProfile("p", SHAPE, (lt,), (0,) * SHAPE.num_layers)
+    back = ModelProfile.from_json(prof.to_json())
+    assert back == prof
+    assert back.layer(0).sharded_fit("backward", 2, "megatron") == TimeFit(3e-3)
+    assert back.layer(0).recompute_peak(2, "megatron") == 7.0
+    with pytest.raises(ValueError, match="HINT"):
+        LayerTypeProfile("b", TimeFit(), TimeFit(), 1, {"tp1/none": 1.0}, 4, zero_overhead={"zero9": {}})
