@@ -145,12 +145,12 @@ def run_many(cases: list[tuple[str, str, dict]]) -> dict[str, Any]:
 
 
 def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2GB",
-             dp_budget_fraction: float | None = None) -> dict[str, Any]:
+             below_pp1: float | None = None) -> dict[str, Any]:
     """strategy='galvatron' with no plan: the planner picks one; it must still train exactly.
 
-    ``dp_budget_fraction``: instead of ``memory_budget``, give the planner this fraction of what plain data
-    parallelism over every rank is predicted to need (same profile, same cost model as automatic mode), so
-    the search has to pick something leaner; the predictions come back for the test to check.
+    ``below_pp1``: instead of ``memory_budget``, give the planner this fraction of the smallest budget
+    with which *any* plan without a pipeline fits (found by bisection with the same profile and cost model
+    as automatic mode), so the search has to use pipeline stages; the predictions come back for the test.
     """
     from lightning_galv.auto import priced_hardware, profile_model
     from lightning_galv.models.protocol import find_parts
@@ -166,13 +166,30 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
         return ParallelPlan.uniform(world, n_layers, LayerStrategy(dp=world), global_batch=gb)
 
     budget: Any = memory_budget
-    if dp_budget_fraction is not None:
+    if below_pp1 is not None:
         # memory predictions depend on parameter counts and saved-activation bytes only (not on timings), so
         # this profile -- the one automatic mode will load from the cache -- fixes the budget on every rank
+        from lightning_galv.auto import run_configs
+        from lightning_galv.planner import SearchSpace, search
+
         prof = profile_model(module, find_parts(module), ProfileCache())
         hw = priced_hardware(prof, HardwareProfile.uniform(1, world, 1e12), 1e12)
-        need = GalvatronCostModel(prof, hw, runtime="native").evaluate(plain_dp(per_shard * world)).peak_memory_bytes
-        budget = int(dp_budget_fraction * need)
+        cost = GalvatronCostModel(prof, hw, runtime="native")
+        _, gb, ms = run_configs(world, n_layers, per_shard, pipeline=True)[0]
+
+        def pp1_fits(b: float) -> bool:
+            try:
+                search(prof, hw, world, b, global_batch=gb, space=SearchSpace(pp_degrees=(1,), micro_batches=ms),
+                       cost_model=cost)
+                return True
+            except ValueError:
+                return False
+
+        lo, hi = 1.0, 1e12  # pp1_fits(lo) is False, pp1_fits(hi) is True
+        while hi / lo > 1.001:
+            mid = (lo * hi) ** 0.5
+            lo, hi = (lo, mid) if pp1_fits(mid) else (mid, hi)
+        budget = int(below_pp1 * hi)
     data = Windows(steps * per_shard * world)
     loader = DataLoader(data, batch_size=per_shard, shuffle=False)
     strategy = GalvatronStrategy(memory_budget=budget)
