@@ -146,12 +146,11 @@ def main() -> None:
             # the plan's time at the speed the machine had while profiling: one factor per plan from the
             # median of the probes taken right before its steps (a single probe is too noisy on 4 ranks)
             f = ref / statistics.median(r0["probes"])
-            speed = [f] * len(r0["times"])
             norm = [t * f for t in r0["times"]]
             ph = [[v * f for v in ph] for ph in r0["phases"]]
             meas_m = max(r[name]["peak_bytes"] for r in res)
             rows.append(dict(name=name, pred=pred.step_time_s, pred_extra=max(pred.stage_extra_s),
-                             load=statistics.median(1 / f for f in speed), raw=r0["step_s"],
+                             load=1 / f, raw=r0["step_s"],
                              mt=statistics.median(norm), fb=statistics.median(p[0] for p in ph),
                              extra=statistics.median(p[1] + p[2] for p in ph),
                              pm=pred.peak_memory_bytes, mm=meas_m,

@@ -47,7 +47,6 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     from lightning_galv.profiling import HardwareProfiler, ModelProfiler
     from lightning_galv.profiling.profilers import ShardedLayerProfiler
 
-    world, rank = dist.get_world_size(), dist.get_rank()
     probes = [probe(cfg, seq, repeats=1)]  # the same procedure as the probe before every measured step
     hw = HardwareProfiler(sizes_bytes=sizes, repeats=repeats, progress=False).fit()
     lcfg = LlamaConfig(**cfg)
