@@ -11,7 +11,9 @@ the caller in rank order.
 
 from __future__ import annotations
 
+import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -19,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from .plan import SCHEDULES, SP_MODES, LayerStrategy, ModelShape, ParallelPlan
 
 
 def free_port() -> int:
@@ -131,6 +135,58 @@ def _worker(target: str, tmp: str, init_pg: bool) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def random_strategy(rng: random.Random, width: int, *, edge: bool = False) -> LayerStrategy:
+    """A random valid factorization of ``width`` ranks with random sp / ZeRO / checkpointing / grouping.
+
+    ``edge``: for the embedding or head (no Ulysses, no activation checkpointing there).
+    """
+    tp = rng.choice(_divisors(width))
+    dp = width // tp
+    sp = "none"
+    if tp > 1 and not edge:
+        sp = rng.choice(SP_MODES)
+    return LayerStrategy(tp=tp, dp=dp, sp=sp, zero=rng.randrange(4), checkpoint=(not edge) and rng.random() < 0.3,
+                         tp_consecutive=tp == 1 or dp == 1 or rng.random() < 0.6)
+
+
+def random_plan(rng: random.Random, world_size: int, shape: ModelShape, *, pp_choices: tuple[int, ...] = (1, 2),
+                micro_batch_choices: tuple[int, ...] = (2, 4), max_tries: int = 1000) -> ParallelPlan:
+    """A seeded random *valid* heterogeneous plan for a model of ``shape`` (rejection sampling).
+
+    Draws every plan dimension the runtime supports: pp (with schedule, micro-batches and an uneven
+    division), per-layer tp / dp / sp / ZeRO / checkpointing / strided-vs-consecutive groups, and the
+    embedding and head strategies; the global batch is the smallest multiple of the plan's batch unit
+    that is at least ``2 * data_parallel_size`` (so every shard sees two samples or more). Plans the
+    model cannot take (``ParallelPlan.check_model``) are redrawn.
+    """
+    for _ in range(max_tries):
+        pp = rng.choice([p for p in pp_choices if world_size % p == 0 and shape.num_layers >= p])
+        stage = world_size // pp
+        kwargs: dict[str, Any] = {"pp": pp}
+        if pp > 1:
+            kwargs["micro_batches"] = m = rng.choice(micro_batch_choices)
+            kwargs["pipeline_schedule"] = rng.choice([s for s in SCHEDULES if s != "interleaved_1f1b"
+                                                      and (s == "gpipe" or m >= pp)])
+            cuts = sorted(rng.sample(range(1, shape.num_layers), pp - 1))
+            bounds = [0, *cuts, shape.num_layers]
+            kwargs["pp_division"] = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+        layers = tuple(random_strategy(rng, stage) for _ in range(shape.num_layers))
+        try:
+            plan = ParallelPlan(world_size, layers, embed=random_strategy(rng, stage, edge=True),
+                                head=random_strategy(rng, stage, edge=True), **kwargs)
+            plan.check_model(shape)
+        except ValueError:
+            continue
+        unit = plan.batch_unit
+        return plan.with_(global_batch=unit * math.ceil(2 * plan.data_parallel_size / unit))
+    raise ValueError(f"no valid plan for world_size={world_size}, shape={shape} in {max_tries} draws. "
+                     "HINT: the model's heads / ffn / sequence must be divisible by some tp > 1, or use pp_choices=(1,).")
 
 
 if __name__ == "__main__":

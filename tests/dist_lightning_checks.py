@@ -78,7 +78,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def reference(module: CausalLM, data: torch.Tensor, steps: int, global_batch: int, accumulate: int = 1,
-              clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+              clip: float | None = None, clip_algorithm: str = "norm") -> tuple[list[float], dict[str, torch.Tensor]]:
     opt = module.configure_optimizers()
     losses = []
     for step in range(steps):
@@ -88,7 +88,9 @@ def reference(module: CausalLM, data: torch.Tensor, steps: int, global_batch: in
             loss = module._loss(data[i:i + global_batch])
             (loss / accumulate).backward()
             total += float(loss.detach())
-        if clip is not None:
+        if clip is not None and clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(module.parameters(), clip)
+        elif clip is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         opt.step()
         opt.zero_grad()
@@ -105,7 +107,8 @@ def trainer_kwargs(**kw: Any) -> dict[str, Any]:
 
 
 def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_batch: int = 8,
-                accumulate: int = 1, clip: float | None = None, strategy_kwargs: dict | None = None) -> dict[str, Any]:
+                accumulate: int = 1, clip: float | None = None, clip_algorithm: str = "norm",
+                strategy_kwargs: dict | None = None) -> dict[str, Any]:
     """Trainer.fit under ``plan`` vs the single-process loop: losses and final weights."""
     module = make_module(kind)
     ref_module = copy.deepcopy(module)
@@ -115,13 +118,13 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
     loader = DataLoader(data, batch_size=global_batch // shards, shuffle=False)
     rec = LossRecorder()
     trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec], accumulate_grad_batches=accumulate,
-                        gradient_clip_val=clip, **trainer_kwargs())
+                        gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm, **trainer_kwargs())
     trainer.fit(module, loader)
     got = full_state(module.model)
     # Lightning's injected DistributedSampler shuffles training data with seed 0, epoch 0: at step t the
     # union of the ranks' batches is perm[t*G:(t+1)*G], which is what the reference consumes
     perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
-    ref_losses, want = reference(ref_module, data.data[perm], steps, global_batch, accumulate, clip)
+    ref_losses, want = reference(ref_module, data.data[perm], steps, global_batch, accumulate, clip, clip_algorithm)
     loss_rec = rec.losses[accumulate - 1::accumulate]  # one loss per optimizer step (mean of micro-batches differs)
     return {
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(_step_means(rec.losses, accumulate), ref_losses)),

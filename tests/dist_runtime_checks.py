@@ -50,8 +50,15 @@ def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: int = 10,
-                  global_batch: int = 8, seq: int = 16, clip: float | None = None,
-                  momentum: float = 0.9, lr: float = 0.2) -> dict[str, Any]:
+                  global_batch: int = 8, seq: int = 16, clip: float | None = None, clip_algorithm: str = "norm",
+                  norm_type: float = 2.0, accumulate: int = 1, momentum: float = 0.9, lr: float = 0.2) -> dict[str, Any]:
+    """Train under ``plan_dict`` and single-process side by side; report the worst relative differences.
+
+    ``accumulate`` micro-steps (each of ``global_batch`` samples) make one optimizer step; gradient sync
+    is off on all but the last, as under the Trainer. ``clip`` clips by global norm (``norm_type``) or by
+    value, compared with ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on the reference; the
+    global norm itself is compared too (``norm_err``).
+    """
     plan = ParallelPlan.from_dict(plan_dict)
     rank = dist.get_rank()
     model = make_model(kind, layers)
@@ -65,39 +72,58 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
     shard, nshards = rt.data_shard
     gen = torch.Generator().manual_seed(123)
-    losses, ref_losses = [], []
+    losses, ref_losses, norm_errs, clipped = [], [], [], []
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def scaled_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _ce(logits, y) / accumulate
+
     for _ in range(steps):
-        data = torch.randint(0, 64, (global_batch, seq + 1), generator=gen)
-        x, y = data[:, :-1], data[:, 1:]
-        b = global_batch // nshards
-        xl, yl = x[shard * b:(shard + 1) * b], y[shard * b:(shard + 1) * b]
-        if rt.pipeline is not None:
-            loss, _ = rt.pipeline.run(xl, yl, _ce, train=True)
-        else:
-            logits = model(xl)
-            loss = _ce(logits, yl)
-            loss.backward()
+        total = torch.zeros(())
+        for k in range(accumulate):
+            data = torch.randint(0, 64, (global_batch, seq + 1), generator=gen)
+            x, y = data[:, :-1], data[:, 1:]
+            b = global_batch // nshards
+            xl, yl = x[shard * b:(shard + 1) * b], y[shard * b:(shard + 1) * b]
+            rt.set_gradient_sync(k == accumulate - 1)
+            if rt.pipeline is not None:
+                held = [p.grad for p in params]
+                for p in params:
+                    p.grad = None
+                loss, _ = rt.pipeline.run(xl, yl, scaled_ce, train=True)
+                for p, h in zip(params, held):
+                    if h is not None:
+                        p.grad = h if p.grad is None else p.grad + h
+                loss = loss * accumulate
+            else:
+                loss = _ce(model(xl), yl)
+                (loss / accumulate).backward()
+            total += loss.detach()
+            rloss = _ce(ref(x), y)
+            (rloss / accumulate).backward()
+            ref_losses.append(float(rloss))
+            g = loss.detach().clone()
+            dist.all_reduce(g)
+            losses.append(float(g) / dist.get_world_size())
         rt.sync_gradients()
-        if clip is not None:
-            rt.clip_grad_norm_(clip)
+        if clip is not None and clip_algorithm == "norm":
+            norm = float(rt.clip_grad_norm_(clip, norm_type))
+            ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip, norm_type))
+            norm_errs.append(abs(norm - ref_norm) / ref_norm)
+            clipped.append(ref_norm > clip)
+        elif clip is not None:
+            clipped.append(any(bool((p.grad.abs() > clip).any()) for p in ref.parameters() if p.grad is not None))
+            rt.clip_grad_value_(clip)
+            torch.nn.utils.clip_grad_value_(ref.parameters(), clip)
         opt.step()
         opt.zero_grad()
-        g = loss.detach().clone()
-        dist.all_reduce(g)
-        losses.append(float(g) / dist.get_world_size())
-        rl = ref(x)
-        rloss = F.cross_entropy(rl.reshape(-1, rl.shape[-1]), y.reshape(-1))
-        rloss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         ref_opt.step()
         ref_opt.zero_grad()
-        ref_losses.append(float(rloss))
     got, want = full_state(model), dict(ref.named_parameters())
     if plan.pp > 1:  # each stage holds its own layers: compare those, and check all were covered
-        held = sorted(got)
+        held_keys = sorted(got)
         everywhere: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(everywhere, held)
+        dist.all_gather_object(everywhere, held_keys)
         covered = set().union(*map(set, everywhere))
         want = {k: v for k, v in want.items() if k in got} if covered == set(want) else want
     errs = {k: rel_err(got[k], want[k].detach()) for k in want}
@@ -105,7 +131,8 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     weight_err = errs[worst]
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     return {"loss_err": loss_err, "weight_err": weight_err, "losses": losses, "ref_losses": ref_losses,
-            "keys_equal": sorted(got) == sorted(want), "worst": worst}
+            "keys_equal": sorted(got) == sorted(want), "worst": worst,
+            "norm_err": max(norm_errs, default=0.0), "clipped": clipped}
 
 
 def run_many(cases: list[tuple[str, dict, dict]]) -> dict[str, Any]:

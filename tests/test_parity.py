@@ -6,14 +6,15 @@ model is also trained single-process on the full batch, and the two are compared
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 
 from lightning_galv.demo import demo_plan
 from lightning_galv.plan import LayerStrategy as L
-from lightning_galv.plan import ParallelPlan
-from lightning_galv.testing import run_distributed
+from lightning_galv.plan import ModelShape, ParallelPlan
+from lightning_galv.testing import random_plan, run_distributed
 
 CHECKS = str(Path(__file__).parent / "dist_runtime_checks.py") + "::run_many"
 TOL = 1e-5
@@ -38,6 +39,19 @@ def _cases4() -> list[tuple[str, dict, dict]]:
          .to_dict(), {"clip": 0.05}),
         ("hetero3", ParallelPlan(4, (L(tp=4), L(tp=2, dp=2), L(dp=4, zero=3))).to_dict(), {"clip": 0.05}),
         ("hetero_demo_clip", demo_plan(4).to_dict(), {"layers": 4, "clip": 0.05}),
+        # issue 9: TP weights re-sharded by ZeRO (strided shards) under norm clipping; value clipping on
+        # DTensor gradients; ZeRO-2/3 over one-rank data groups (also inside a stage as wide as its tp)
+        ("tp2_zero3_norm_clip_gpt2", u(4, 3, L(tp=2, dp=2, zero=3)).to_dict(), {"kind": "gpt2", "clip": 0.3}),
+        ("embed_tp2_zero2_norm_clip", ParallelPlan(4, (L(dp=4),) * 3, embed=L(tp=2, dp=2, zero=2)).to_dict(),
+         {"clip": 0.3}),
+        ("hetero_value_clip_accum", ParallelPlan(4, (L(tp=2, dp=2, zero=3), L(tp=4, sp="ulysses"), L(dp=4, zero=1)),
+                                                 embed=L(tp=4, zero=2), head=L(tp=2, dp=2)).to_dict(),
+         {"clip": 0.01, "clip_algorithm": "value", "accumulate": 2}),
+        ("zero_one_rank_data_group", ParallelPlan(4, (L(dp=4), L(tp=4, zero=2), L(tp=4, sp="megatron", zero=3)))
+         .to_dict(), {}),
+        ("pp2_zero_one_rank_data_group", ParallelPlan(4, (L(tp=2, zero=3), L(tp=2, zero=2), L(dp=2), L(tp=2, zero=3)),
+                                                      pp=2, micro_batches=2, embed=L(tp=2, zero=2),
+                                                      head=L(dp=2, zero=3)).to_dict(), {"layers": 4, "clip": 0.05}),
         # pipelines (issue 3): schedules, uneven stages, virtual stages, per-layer strategies inside stages
         ("pp2_gpipe", u(4, 4, L(dp=2), pp=2, micro_batches=2, pipeline_schedule="gpipe").to_dict(), {"layers": 4}),
         ("pp2_1f1b", u(4, 4, L(dp=2), pp=2, micro_batches=4).to_dict(), {"layers": 4}),
@@ -65,12 +79,32 @@ def _cases8() -> list[tuple[str, dict, dict]]:
             ("pp2_tp2_dp2", pp_tp_dp.to_dict(), {"layers": 4, "global_batch": 8})]
 
 
+# the reference models of dist_runtime_checks.make_model, as the plan generator sees them
+SHAPES = {"llama": lambda n: ModelShape(n, 32, 8, 4, 64, 64, 16), "gpt2": lambda n: ModelShape(n, 32, 4, 4, 128, 64, 16)}
+CLIPS = [{}, {"clip": 0.05}, {"clip": 0.02, "norm_type": float("inf")}, {"clip": 0.01, "clip_algorithm": "value"}]
+
+
+def random_cases(seed: int, world: int, n: int) -> list[tuple[str, dict, dict]]:
+    """``n`` seeded random valid plans, each with a random model, depth, accumulation and clipping."""
+    rng = random.Random(seed)
+    cases = []
+    for i in range(n):
+        kind = rng.choice(sorted(SHAPES))
+        layers = rng.choice((3, 4))
+        plan = random_plan(rng, world, SHAPES[kind](layers))
+        kw = {"kind": kind, "layers": layers, "steps": 4, "global_batch": plan.global_batch,
+              "accumulate": rng.choice((1, 2)), **rng.choice(CLIPS)}
+        cases.append((f"random{world}_{seed}_{i}", plan.to_dict(), kw))
+    return cases
+
+
 def _check(results: list[dict]) -> None:
     # every rank matches the reference (under pp each rank checks the layers its stage holds) ...
     for rank, res in enumerate(results):
         for name, r in res.items():
             assert r["loss_err"] < TOL, (rank, name, r["loss_err"], r["losses"], r["ref_losses"])
             assert r["weight_err"] < TOL, (rank, name, r["weight_err"], r["worst"])
+            assert r["norm_err"] < TOL, (rank, name, r["norm_err"])
     for name, r in results[0].items():
         assert r["keys_equal"], name
     # ... and all ranks report the same losses
@@ -89,3 +123,33 @@ def test_parity_4_ranks() -> None:
 @pytest.mark.distributed
 def test_parity_8_ranks() -> None:
     _check(run_distributed(CHECKS, 8, (_cases8(),), timeout=900))
+
+
+def test_random_cases_are_valid_and_varied() -> None:
+    """The generator covers what the random parity tests claim to draw (a pure check, no processes)."""
+    cases = random_cases(0, 4, 20) + random_cases(1, 8, 5)
+    plans = [ParallelPlan.from_dict(p) for _, p, _ in cases]
+    strategies = [s for p in plans for s in p.all_strategies()]
+    assert {p.pp for p in plans} == {1, 2}
+    assert {s.sp for s in strategies} == {"none", "megatron", "ulysses"}
+    assert {s.zero for s in strategies} == {0, 1, 2, 3}
+    assert any(s.checkpoint for s in strategies) and any(not s.tp_consecutive for s in strategies)
+    assert any(p.embed.tp > 1 for p in plans) and any(p.head.tp > 1 for p in plans)
+    assert any(s.zero >= 2 and s.dp == 1 and not s.ulysses for s in strategies)  # ZeRO over a one-rank data group
+    assert {kw["accumulate"] for _, _, kw in cases} == {1, 2}
+    assert {kw.get("clip_algorithm", "norm") for _, _, kw in cases if "clip" in kw} == {"norm", "value"}
+    assert {kw["kind"] for _, _, kw in cases} == {"llama", "gpt2"}
+    assert len({n for n, _, _ in cases}) == len(cases)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_parity_random_plans_4_ranks() -> None:
+    """20 seeded random valid plans on 4 ranks, each equal to one process (losses, weights, clip norms)."""
+    _check(run_distributed(CHECKS, 4, (random_cases(0, 4, 20),), timeout=1200))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_parity_random_plans_8_ranks() -> None:
+    _check(run_distributed(CHECKS, 8, (random_cases(1, 8, 5),), timeout=1200))

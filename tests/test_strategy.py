@@ -22,6 +22,7 @@ HETERO = ParallelPlan(
     layers=(L(tp=4, sp="megatron"), L(tp=2, dp=2, checkpoint=True), L(dp=4, zero=3)),
     head=L(dp=4, zero=1)).to_dict()
 TP_ZERO1 = ParallelPlan.uniform(4, 3, L(tp=2, dp=2, zero=1)).to_dict()
+TP_ZERO3 = ParallelPlan.uniform(4, 3, L(tp=2, dp=2, zero=3)).to_dict()  # the README's GalvatronStrategy(tp=2, zero=3)
 ULYSSES_ZERO2 = ParallelPlan.uniform(4, 3, L(tp=2, dp=2, sp="ulysses", zero=2)).to_dict()
 PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=2),
                    layers=(L(tp=2), L(dp=2, zero=3), L(dp=2, zero=1)), head=L(dp=2)).to_dict()
@@ -33,6 +34,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cases = [
         ("hetero_accum_clip", "fit_compare", dict(plan=HETERO, accumulate=2, clip=0.05)),
         ("tp_zero1", "fit_compare", dict(plan=TP_ZERO1)),
+        # ZeRO-3 re-shards the TP-sharded weights (strided shards) and value clipping meets DTensor gradients
+        ("tp_zero3_value_clip", "fit_compare", dict(plan=TP_ZERO3, kind="gpt2", clip=0.01, clip_algorithm="value")),
+        ("tp_zero3_norm_clip", "fit_compare", dict(plan=TP_ZERO3, kind="gpt2", clip=0.3)),
         ("resume_sharded", "fit_resume", dict(plan=HETERO, tmpdir=tmp, full=False)),
         ("resume_full", "fit_resume", dict(plan=ULYSSES_ZERO2, tmpdir=tmp, full=True)),
         ("eval_reuse", "fit_then_eval", dict(plan=HETERO)),
@@ -50,7 +54,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["hetero_accum_clip", "tp_zero1", "pp2_accum_clip"])
+@pytest.mark.parametrize("name", ["hetero_accum_clip", "tp_zero1", "tp_zero3_value_clip", "tp_zero3_norm_clip",
+                                  "pp2_accum_clip"])
 def test_fit_parity(results: dict, name: str) -> None:
     r = results[name]
     assert r["keys_equal"]

@@ -41,8 +41,12 @@ def apply_fsdp(modules: nn.Module | list[nn.Module], mesh: Any, strategy: LayerS
     kwargs["mp_policy"] = mp_policy or MixedPrecisionPolicy()
     fully_shard(modules, **kwargs)
     fsdp_mod: Any = modules if isinstance(modules, nn.Module) else modules[0]  # a list shares one state
-    # sum then divide by the loader's dp (see module docstring); sum-only collectives also run on gloo
-    fsdp_mod.set_force_sum_reduction_for_comms(True)
+    # sum then divide by the loader's dp (see module docstring); sum-only collectives also run on gloo.
+    # On a one-rank data group FSDP2 (torch 2.13) skips the reduce-scatter and divides by the factor
+    # itself, then divides again after "the reduction" when sums are forced: the gradient would come out
+    # divide_factor times too small. There is no collective to force a sum on, so only the factor is set.
+    if mesh.size() > 1:
+        fsdp_mod.set_force_sum_reduction_for_comms(True)
     fsdp_mod.set_gradient_divide_factor(float(divide_factor))
 
 

@@ -20,9 +20,8 @@ optimizer wrapping, checkpoint consolidation).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +30,9 @@ from torch import nn
 from ..layout import MeshFactory, RankLayout
 from ..models.protocol import ModelParts, find_parts
 from ..plan import LayerStrategy, ParallelPlan
+from . import grads
 from .checkpointing import apply_checkpointing
-from .data import GradientSync, OptimizerStateSharding, apply_fsdp, local
+from .data import GradientSync, OptimizerStateSharding, apply_fsdp
 from .redistribute import BatchLayout, add_input_redistribution, add_output_redistribution
 
 
@@ -69,7 +69,7 @@ class ParallelRuntime:
     grad_sync: GradientSync
     zero1: OptimizerStateSharding
     fsdp_roots: list[nn.Module] = field(default_factory=list)
-    replicas: dict[nn.Parameter, int] = field(default_factory=dict)
+    params: list[nn.Parameter] = field(default_factory=list)  # this stage's, same order on its ranks
     pipeline: Any = None  # PipelineDriver when plan.pp > 1
 
     # -- data loading ------------------------------------------------------------------------------
@@ -87,49 +87,19 @@ class ParallelRuntime:
     def sync_gradients(self) -> None:
         self.grad_sync.sync()
 
-    @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm over every mesh and stage, each element counted once."""
-        norm_type = float(norm_type)
-        total = torch.zeros((), dtype=torch.float64)
-        for p in self.replicas:
-            if p.grad is None:
-                continue
-            # count by the gradient's own layout: DTensor may hand back e.g. a Replicate gradient
-            # for a Shard(0) vocab-parallel embedding weight
-            copies = self.layout.stage_size // _shard_count(p.grad)
-            g = local(p.grad).detach().to(torch.float64)
-            if math.isinf(norm_type):
-                total = torch.maximum(total, g.abs().max().cpu() if g.numel() else total)
-            else:
-                total += g.abs().pow(norm_type).sum().cpu() / copies
-        device = _device_of(self.replicas)
-        total = total.to(device)
-        if math.isinf(norm_type):
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)
-            return total
-        dist.all_reduce(total)
-        return total.pow(1.0 / norm_type)
+        return grads.grad_norm(self.params, self.layout.stage_size, norm_type)
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        norm = self.grad_norm(norm_type)
-        coef = float(max_norm) / (float(norm) + 1e-6)
-        if coef < 1.0:
-            for p in self.replicas:
-                if p.grad is not None:
-                    local(p.grad).mul_(coef)
-        return norm
+        return grads.clip_grad_norm_(self.params, self.layout.stage_size, max_norm, norm_type)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        grads.clip_grad_value_(self.params, clip_value)
 
     # -- optimizers --------------------------------------------------------------------------------
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.zero1.wrap(optimizer)
-
-
-def _device_of(params: Iterable[nn.Parameter]) -> torch.device:
-    for p in params:
-        return local(p).device
-    return torch.device("cpu")
 
 
 def model_units(parts: ModelParts, plan: ParallelPlan, root: nn.Module,
@@ -265,25 +235,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
         if s.zero == 1:
             runtime.zero1.add([p for p in params if p.requires_grad], group_ranks, data_mesh.get_group())
 
-    for p in model.parameters():
-        runtime.replicas[p] = layout.stage_size // _shard_count(p)
+    runtime.params = list(model.parameters())
     if stages is not None:
         from .pipeline import PipelineDriver
 
         pp_mesh = pure_dp["pp"]
-        device = _device_of(model.parameters())
+        device = grads.device_of(model.parameters())
         runtime.pipeline = PipelineDriver(plan, stages, pp_mesh.get_group(), pp_mesh.mesh.flatten().tolist(), device)
     return runtime
-
-
-def _shard_count(p: torch.Tensor) -> int:
-    """How many distinct pieces the full tensor is cut into (1 for a plain tensor)."""
-    placements = getattr(p, "placements", None)
-    if placements is None:
-        return 1
-    mesh = p.device_mesh  # type: ignore[attr-defined]
-    n = 1
-    for i, pl in enumerate(placements):
-        if pl.is_shard():
-            n *= mesh.size(i)
-    return n

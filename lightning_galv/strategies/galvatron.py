@@ -409,14 +409,24 @@ class GalvatronStrategy(ParallelStrategy):
         return post(output) if callable(post) else output
 
     def _install_clipping(self) -> None:
-        """Clip by the global norm over every mesh (Lightning's default sees only local shards)."""
+        """Clip over every mesh: Lightning's default norm sees only local shards, and its value clipping
+        hands torch's foreach kernels a mix of tensors and DTensors."""
         runtime = self.runtime
         assert runtime is not None
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
             runtime.clip_grad_norm_(float(clip_val))
 
+        def clip_grad_by_value(optimizer: Optimizer, clip_val: int | float) -> None:
+            clip_value = getattr(runtime, "clip_grad_value_", None)
+            if clip_value is None:
+                raise ValueError(f"gradient_clip_algorithm='value' with plan backend={self.plan.backend if self.plan else '?'!r}"
+                                 ": this runtime clips by global norm only. HINT: use gradient_clip_algorithm='norm' "
+                                 "or backend='native'.")
+            clip_value(float(clip_val))
+
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
 
     # -- collectives -------------------------------------------------------------------------------
     def barrier(self, name: str | None = None) -> None:
