@@ -31,13 +31,14 @@ class CausalLM(L.LightningModule):
     def __init__(self, kind: str = "llama", vocab_size: int = 256, dim: int = 64, n_layers: int = 4,
                  n_heads: int = 4, n_kv_heads: int | None = None, ffn_hidden: int | None = None,
                  max_seq_len: int = 64, lr: float = 3e-3, weight_decay: float = 0.0, optimizer: str = "adamw",
-                 momentum: float = 0.0) -> None:
+                 momentum: float = 0.0, dropout: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer={optimizer!r}: must be 'adamw' or 'sgd'. HINT: --model.optimizer adamw")
         self.model = build_model(kind, vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads,
-                                 n_kv_heads=n_kv_heads, ffn_hidden=ffn_hidden, max_seq_len=max_seq_len)
+                                 n_kv_heads=n_kv_heads, ffn_hidden=ffn_hidden, max_seq_len=max_seq_len,
+                                 dropout=dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)

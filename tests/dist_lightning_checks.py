@@ -78,15 +78,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def reference(module: CausalLM, data: torch.Tensor, steps: int, global_batch: int, accumulate: int = 1,
-              clip: float | None = None, clip_algorithm: str = "norm") -> tuple[list[float], dict[str, torch.Tensor]]:
+              clip: float | None = None, clip_algorithm: str = "norm",
+              shards: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The single-process loop. Each global batch is laid out as the data shards concatenated in shard order
+    (a DistributedSampler gives shard q rows q, q+shards, ... of it), with the keyed-dropout key the strategy
+    uses (global_step * accumulate + micro-step), so dropout masks match too."""
+    from lightning_galv.models.dropout import DropoutCoords, restore_coords
+
     opt = module.configure_optimizers()
     losses = []
     for step in range(steps):
         total = 0.0
         for k in range(accumulate):
             i = (step * accumulate + k) * global_batch
-            loss = module._loss(data[i:i + global_batch])
-            (loss / accumulate).backward()
+            batch = data[i:i + global_batch]
+            batch = batch.view(global_batch // shards, shards, -1).transpose(0, 1).reshape(global_batch, -1)
+            with restore_coords(DropoutCoords(key=step * accumulate + k)):
+                loss = module._loss(batch)
+                (loss / accumulate).backward()
             total += float(loss.detach())
         if clip is not None and clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(module.parameters(), clip)
@@ -107,10 +116,10 @@ def trainer_kwargs(**kw: Any) -> dict[str, Any]:
 
 
 def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_batch: int = 8,
-                accumulate: int = 1, clip: float | None = None, clip_algorithm: str = "norm",
+                accumulate: int = 1, clip: float | None = None, clip_algorithm: str = "norm", dropout: float = 0.0,
                 strategy_kwargs: dict | None = None) -> dict[str, Any]:
     """Trainer.fit under ``plan`` vs the single-process loop: losses and final weights."""
-    module = make_module(kind)
+    module = make_module(kind, dropout=dropout)
     ref_module = copy.deepcopy(module)
     strategy = GalvatronStrategy(plan=plan, **(strategy_kwargs or {}))
     shards = ParallelPlan.from_dict(plan).data_parallel_size if plan else dist.get_world_size() if dist.is_initialized() else int(os.environ["LOCAL_WORLD_SIZE"])
@@ -124,7 +133,8 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
     # Lightning's injected DistributedSampler shuffles training data with seed 0, epoch 0: at step t the
     # union of the ranks' batches is perm[t*G:(t+1)*G], which is what the reference consumes
     perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
-    ref_losses, want = reference(ref_module, data.data[perm], steps, global_batch, accumulate, clip, clip_algorithm)
+    ref_losses, want = reference(ref_module, data.data[perm], steps, global_batch, accumulate, clip, clip_algorithm,
+                                 shards=shards)
     loss_rec = rec.losses[accumulate - 1::accumulate]  # one loss per optimizer step (mean of micro-batches differs)
     return {
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(_step_means(rec.losses, accumulate), ref_losses)),

@@ -14,17 +14,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_galv.layout import MeshFactory, RankLayout
+from lightning_galv.models.dropout import DropoutCoords, restore_coords, set_dropout_key
 from lightning_galv.models import GPT2, GPT2Config, Llama, LlamaConfig
 from lightning_galv.parallel.data import local
 from lightning_galv.plan import ParallelPlan
 
 
-def make_model(kind: str, layers: int = 3, seed: int = 0) -> torch.nn.Module:
+def make_model(kind: str, layers: int = 3, seed: int = 0, dropout: float = 0.0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if kind == "llama":
         return Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=8, n_kv_heads=4,
-                                 ffn_hidden=64, max_seq_len=16))
-    return GPT2(GPT2Config(vocab_size=64, dim=32, n_layers=layers, n_heads=4, max_seq_len=16))
+                                 ffn_hidden=64, max_seq_len=16, dropout=dropout))
+    return GPT2(GPT2Config(vocab_size=64, dim=32, n_layers=layers, n_heads=4, max_seq_len=16, dropout=dropout))
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -51,17 +52,19 @@ def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: int = 10,
                   global_batch: int = 8, seq: int = 16, clip: float | None = None, clip_algorithm: str = "norm",
-                  norm_type: float = 2.0, accumulate: int = 1, momentum: float = 0.9, lr: float = 0.2) -> dict[str, Any]:
+                  norm_type: float = 2.0, accumulate: int = 1, dropout: float = 0.0, momentum: float = 0.9,
+                  lr: float = 0.2) -> dict[str, Any]:
     """Train under ``plan_dict`` and single-process side by side; report the worst relative differences.
 
     ``accumulate`` micro-steps (each of ``global_batch`` samples) make one optimizer step; gradient sync
     is off on all but the last, as under the Trainer. ``clip`` clips by global norm (``norm_type``) or by
     value, compared with ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on the reference; the
-    global norm itself is compared too (``norm_err``).
+    global norm itself is compared too (``norm_err``). With ``dropout`` both models draw keyed masks with the
+    same key per micro-step (the reference's batch is the shards concatenated in shard order).
     """
     plan = ParallelPlan.from_dict(plan_dict)
     rank = dist.get_rank()
-    model = make_model(kind, layers)
+    model = make_model(kind, layers, dropout=dropout)
     ref = copy.deepcopy(model)
     factory = MeshFactory(RankLayout(plan.world_size, plan.pp), "cpu", rank)
     from lightning_galv.parallel.parallelize import parallelize
@@ -86,6 +89,8 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
             b = global_batch // nshards
             xl, yl = x[shard * b:(shard + 1) * b], y[shard * b:(shard + 1) * b]
             rt.set_gradient_sync(k == accumulate - 1)
+            key = len(ref_losses)  # one keyed-dropout key per micro-step, shared with the reference
+            set_dropout_key(key)
             if rt.pipeline is not None:
                 held = [p.grad for p in params]
                 for p in params:
@@ -99,8 +104,9 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
                 loss = _ce(model(xl), yl)
                 (loss / accumulate).backward()
             total += loss.detach()
-            rloss = _ce(ref(x), y)
-            (rloss / accumulate).backward()
+            with restore_coords(DropoutCoords(key=key)):  # one process: rows 0..B-1, full sequence
+                rloss = _ce(ref(x), y)
+                (rloss / accumulate).backward()
             ref_losses.append(float(rloss))
             g = loss.detach().clone()
             dist.all_reduce(g)

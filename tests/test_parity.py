@@ -49,6 +49,14 @@ def _cases4() -> list[tuple[str, dict, dict]]:
          {"clip": 0.01, "clip_algorithm": "value", "accumulate": 2}),
         ("zero_one_rank_data_group", ParallelPlan(4, (L(dp=4), L(tp=4, zero=2), L(tp=4, sp="megatron", zero=3)))
          .to_dict(), {}),
+        # keyed dropout (p=0.1): every rank draws the masks one process draws for its rows and positions
+        ("dropout_tp2_gpt2", u(4, 3, L(tp=2, dp=2)).to_dict(), {"kind": "gpt2", "dropout": 0.1}),
+        ("dropout_tp_sp4", u(4, 3, L(tp=4, sp="megatron")).to_dict(), {"dropout": 0.1}),
+        ("dropout_ulysses2_ckpt_gpt2", u(4, 3, L(tp=2, dp=2, sp="ulysses", checkpoint=True)).to_dict(),
+         {"kind": "gpt2", "dropout": 0.1}),
+        ("dropout_pp2_gpt2", ParallelPlan(4, (L(tp=2, checkpoint=True), L(dp=2), L(tp=2, sp="megatron")), pp=2,
+                                          micro_batches=2, embed=L(dp=2), head=L(tp=2)).to_dict(),
+         {"kind": "gpt2", "dropout": 0.1}),
         ("pp2_zero_one_rank_data_group", ParallelPlan(4, (L(tp=2, zero=3), L(tp=2, zero=2), L(dp=2), L(tp=2, zero=3)),
                                                       pp=2, micro_batches=2, embed=L(tp=2, zero=2),
                                                       head=L(dp=2, zero=3)).to_dict(), {"layers": 4, "clip": 0.05}),
@@ -93,7 +101,7 @@ def random_cases(seed: int, world: int, n: int) -> list[tuple[str, dict, dict]]:
         layers = rng.choice((3, 4))
         plan = random_plan(rng, world, SHAPES[kind](layers))
         kw = {"kind": kind, "layers": layers, "steps": 4, "global_batch": plan.global_batch,
-              "accumulate": rng.choice((1, 2)), **rng.choice(CLIPS)}
+              "accumulate": rng.choice((1, 2)), "dropout": rng.choice((0.0, 0.1)), **rng.choice(CLIPS)}
         cases.append((f"random{world}_{seed}_{i}", plan.to_dict(), kw))
     return cases
 
@@ -139,6 +147,7 @@ def test_random_cases_are_valid_and_varied() -> None:
     assert {kw["accumulate"] for _, _, kw in cases} == {1, 2}
     assert {kw.get("clip_algorithm", "norm") for _, _, kw in cases if "clip" in kw} == {"norm", "value"}
     assert {kw["kind"] for _, _, kw in cases} == {"llama", "gpt2"}
+    assert {kw["dropout"] for _, _, kw in cases} == {0.0, 0.1}
     assert len({n for n, _, _ in cases}) == len(cases)
 
 

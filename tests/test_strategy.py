@@ -37,6 +37,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         # ZeRO-3 re-shards the TP-sharded weights (strided shards) and value clipping meets DTensor gradients
         ("tp_zero3_value_clip", "fit_compare", dict(plan=TP_ZERO3, kind="gpt2", clip=0.01, clip_algorithm="value")),
         ("tp_zero3_norm_clip", "fit_compare", dict(plan=TP_ZERO3, kind="gpt2", clip=0.3)),
+        # keyed dropout: the masks one process draws, under TP/SP/Ulysses/ckpt and accumulation
+        ("hetero_dropout_accum", "fit_compare", dict(plan=HETERO, kind="gpt2", dropout=0.1, accumulate=2)),
+        ("pp2_dropout", "fit_compare", dict(plan=PP2, kind="gpt2", dropout=0.1)),
         ("resume_sharded", "fit_resume", dict(plan=HETERO, tmpdir=tmp, full=False)),
         ("resume_full", "fit_resume", dict(plan=ULYSSES_ZERO2, tmpdir=tmp, full=True)),
         ("eval_reuse", "fit_then_eval", dict(plan=HETERO)),
@@ -55,7 +58,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["hetero_accum_clip", "tp_zero1", "tp_zero3_value_clip", "tp_zero3_norm_clip",
-                                  "pp2_accum_clip"])
+                                  "hetero_dropout_accum", "pp2_dropout", "pp2_accum_clip"])
 def test_fit_parity(results: dict, name: str) -> None:
     r = results[name]
     assert r["keys_equal"]

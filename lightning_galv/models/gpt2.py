@@ -10,6 +10,7 @@ from torch import nn
 
 from ..plan import ModelShape
 from .common import CoreAttention, init_weights
+from .dropout import KeyedDropout, assign_sites
 
 
 @dataclass
@@ -34,7 +35,7 @@ class GPT2Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.dim)
         self.c_proj = nn.Linear(cfg.dim, cfg.dim)
         self.core = CoreAttention(None)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = KeyedDropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -49,7 +50,7 @@ class GPT2MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.dim, 4 * cfg.dim)
         self.c_proj = nn.Linear(4 * cfg.dim, cfg.dim)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = KeyedDropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
@@ -83,11 +84,12 @@ class GPT2(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.dim)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = KeyedDropout(cfg.dropout)
         self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)  # untied: vocab-parallel friendly
         init_weights(self)
+        assign_sites(self)
 
     @property
     def galv_blocks(self) -> nn.ModuleList:

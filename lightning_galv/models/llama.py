@@ -10,6 +10,7 @@ from torch import nn
 
 from ..plan import ModelShape
 from .common import CoreAttention, RMSNorm, Rotary, init_weights
+from .dropout import KeyedDropout, assign_sites
 
 
 @dataclass
@@ -23,6 +24,7 @@ class LlamaConfig:
     max_seq_len: int = 64
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    dropout: float = 0.0  # residual dropout after attention and feed-forward (keyed: same mask under any plan)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -37,6 +39,7 @@ class LlamaAttention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         self.core = CoreAttention(rope)
+        self.drop = KeyedDropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -44,18 +47,19 @@ class LlamaAttention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         out = self.core(q, k, v)  # [b, s, local heads, d]
-        return self.wo(out.reshape(b, s, -1))
+        return self.drop(self.wo(out.reshape(b, s, -1)))
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.drop = KeyedDropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.drop(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
 class LlamaBlock(nn.Module):
@@ -72,7 +76,7 @@ class LlamaBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = LlamaAttention(cfg, rope)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_hidden)
+        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_hidden, cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
@@ -93,6 +97,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         init_weights(self)
+        assign_sites(self)
 
     # -- galvatron protocol --
     @property

@@ -3,16 +3,27 @@
 The block's ``forward`` is replaced (on the instance) by a non-reentrant ``torch.utils.checkpoint``
 call around the original. Unlike ``checkpoint_wrapper`` this leaves the module tree and therefore the
 state-dict keys untouched, and module hooks (FSDP2's all-gather, the layout re-distribution) stay
-outside the recomputed region, so a recompute never repeats a collective.
+outside the recomputed region, so a recompute never repeats a collective. The recompute runs with the
+keyed-dropout coordinates of the original forward (:mod:`lightning_galv.models.dropout`).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from ..models.dropout import coords, restore_coords
+
+
+def _recompute_with_same_coords() -> tuple[Any, Any]:
+    """The recompute (in backward, possibly after other micro-batches ran) sees the keyed-dropout
+    coordinates of the original forward, so it redraws the same masks."""
+    saved = coords()
+    return nullcontext(), restore_coords(saved)
 
 
 def apply_checkpointing(block: nn.Module) -> None:
@@ -23,7 +34,7 @@ def apply_checkpointing(block: nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=_recompute_with_same_coords, **kwargs)
 
     block.forward = forward  # type: ignore[method-assign]
     block._galv_checkpointed = True  # type: ignore[attr-defined]

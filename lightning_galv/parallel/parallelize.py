@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layout import MeshFactory, RankLayout
+from ..models.dropout import keyed_dropout_, set_coords
 from ..models.protocol import ModelParts, find_parts
 from ..plan import LayerStrategy, ParallelPlan
 from . import grads
@@ -102,6 +103,14 @@ class ParallelRuntime:
         self.zero1.wrap(optimizer)
 
 
+def _dropout_rows_hook(shard: int, shards: int) -> Any:
+    """Record which batch shard this unit holds, for the keyed dropout inside it (and after it, e.g. GPT-2's
+    embedding dropout runs after the token embedding's forward)."""
+    def hook(module: nn.Module, args: tuple) -> None:
+        set_coords(shard=shard, shards=shards)
+    return hook
+
+
 def model_units(parts: ModelParts, plan: ParallelPlan, root: nn.Module,
                 chunks: list[int] | None = None) -> list[Unit]:
     """In flow order: embed (+ every parameter outside blocks/head), blocks, head (final norm + output),
@@ -164,6 +173,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
     layout, rank = factory.layout, factory.rank
     parts = find_parts(model)
     check_plan_for_model(plan, parts)
+    keyed_dropout_(model)  # masks from global coordinates: the same under every plan (models/dropout.py)
     factory.build_all(plan)
     if sync_init:
         broadcast_module(model)  # 1. replicated start
@@ -212,6 +222,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
         for unit in chunk_units:
             cur = BatchLayout.of(layout, unit.strategy, stage)
             add_input_redistribution(unit.modules[0], prev, cur, stage_rank, group)
+            unit.modules[0].register_forward_pre_hook(_dropout_rows_hook(*layout.batch_shard(unit.strategy, rank)))
             prev = cur
         last = chunk_units[-1]
         exit_mod = parts.head if (last.name == "head" and parts.head is not None) else last.modules[-1]

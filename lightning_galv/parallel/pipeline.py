@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..models.dropout import set_coords, use_coords
 from ..models.protocol import ModelParts, _unwrap
 from ..plan import ParallelPlan
 
@@ -113,6 +114,19 @@ def split_model(model: nn.Module, parts: ModelParts, plan: ParallelPlan, stage: 
     return stages
 
 
+def _tell_micro_batch(stage: Any) -> None:
+    """Keyed dropout needs the micro-batch index of every forward: the schedule passes it to
+    ``forward_one_chunk`` (not to the module), so record it there. Shape inference, which also runs
+    the module, does not go through this method."""
+    inner = stage.forward_one_chunk
+
+    def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        set_coords(micro=fwd_chunk_id)
+        return inner(fwd_chunk_id, *args, **kwargs)
+
+    stage.forward_one_chunk = forward_one_chunk
+
+
 @dataclass
 class PipelineDriver:
     """Runs a training or evaluation step of the schedule over this rank's chunks."""
@@ -141,6 +155,8 @@ class PipelineDriver:
             return sched
         n = self.plan.pp * self.plan.virtual_stages
         stages = [PipelineStage(mod, c, n, self.device, group=self.group) for c, mod in sorted(self.stages.items())]
+        for st in stages:
+            _tell_micro_batch(st)
         m = self.plan.micro_batches
         if self.plan.pipeline_schedule == "interleaved_1f1b":
             sched = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
@@ -164,7 +180,8 @@ class PipelineDriver:
         kwargs: dict[str, Any] = {}
         if self.has_last and loss_fn is not None:
             kwargs.update(target=targets, losses=losses)
-        out = sched.step(*args, **kwargs) if train else sched.eval(*args, **kwargs)
+        with use_coords(micro_batches=m, loader_shards=self.plan.data_parallel_size):
+            out = sched.step(*args, **kwargs) if train else sched.eval(*args, **kwargs)
         loss = None
         if loss_fn is not None:
             value = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros(())

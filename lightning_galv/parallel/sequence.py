@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..models.dropout import set_coords
 from ..plan import LayerStrategy
 from .tensor import check_hidden_states, check_protocol, mark_applied, tp_submesh, wrap_block_forward
 
@@ -173,12 +174,14 @@ def _core_post_hook(group: dist.ProcessGroup, where: str) -> Callable:
 def _enter(group: dist.ProcessGroup, p: int, where: str) -> Callable[[tuple], tuple]:
     def enter(args: tuple) -> tuple:
         x = check_hidden_states(args, p, where, "Ulysses", "lower the layer's tp")
+        set_coords(seq_offset=dist.get_rank(group) * (x.shape[1] // p))  # keyed dropout sees global positions
         return (_ScatterSeq.apply(x, group), *args[1:])  # [b, s, h] -> [b, s/P, h]
     return enter
 
 
 def _leave(group: dist.ProcessGroup, where: str) -> Callable[[Any], Any]:
     def leave(out: Any) -> Any:
+        set_coords(seq_offset=0)
         if isinstance(out, torch.Tensor):
             return _GatherSeq.apply(out, group)  # [b, s/P, h] -> [b, s, h]
         if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):

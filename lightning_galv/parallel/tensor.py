@@ -55,6 +55,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ..models.dropout import set_coords
 from ..plan import LayerStrategy
 
 __all__ = ["apply_tp", "apply_tp_embedding", "apply_tp_head", "tp_submesh"]
@@ -166,7 +167,8 @@ def _sp_enter(mesh: DeviceMesh, tp: int, what: str) -> Callable[[tuple], tuple]:
     sequence length fails identically on every rank before any collective.
     """
     def enter(args: tuple) -> tuple:
-        check_hidden_states(args, tp, what, "sequence parallelism", "use sp='none' for this layer")
+        x = check_hidden_states(args, tp, what, "sequence parallelism", "use sp='none' for this layer")
+        set_coords(seq_offset=mesh.get_local_rank() * (x.shape[1] // tp))  # keyed dropout sees global positions
         return _redistribute_first_arg(args, mesh, Replicate(), Shard(1), use_local=True)
     return enter
 
@@ -174,6 +176,7 @@ def _sp_enter(mesh: DeviceMesh, tp: int, what: str) -> Callable[[tuple], tuple]:
 def _sp_leave(mesh: DeviceMesh, what: str) -> Callable[[Any], Any]:
     """Block exit under Megatron-SP: plain ``[b, s/P, h]`` chunk -> plain full ``[b, s, h]`` (backward: slice)."""
     def leave(out: Any) -> Any:
+        set_coords(seq_offset=0)
         if isinstance(out, torch.Tensor):
             return _redistribute_first_arg((out,), mesh, Shard(1), Replicate(), True)[0]
         if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):

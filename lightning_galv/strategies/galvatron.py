@@ -379,7 +379,18 @@ class GalvatronStrategy(ParallelStrategy):
             hook(loss, stage)
         return loss
 
+    def _set_dropout_key(self, args: tuple, kwargs: dict) -> None:
+        """One keyed-dropout key per training micro-step, from the loop's counters: the same masks on every
+        rank and under every plan, and again after a resume (``global_step`` is restored)."""
+        from ..models.dropout import set_dropout_key
+
+        trainer = self.lightning_module.trainer
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        accumulate = trainer.accumulate_grad_batches
+        set_dropout_key(trainer.global_step * accumulate + int(batch_idx) % accumulate)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._set_dropout_key(args, kwargs)
         if self._pipeline is None:
             return super().training_step(*args, **kwargs)
         with self.precision_plugin.train_step_context():
