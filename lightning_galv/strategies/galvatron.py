@@ -176,6 +176,7 @@ class GalvatronStrategy(ParallelStrategy):
         ``DataLoader`` that state (epoch, batches yielded, shuffle seed) so a resumed run continues with the
         very samples the interrupted one would have drawn next.
         """
+        self._check_pipeline_batches(dataloader)
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
@@ -183,6 +184,36 @@ class GalvatronStrategy(ParallelStrategy):
 
         progress = trainer.fit_loop.epoch_progress
         return make_resumable(dataloader, lambda: progress.current.processed)
+
+    def _check_pipeline_batches(self, dataloader: object) -> None:
+        """pp > 1: every batch the loader yields, the partial last one too, must split into the plan's micro-batches.
+
+        Checked when the loader is set up because the schedule would otherwise fail at the epoch's last
+        step, after the rest of the epoch has been trained.
+        """
+        from torch.utils.data import BatchSampler, DataLoader
+
+        if self.plan is None or self.plan.pp == 1 or not isinstance(dataloader, DataLoader):
+            return
+        bs = dataloader.batch_sampler
+        bs = getattr(bs, "inner", bs)  # behind the resume wrapper
+        if type(bs) is not BatchSampler:
+            return  # a custom batch sampler's sizes are its own business
+        try:
+            n = len(bs.sampler)
+        except TypeError:
+            return
+        m = self.plan.micro_batches
+        sizes = {bs.batch_size} if n >= bs.batch_size else set()
+        if n % bs.batch_size and not bs.drop_last:
+            sizes.add(n % bs.batch_size)
+        bad = sorted(b for b in sizes if b % m)
+        if bad:
+            raise ValueError(f"{type(dataloader).__name__} over {type(dataloader.dataset).__name__}: {n} samples per "
+                             f"data shard in batches of {bs.batch_size} give batches of {bad} samples, which cannot "
+                             f"be split into the plan's micro_batches={m} (pp={self.plan.pp}). HINT: "
+                             f"DataLoader(drop_last=True) drops the partial last batch; or make the samples per shard "
+                             f"and the batch size multiples of {m}.")
 
     def on_train_start(self) -> None:
         """Warn once (rank 0) when a mid-epoch resume cannot restore a training loader's position."""
