@@ -136,10 +136,11 @@ class _ResumableLoader:
         name = type(self).__name__
         now = _len_or_none(self)
         sampler = _shuffle_sampler(self)
-        if state_dict["batches_per_epoch"] != now or state_dict["num_replicas"] != getattr(sampler, "num_replicas", None):
+        shards = getattr(sampler, "num_replicas", None)
+        if state_dict["batches_per_epoch"] != now or state_dict["num_replicas"] != shards:
             rank_zero_warn(f"{name}: the checkpoint was written with {state_dict['batches_per_epoch']} batches per "
                            f"epoch over {state_dict['num_replicas']} data shards, this run has {now} over "
-                           f"{getattr(sampler, 'num_replicas', None)}; the resumed epoch skips the first {batches} "
+                           f"{shards}; the resumed epoch skips the first {batches} "
                            "batches of the new split, which are not the samples already trained on. HINT: keep the "
                            "batch size and the plan's data-parallel size to resume exactly.")
         seed = state_dict["seed"]

@@ -307,9 +307,9 @@ def fit_resume(plan: dict, tmpdir: str, full: bool, kill: int = 2, steps: int = 
         # is loaded and none is repeated (per rank, in order)
         "samples_exact": seen_first + seen_b == seen_a, "n_seen_b": len(seen_b),
         "keys_match": keys == set(_sched_module(0).state_dict()),
-        "global_step": trainer_b.global_step, "epoch": trainer_b.current_epoch, "epoch_straight": trainer_a.current_epoch,
-        "batches_per_epoch": trainer_b.num_training_batches,
-        "lr": trainer_b.optimizers[0].param_groups[0]["lr"], "lr_straight": trainer_a.optimizers[0].param_groups[0]["lr"],
+        "global_step": trainer_b.global_step, "batches_per_epoch": trainer_b.num_training_batches,
+        "lr": trainer_b.optimizers[0].param_groups[0]["lr"],
+        "lr_straight": trainer_a.optimizers[0].param_groups[0]["lr"],
     }
 
 
