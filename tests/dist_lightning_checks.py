@@ -28,11 +28,13 @@ class Windows(Dataset):
     def __init__(self, n: int, seq: int = 16, seed: int = 7) -> None:
         g = torch.Generator().manual_seed(seed)
         self.data = torch.randint(0, 64, (n, seq + 1), generator=g)
+        self.seen: list[int] = []  # indices loaded, in order (resume tests: nothing skipped is loaded)
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        self.seen.append(int(i))
         return self.data[i]
 
 
@@ -251,46 +253,58 @@ class ScheduledLM(CausalLM):
                                                    "interval": "step"}}
 
 
-def _sched_module(seed: int) -> ScheduledLM:
+def _sched_module(seed: int, dropout: float = 0.0) -> ScheduledLM:
     torch.manual_seed(seed)
-    return ScheduledLM(kind="llama", optimizer="sgd", lr=0.2, momentum=0.9, n_kv_heads=4, ffn_hidden=64, **SMALL)
+    return ScheduledLM(kind="llama", optimizer="sgd", lr=0.2, momentum=0.9, n_kv_heads=4, ffn_hidden=64,
+                       dropout=dropout, **SMALL)
 
 
-def fit_resume(plan: dict, tmpdir: str, full: bool, steps: int = 6, global_batch: int = 8) -> dict[str, Any]:
-    """Train `steps` straight vs `steps/2` + resume from ckpt_path='last': identical weights and losses."""
+def fit_resume(plan: dict, tmpdir: str, full: bool, kill: int = 2, steps: int = 6, global_batch: int = 8,
+               samples: int = 28, accumulate: int = 1, sampler: str = "lightning",
+               dropout: float = 0.0) -> dict[str, Any]:
+    """Train `steps` straight vs `kill` steps + resume from ckpt_path='last' to `steps`: same weights and losses.
+
+    ``samples=28`` gives every shard layout used here 4 batches per epoch with a partial last batch, so the
+    default kill at step 2 is mid-epoch and the resumed run crosses the epoch boundary (new shuffle order).
+    ``sampler``: "lightning" (DataLoader(shuffle=True); Lightning injects a shuffling DistributedSampler over
+    the plan's data shards) or "user" (the user's own DistributedSampler without shuffling). With ``dropout``
+    the keyed masks follow global_step, which the checkpoint restores, so the resume stays exact.
+    """
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    shards = ParallelPlan.from_dict(plan).data_parallel_size
-    half = steps // 2
-    # one epoch = `half` steps and the checkpoint is written after its last step: a map-style loader
-    # cannot be fast-forwarded mid-epoch, so the resume point is an epoch boundary
-    data = Windows(half * global_batch)
+    p = ParallelPlan.from_dict(plan)
+    shards = p.data_parallel_size
+    data = Windows(samples)
 
-    def run(module: CausalLM, max_steps: int, ckpt_dir: str | None, ckpt_path: str | None) -> tuple[list[float], Any]:
-        rec = LossRecorder()
-        cbs: list[Any] = [rec]
-        if ckpt_dir:
-            cbs.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=half, save_top_k=0))
-        trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan, save_distributed_checkpoint=not full),
-                            max_steps=max_steps, callbacks=cbs,
-                            **trainer_kwargs(enable_checkpointing=bool(ckpt_dir)))
-        # an explicit non-shuffling sampler over the plan's data shards: Lightning's injected shuffling
-        # sampler does not replay the same order after a resume (its own DDP strategy shows the same)
-        p = ParallelPlan.from_dict(plan)
+    def loader() -> DataLoader:
+        if sampler == "lightning":
+            return DataLoader(data, batch_size=global_batch // shards, shuffle=True)
         lay = RankLayout(p.world_size, p.pp)
         shard, _ = lay.batch_shard(lay.data_strategy(p), dist.get_rank() if dist.is_initialized()
                                    else int(os.environ["RANK"]))
-        sampler = DistributedSampler(data, num_replicas=shards, rank=shard, shuffle=False)
-        trainer.fit(module, DataLoader(data, batch_size=global_batch // shards, sampler=sampler), ckpt_path=ckpt_path)
-        return rec.losses, trainer
+        user = DistributedSampler(data, num_replicas=shards, rank=shard, shuffle=False)
+        return DataLoader(data, batch_size=global_batch // shards, sampler=user)
 
-    straight = _sched_module(0)
-    losses_a, _ = run(straight, steps, None, None)
+    def run(module: CausalLM, max_steps: int, ckpt_dir: str | None,
+            ckpt_path: str | None) -> tuple[list[float], list[int], Any]:
+        rec = LossRecorder()
+        cbs: list[Any] = [rec]
+        if ckpt_dir:
+            cbs.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=kill, save_top_k=0))
+        trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan, save_distributed_checkpoint=not full),
+                            max_steps=max_steps, callbacks=cbs, accumulate_grad_batches=accumulate,
+                            **trainer_kwargs(enable_checkpointing=bool(ckpt_dir)))
+        data.seen = []
+        trainer.fit(module, loader(), ckpt_path=ckpt_path)
+        return rec.losses, data.seen, trainer
+
+    straight = _sched_module(0, dropout)
+    losses_a, seen_a, trainer_a = run(straight, steps, None, None)
     ckdir = os.path.join(tmpdir, "full" if full else "sharded")
-    first = _sched_module(0)
-    run(first, half, ckdir, None)
-    resumed = _sched_module(1)  # different init: everything must come from the checkpoint
-    losses_b, trainer_b = run(resumed, steps, ckdir, "last")
+    first = _sched_module(0, dropout)
+    _, seen_first, _ = run(first, kill, ckdir, None)  # the "killed" run: stops after the checkpoint at step `kill`
+    resumed = _sched_module(1, dropout)  # different init: everything must come from the checkpoint
+    losses_b, seen_b, trainer_b = run(resumed, steps, ckdir, "last")
     got, want = full_state(resumed.model), full_state(straight.model)
     last = os.path.join(ckdir, "last.ckpt")
     if full:
@@ -300,15 +314,63 @@ def fit_resume(plan: dict, tmpdir: str, full: bool, steps: int = 6, global_batch
 
         meta = dcp.FileSystemReader(last).read_metadata()
         keys = {k[len("state_dict."):] for k in meta.state_dict_metadata if k.startswith("state_dict.")}
-    lr_a = straight.trainer.optimizers[0].param_groups[0]["lr"] if straight._trainer else None
+    tail = losses_a[kill * accumulate:]
     return {
         "weight_err": weight_err(got, want),
-        "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses_b, losses_a[half:])),
-        "n_resumed_losses": len(losses_b), "losses_b": losses_b, "losses_a": losses_a,
+        "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses_b, tail)) if losses_b else float("inf"),
+        "n_resumed_losses": len(losses_b), "n_tail": len(tail), "losses_b": losses_b, "losses_a": losses_a,
+        # the resumed run loads exactly what the straight run loaded after step `kill`: no skipped sample
+        # is loaded and none is repeated (per rank, in order)
+        "samples_exact": seen_first + seen_b == seen_a, "n_seen_b": len(seen_b),
         "keys_match": keys == set(_sched_module(0).state_dict()),
-        "global_step": trainer_b.global_step,
-        "lr": trainer_b.optimizers[0].param_groups[0]["lr"], "lr_straight": lr_a,
+        "global_step": trainer_b.global_step, "batches_per_epoch": trainer_b.num_training_batches,
+        "lr": trainer_b.optimizers[0].param_groups[0]["lr"],
+        "lr_straight": trainer_a.optimizers[0].param_groups[0]["lr"],
     }
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset without state: its position cannot be checkpointed."""
+
+    def __iter__(self) -> Any:
+        yield from Windows(64).data
+
+
+def resume_unresumable(plan: dict, tmpdir: str, kill: int = 2) -> dict[str, Any]:
+    """Mid-epoch resume with a stateless IterableDataset loader: rank 0 warns once, naming the loader."""
+    import warnings
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    shards = ParallelPlan.from_dict(plan).data_parallel_size
+
+    def run(max_steps: int, ckpt_path: str | None) -> list[str]:
+        ck = ModelCheckpoint(dirpath=tmpdir, save_last=True, every_n_train_steps=kill, save_top_k=0)
+        trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan), max_steps=max_steps, callbacks=[ck],
+                            **trainer_kwargs(enable_checkpointing=True))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(make_module("llama"), DataLoader(Stream(), batch_size=8 // shards), ckpt_path=ckpt_path)
+        return [str(w.message) for w in caught if "resume is not exact" in str(w.message)]
+
+    fresh = run(kill, None)
+    return {"fresh": fresh, "resumed": run(kill + 1, "last")}
+
+
+def pp_partial_batch(plan: dict, samples: int = 26, global_batch: int = 8) -> dict[str, Any]:
+    """pp > 1: a partial last batch that the micro-batches cannot split fails before training; drop_last trains."""
+    shards = ParallelPlan.from_dict(plan).data_parallel_size
+    out: dict[str, Any] = {}
+    for drop_last in (False, True):
+        trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan), max_steps=4, **trainer_kwargs())
+        loader = DataLoader(Windows(samples), batch_size=global_batch // shards, shuffle=True, drop_last=drop_last)
+        try:
+            trainer.fit(make_module("llama"), loader)
+            out[f"drop_last={drop_last}"] = {"error": None, "steps": trainer.global_step,
+                                             "batches_per_epoch": trainer.num_training_batches}
+        except ValueError as e:
+            out[f"drop_last={drop_last}"] = {"error": str(e), "steps": trainer.global_step}
+    return out
 
 
 def fit_then_eval(plan: dict, steps: int = 3, global_batch: int = 8) -> dict[str, Any]:

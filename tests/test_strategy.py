@@ -24,6 +24,8 @@ HETERO = ParallelPlan(
 TP_ZERO1 = ParallelPlan.uniform(4, 3, L(tp=2, dp=2, zero=1)).to_dict()
 TP_ZERO3 = ParallelPlan.uniform(4, 3, L(tp=2, dp=2, zero=3)).to_dict()  # the README's GalvatronStrategy(tp=2, zero=3)
 ULYSSES_ZERO2 = ParallelPlan.uniform(4, 3, L(tp=2, dp=2, sp="ulysses", zero=2)).to_dict()
+# the user report of issue 9: one layer each of tp x dp, ZeRO-3 over all ranks, Megatron-SP over all ranks
+MIXED = ParallelPlan(4, (L(tp=2, dp=2), L(dp=4, zero=3), L(tp=4, sp="megatron")), embed=L(tp=2, dp=2)).to_dict()
 PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=2),
                    layers=(L(tp=2), L(dp=2, zero=3), L(dp=2, zero=1)), head=L(dp=2)).to_dict()
 
@@ -40,8 +42,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         # keyed dropout: the masks one process draws, under TP/SP/Ulysses/ckpt and accumulation
         ("hetero_dropout_accum", "fit_compare", dict(plan=HETERO, kind="gpt2", dropout=0.1, accumulate=2)),
         ("pp2_dropout", "fit_compare", dict(plan=PP2, kind="gpt2", dropout=0.1)),
-        ("resume_sharded", "fit_resume", dict(plan=HETERO, tmpdir=tmp, full=False)),
-        ("resume_full", "fit_resume", dict(plan=ULYSSES_ZERO2, tmpdir=tmp, full=True)),
+        # resume mid-epoch (kill at step 2 of 4 per epoch) into the next epoch; Lightning's shuffling sampler
+        ("resume_sharded", "fit_resume", dict(plan=MIXED, tmpdir=tmp + "/s", full=False, dropout=0.1)),
+        ("resume_full", "fit_resume", dict(plan=MIXED, tmpdir=tmp + "/f", full=True)),
+        ("resume_user_sampler", "fit_resume", dict(plan=ULYSSES_ZERO2, tmpdir=tmp + "/u", full=True, sampler="user")),
+        ("resume_accum", "fit_resume", dict(plan=MIXED, tmpdir=tmp + "/a", full=False, accumulate=2, kill=1,
+                                            steps=3)),
+        ("resume_epoch_end", "fit_resume", dict(plan=HETERO, tmpdir=tmp + "/e", full=False, kill=4)),
+        ("resume_unresumable", "resume_unresumable", dict(plan=MIXED, tmpdir=tmp + "/i")),
         ("eval_reuse", "fit_then_eval", dict(plan=HETERO)),
         ("bf16_mixed", "fit_precision", dict(plan=HETERO, precision="bf16-mixed")),
         ("bf16_true", "fit_precision", dict(plan=TP_ZERO1, precision="bf16-true")),
@@ -49,6 +57,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("pp2_accum_clip", "fit_compare", dict(plan=PP2, accumulate=2, clip=0.05)),
         ("pp2_resume", "fit_resume", dict(plan=PP2, tmpdir=tmp + "/pp", full=False)),
         ("pp2_eval_reuse", "fit_then_eval", dict(plan=PP2)),
+        ("pp2_partial_batch", "pp_partial_batch", dict(plan=PP2)),
         ("pp2_bf16_mixed", "fit_precision", dict(plan=PP2, precision="bf16-mixed")),
     ]
     env = {"GALV_CACHE_DIR": str(tmp_path_factory.mktemp("profiles"))}
@@ -109,14 +118,44 @@ def test_auto_plan_under_a_budget_dp_does_not_fit(auto_results: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["resume_sharded", "resume_full", "pp2_resume"])
+@pytest.mark.parametrize("name", ["resume_sharded", "resume_full", "resume_user_sampler", "resume_accum",
+                                  "resume_epoch_end", "pp2_resume"])
 def test_resume_exact(results: dict, name: str) -> None:
+    """Killed at a checkpoint (mid-epoch unless `epoch_end`), resumed from a different init into the next epoch.
+
+    With 4 batches per epoch, every case runs more than 4 batches in total and kills after at most 4.
+    """
     r = results[name]
     assert r["keys_match"], "checkpoint keys must equal the unwrapped LightningModule's state_dict keys"
-    assert r["global_step"] == 6 and r["n_resumed_losses"] == 3
-    assert r["lr"] == pytest.approx(0.2 * 0.5 ** 2)  # StepLR(3, 0.5) after 6 steps: the scheduler was restored
-    assert r["loss_err"] < 1e-6, r
-    assert r["weight_err"] < 1e-6, r
+    # 28 samples: 4 batches per epoch on every shard layout here, the last one partial
+    assert r["batches_per_epoch"] == 4, r
+    steps, kill, accumulate = {"resume_accum": (3, 1, 2), "resume_epoch_end": (6, 4, 1)}.get(name, (6, 2, 1))
+    assert r["global_step"] == steps and r["n_resumed_losses"] == r["n_tail"] == (steps - kill) * accumulate
+    assert r["lr"] == r["lr_straight"] == pytest.approx(0.2 * 0.5 ** (steps // 3))  # StepLR(3, 0.5) restored
+    assert r["samples_exact"], r  # the resumed run loaded exactly the samples the straight run loaded next
+    assert r["loss_err"] <= 1e-6, r
+    assert r["weight_err"] <= 1e-6, r
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_resume_unresumable_loader_warns(results: dict) -> None:
+    r = results["resume_unresumable"]
+    assert r["fresh"] == []  # nothing to warn about without a resume
+    assert len(r["resumed"]) == 1, r  # once, on rank 0
+    msg = r["resumed"][0]
+    assert "DataLoader over Stream" in msg and "resuming 2 batches into an epoch" in msg and "HINT:" in msg, msg
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pipeline_partial_last_batch(results: dict) -> None:
+    r = results["pp2_partial_batch"]
+    # 26 samples over 2 shards in batches of 4: the last batch has 1 sample, micro_batches=2 cannot split it
+    err = r["drop_last=False"]["error"]
+    assert err is not None and "batches of [1] samples" in err and "micro_batches=2" in err and "HINT:" in err, r
+    assert r["drop_last=False"]["steps"] == 0, r  # raised when the loader was set up, before any step
+    assert r["drop_last=True"] == {"error": None, "steps": 4, "batches_per_epoch": 3}, r
 
 
 @pytest.mark.slow

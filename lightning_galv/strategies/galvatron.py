@@ -29,8 +29,8 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -167,6 +167,78 @@ class GalvatronStrategy(ParallelStrategy):
         else:  # before setup (e.g. a dataloader requested early): assume plain DP
             shard, shards = self.global_rank, self.world_size
         return {"num_replicas": shards, "rank": shard}
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make the training loader resumable mid-epoch (validation/test/predict loaders stay as given).
+
+        Lightning checkpoints ``state_dict()`` of stateful training loaders and restores it before the
+        resumed epoch's iterator is created; :func:`lightning_galv.resumable.make_resumable` gives a map-style
+        ``DataLoader`` that state (epoch, batches yielded, shuffle seed) so a resumed run continues with the
+        very samples the interrupted one would have drawn next.
+        """
+        self._check_pipeline_batches(dataloader)
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        from ..resumable import make_resumable
+
+        progress = trainer.fit_loop.epoch_progress
+        return make_resumable(dataloader, lambda: progress.current.processed)
+
+    def _check_pipeline_batches(self, dataloader: object) -> None:
+        """pp > 1: every batch the loader yields, the partial last one too, must split into the plan's micro-batches.
+
+        Checked when the loader is set up because the schedule would otherwise fail at the epoch's last
+        step, after the rest of the epoch has been trained.
+        """
+        from torch.utils.data import BatchSampler, DataLoader
+
+        if self.plan is None or self.plan.pp == 1 or not isinstance(dataloader, DataLoader):
+            return
+        bs = dataloader.batch_sampler
+        bs = getattr(bs, "inner", bs)  # behind the resume wrapper
+        if type(bs) is not BatchSampler:
+            return  # a custom batch sampler's sizes are its own business
+        try:
+            n = len(bs.sampler)
+        except TypeError:
+            return
+        m = self.plan.micro_batches
+        sizes = {bs.batch_size} if n >= bs.batch_size else set()
+        if n % bs.batch_size and not bs.drop_last:
+            sizes.add(n % bs.batch_size)
+        bad = sorted(b for b in sizes if b % m)
+        if bad:
+            raise ValueError(f"{type(dataloader).__name__} over {type(dataloader.dataset).__name__}: {n} samples per "
+                             f"data shard in batches of {bs.batch_size} give batches of {bad} samples, which cannot "
+                             f"be split into the plan's micro_batches={m} (pp={self.plan.pp}). HINT: "
+                             f"DataLoader(drop_last=True) drops the partial last batch; or make the samples per shard "
+                             f"and the batch size multiples of {m}.")
+
+    def on_train_start(self) -> None:
+        """Warn once (rank 0) when a mid-epoch resume cannot restore a training loader's position."""
+        from ..resumable import is_resumable
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        loader = trainer.fit_loop._combined_loader if trainer is not None else None
+        if loader is None or trainer.fit_loop.epoch_loop.batch_progress.current.ready == 0:
+            return  # a fresh run, or a resume at an epoch boundary: every loader starts its pass anyway
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        unrestored = []
+        for dl in loader.flattened:
+            progress = getattr(dl, "__dict__", {}).get("_galv_progress")
+            if not is_resumable(dl):
+                unrestored.append(f"{type(dl).__name__} over {type(getattr(dl, 'dataset', dl)).__name__} (no state)")
+            elif progress is not None and not progress.restored:
+                unrestored.append(f"{type(dl).__name__} over {type(dl.dataset).__name__} (no loader state in the "
+                                  "checkpoint)")
+        if unrestored:
+            rank_zero_warn(f"resuming {done} batches into an epoch, but the position of training loader(s) "
+                           f"{'; '.join(unrestored)} cannot be restored: they restart the epoch from its first "
+                           "sample, so resume is not exact (batches repeat, the epoch's tail is not seen). HINT: "
+                           "use a map-style Dataset (GalvatronStrategy makes its DataLoader resumable), give the "
+                           "loader state_dict()/load_state_dict() (e.g. torchdata's StatefulDataLoader), or resume "
+                           "from an end-of-epoch checkpoint.")
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
