@@ -7,6 +7,7 @@ parallel run with an exact single-device run of the same data, in the same proce
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -49,9 +50,42 @@ def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def grad_errors(model: torch.nn.Module, ref: torch.nn.Module) -> dict[str, float]:
+    """Per-parameter relative error of the parallel gradient (gathered to full) against the reference's.
+
+    Called right after the first backward + gradient sync, before clipping and the optimizer, so a wrong
+    gradient of any single tensor shows up here even if ten steps of losses would hide it. A parameter
+    whose gradient is missing on one side gets error ``inf``. Every rank calls it for the same parameters
+    in the same order (``full_tensor`` is a collective).
+    """
+    want = dict(ref.named_parameters())
+    out: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is not None and hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        r = want[name].grad if name in want else None
+        out[name] = float("inf") if (g is None) != (r is None) else 0.0 if g is None else rel_err(g, r)
+    return out
+
+
 def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: int = 10,
                   global_batch: int = 8, seq: int = 16, clip: float | None = None,
                   momentum: float = 0.9, lr: float = 0.2) -> dict[str, Any]:
+    """Train ``plan`` and a single-process copy side by side; compare losses, first-step gradients, weights.
+
+    Warnings raised in this rank while doing so are returned (``warnings``) so a launch can assert that
+    none of them is FSDP2's "returned a view tensor" warning (see ``parallel/tensor.py``).
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = _train_compare(plan_dict, kind, layers, steps, global_batch, seq, clip, momentum, lr)
+    res["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    return res
+
+
+def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_batch: int, seq: int,
+                   clip: float | None, momentum: float, lr: float) -> dict[str, Any]:
     plan = ParallelPlan.from_dict(plan_dict)
     rank = dist.get_rank()
     model = make_model(kind, layers)
@@ -66,7 +100,8 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     shard, nshards = rt.data_shard
     gen = torch.Generator().manual_seed(123)
     losses, ref_losses = [], []
-    for _ in range(steps):
+    grad_err: dict[str, float] = {}
+    for step in range(steps):
         data = torch.randint(0, 64, (global_batch, seq + 1), generator=gen)
         x, y = data[:, :-1], data[:, 1:]
         b = global_batch // nshards
@@ -78,6 +113,11 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
             loss = _ce(logits, yl)
             loss.backward()
         rt.sync_gradients()
+        rl = ref(x)
+        rloss = F.cross_entropy(rl.reshape(-1, rl.shape[-1]), y.reshape(-1))
+        rloss.backward()
+        if step == 0 and plan.pp == 1:  # (under pp a stage holds only its layers; weights are compared below)
+            grad_err = grad_errors(model, ref)
         if clip is not None:
             rt.clip_grad_norm_(clip)
         opt.step()
@@ -85,9 +125,6 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
         g = loss.detach().clone()
         dist.all_reduce(g)
         losses.append(float(g) / dist.get_world_size())
-        rl = ref(x)
-        rloss = F.cross_entropy(rl.reshape(-1, rl.shape[-1]), y.reshape(-1))
-        rloss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         ref_opt.step()
@@ -105,7 +142,8 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     weight_err = errs[worst]
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     return {"loss_err": loss_err, "weight_err": weight_err, "losses": losses, "ref_losses": ref_losses,
-            "keys_equal": sorted(got) == sorted(want), "worst": worst}
+            "keys_equal": sorted(got) == sorted(want), "worst": worst, "grad_err": grad_err,
+            "pp": plan.pp}
 
 
 def run_many(cases: list[tuple[str, dict, dict]]) -> dict[str, Any]:

@@ -34,7 +34,14 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def apply_fsdp(modules: nn.Module | list[nn.Module], mesh: Any, strategy: LayerStrategy, divide_factor: int,
                mp_policy: Any | None = None) -> None:
-    """ZeRO-2/3 for one unit via FSDP2 on its 1-D data mesh."""
+    """ZeRO-2/3 for one unit via FSDP2 on its 1-D data mesh.
+
+    Gradients are summed over the mesh and divided by ``divide_factor`` (the loader's dp, see the module
+    docstring). On a mesh of one rank (e.g. a tp=4, dp=1 layer in a plan whose other layers are dp=4)
+    torch 2.13's FSDP2 divides *twice* when a divide factor is set (``foreach_reduce``: the single-rank
+    copy divides by the factor and the post-divide divides again), giving 1/factor of the right
+    gradient. There the factor is therefore not given to FSDP; a post-reduce hook divides once instead.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.zero == 3}
@@ -43,7 +50,13 @@ def apply_fsdp(modules: nn.Module | list[nn.Module], mesh: Any, strategy: LayerS
     fsdp_mod: Any = modules if isinstance(modules, nn.Module) else modules[0]  # a list shares one state
     # sum then divide by the loader's dp (see module docstring); sum-only collectives also run on gloo
     fsdp_mod.set_force_sum_reduction_for_comms(True)
-    fsdp_mod.set_gradient_divide_factor(float(divide_factor))
+    factor = float(divide_factor)
+    if mesh.size() > 1:
+        fsdp_mod.set_gradient_divide_factor(factor)
+    elif factor != 1.0:
+        # no divide factor -> FSDP neither divides nor communicates; the hook sees the summed
+        # (accumulated) gradient once per synchronized backward, before it is viewed into .grad
+        fsdp_mod.set_all_reduce_hook(lambda reduce_output: reduce_output.div_(factor))
 
 
 @dataclass
