@@ -1,4 +1,4 @@
-"""Our planner vs Galvatron 2.4 on Galvatron's own A100 profiles (see ../shared/galvatron-reference).
+"""Our planner vs Galvatron 2.4 on Galvatron's own A100 profiles (shipped in tests/data/galvatron).
 
 For each configuration of the reference README: our search wall time and best plan, and the predicted
 time per iteration of our plan and of Galvatron's chosen plan, both under *our* cost model, next to
@@ -122,7 +122,7 @@ def write_section(text: str, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ref", default=os.environ.get("GALV_REFERENCE", str(ROOT.parent / "shared" / "galvatron-reference")))
+    ap.add_argument("--ref", default=os.environ.get("GALV_REFERENCE", str(ROOT / "tests" / "data" / "galvatron")))
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--repeats", type=int, default=5, help="searches per row; the table shows the median")
     args = ap.parse_args()

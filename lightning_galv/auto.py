@@ -157,44 +157,61 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
     hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, device_memory_bytes=budget, cache=cache,
                           progress=verbose).fit() if world_size > 1 else None
     box: list[Any] = [None]
+    error: BaseException | None = None
     if rank == 0:
-        profile = profile_model(model, parts, cache, verbose)
-        hw = priced_hardware(profile, hw, budget)
-        cost = GalvatronCostModel(profile, hw, SearchSpace().default_embed_zero, runtime="native")
-        found: list[ParallelPlan] = []
-        notes: list[str] = []
-        failures: list[str] = []
-        for pp, gb, ms in run_configs(world_size, n_layers, loader_batch, pipeline):
-            space = SearchSpace(pp_degrees=(pp,), micro_batches=ms)
-            try:
-                result = search(profile, hw, world_size, budget, global_batch=gb, top_k=3, space=space,
-                                cost_model=cost, memory_margin=margin)
-            except ValueError as exc:  # nothing of this pipeline degree fits: others may
-                failures.append(f"pp={pp}: {exc}")
-                notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): no plan fits")
-                continue
-            found += result
-            notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): {result.explanation.splitlines()[0]}")
-        if not found:
-            raise ValueError(f"memory_budget={budget:.0f} bytes: no plan fits this run. "
-                             + " | ".join(failures) + " HINT: raise memory_budget, lower the batch size, or "
-                             "give the LightningModule the pipeline hooks so pipeline stages can be searched.")
-        found.sort(key=_rank_key)
-        best = found[0]
-        if loader_batch is None:
-            notes.append(f"loader batch unknown: assumed {_ASSUMED_LOADER_BATCH} per shard, pipelines not searched")
-        elif not pipeline:
-            notes.append("pipelines not searched: the LightningModule lacks galv_pipeline_batch/galv_pipeline_loss")
-        box[0] = (best.to_dict(), profile.to_json(), hw.to_json(), "\n".join(notes))
-        if verbose:
-            _say(True, f"auto plan, searched under {budget / 2**20:.2f} MiB per rank less a {margin:.0%} margin:\n  " + "\n  ".join(notes)
-                 + "\n" + best.describe() + "\n" + _prediction_line(best, budget))
+        try:
+            profile = profile_model(model, parts, cache, verbose)
+            hw = priced_hardware(profile, hw, budget)
+            cost = GalvatronCostModel(profile, hw, SearchSpace().default_embed_zero, runtime="native")
+            found: list[ParallelPlan] = []
+            notes: list[str] = []
+            failures: list[str] = []
+            for pp, gb, ms in run_configs(world_size, n_layers, loader_batch, pipeline):
+                space = SearchSpace(pp_degrees=(pp,), micro_batches=ms)
+                try:
+                    result = search(profile, hw, world_size, budget, global_batch=gb, top_k=3, space=space,
+                                    cost_model=cost, memory_margin=margin)
+                except ValueError as exc:  # nothing of this pipeline degree fits: others may
+                    failures.append(f"pp={pp}: {exc}")
+                    notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): no plan fits")
+                    continue
+                found += result
+                notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): {result.explanation.splitlines()[0]}")
+            if not found:
+                raise ValueError(f"memory_budget={budget:.0f} bytes: no plan fits this run. "
+                                 + " | ".join(failures) + " HINT: raise memory_budget, lower the batch size, or "
+                                 "give the LightningModule the pipeline hooks so pipeline stages can be searched.")
+            found.sort(key=_rank_key)
+            best = found[0]
+            if loader_batch is None:
+                notes.append(f"loader batch unknown: assumed {_ASSUMED_LOADER_BATCH} per shard, pipelines not searched")
+            elif not pipeline:
+                notes.append("pipelines not searched: the LightningModule lacks galv_pipeline_batch/galv_pipeline_loss")
+            box[0] = (best.to_dict(), profile.to_json(), hw.to_json(), "\n".join(notes))
+            if verbose:
+                _say(True, f"auto plan, searched under {budget / 2**20:.2f} MiB per rank less a {margin:.0%} margin:\n  " + "\n  ".join(notes)
+                     + "\n" + best.describe() + "\n" + _prediction_line(best, budget))
+        except Exception as exc:  # noqa: BLE001 - every kind must reach the other ranks, not only ValueError
+            error = exc
+            box[0] = ("error", type(exc).__name__, str(exc))
+    # Rank 0 decides alone, so its failure is broadcast like its plan: every rank raises the same error
+    # instead of the others dying later in a collective rank 0 never joins ("connection closed").
     dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0][0] == "error":
+        _, kind, message = box[0]
+        raise _RANK0_ERRORS.get(kind, RuntimeError)(
+            message if kind in _RANK0_ERRORS else f"rank 0 failed while planning ({kind}): {message} HINT: see "
+            "rank 0's traceback for where.")
     from .planner import ModelProfile
 
     plan_d, model_json, hw_json, notes_text = box[0]
     return AutoSearch(ParallelPlan.from_dict(plan_d), ModelProfile.from_json(model_json),
                       HardwareProfile.from_json(hw_json), budget, margin, loader_batch, notes_text)
+
+
+_RANK0_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
 
 
 def _prediction_line(plan: ParallelPlan, budget: float) -> str:

@@ -465,3 +465,18 @@ def _gathered_state(trainer: L.Trainer) -> dict[str, Any]:
         weights.update(m)
         moms.update(o)
     return {"weights": weights, "momentum": moms, "step": parts[0][2], "lr": parts[0][3]}
+
+
+def fit_infeasible_budget(memory_budget: str = "1KB") -> dict[str, Any]:
+    """Automatic mode with a budget no plan fits: the error each rank raises (type and text), or None.
+
+    Before issue 9 only rank 0 raised the ValueError; the others died in the broadcast it never joined.
+    """
+    module = make_module("llama")
+    loader = DataLoader(Windows(8 * int(os.environ["LOCAL_WORLD_SIZE"])), batch_size=2, shuffle=False)
+    trainer = L.Trainer(strategy=GalvatronStrategy(memory_budget=memory_budget), max_steps=1, **trainer_kwargs())
+    try:
+        trainer.fit(module, loader)
+    except Exception as exc:  # noqa: BLE001 - the test compares what every rank saw
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": ""}

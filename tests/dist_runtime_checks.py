@@ -7,6 +7,7 @@ parallel run with an exact single-device run of the same data, in the same proce
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -16,7 +17,6 @@ import torch.nn.functional as F
 from lightning_galv.layout import MeshFactory, RankLayout
 from lightning_galv.models.dropout import DropoutCoords, restore_coords, set_dropout_key
 from lightning_galv.models import GPT2, GPT2Config, Llama, LlamaConfig
-from lightning_galv.parallel.data import local
 from lightning_galv.plan import ParallelPlan
 
 
@@ -50,18 +50,51 @@ def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def grad_errors(model: torch.nn.Module, ref: torch.nn.Module) -> dict[str, float]:
+    """Per-parameter relative error of the parallel gradient (gathered to full) against the reference's.
+
+    Called right after the first backward + gradient sync, before clipping and the optimizer, so a wrong
+    gradient of any single tensor shows up here even if ten steps of losses would hide it. A parameter
+    whose gradient is missing on one side gets error ``inf``. Every rank calls it for the same parameters
+    in the same order (``full_tensor`` is a collective).
+    """
+    want = dict(ref.named_parameters())
+    out: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is not None and hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        r = want[name].grad if name in want else None
+        out[name] = float("inf") if (g is None) != (r is None) else 0.0 if g is None else rel_err(g, r)
+    return out
+
+
 def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: int = 10,
                   global_batch: int = 8, seq: int = 16, clip: float | None = None, clip_algorithm: str = "norm",
                   norm_type: float = 2.0, accumulate: int = 1, dropout: float = 0.0, momentum: float = 0.9,
                   lr: float = 0.2) -> dict[str, Any]:
-    """Train under ``plan_dict`` and single-process side by side; report the worst relative differences.
+    """Train under ``plan_dict`` and single-process side by side; compare losses, first-step gradients, weights.
 
     ``accumulate`` micro-steps (each of ``global_batch`` samples) make one optimizer step; gradient sync
     is off on all but the last, as under the Trainer. ``clip`` clips by global norm (``norm_type``) or by
     value, compared with ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on the reference; the
     global norm itself is compared too (``norm_err``). With ``dropout`` both models draw keyed masks with the
     same key per micro-step (the reference's batch is the shards concatenated in shard order).
+
+    Warnings raised in this rank while doing so are returned (``warnings``) so a launch can assert that
+    none of them is FSDP2's "returned a view tensor" warning (see ``parallel/tensor.py``).
     """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = _train_compare(plan_dict, kind, layers, steps, global_batch, seq, clip, clip_algorithm, norm_type,
+                             accumulate, dropout, momentum, lr)
+    res["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    return res
+
+
+def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_batch: int, seq: int,
+                   clip: float | None, clip_algorithm: str, norm_type: float, accumulate: int, dropout: float,
+                   momentum: float, lr: float) -> dict[str, Any]:
     plan = ParallelPlan.from_dict(plan_dict)
     rank = dist.get_rank()
     model = make_model(kind, layers, dropout=dropout)
@@ -76,12 +109,13 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     shard, nshards = rt.data_shard
     gen = torch.Generator().manual_seed(123)
     losses, ref_losses, norm_errs, clipped = [], [], [], []
+    grad_err: dict[str, float] = {}
     params = [p for p in model.parameters() if p.requires_grad]
 
     def scaled_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return _ce(logits, y) / accumulate
 
-    for _ in range(steps):
+    for step in range(steps):
         total = torch.zeros(())
         for k in range(accumulate):
             data = torch.randint(0, 64, (global_batch, seq + 1), generator=gen)
@@ -112,6 +146,8 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
             dist.all_reduce(g)
             losses.append(float(g) / dist.get_world_size())
         rt.sync_gradients()
+        if step == 0 and plan.pp == 1:  # (under pp a stage holds only its layers; weights are compared below)
+            grad_err = grad_errors(model, ref)
         if clip is not None and clip_algorithm == "norm":
             norm = float(rt.clip_grad_norm_(clip, norm_type))
             ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip, norm_type))
@@ -137,7 +173,7 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     weight_err = errs[worst]
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     return {"loss_err": loss_err, "weight_err": weight_err, "losses": losses, "ref_losses": ref_losses,
-            "keys_equal": sorted(got) == sorted(want), "worst": worst,
+            "keys_equal": sorted(got) == sorted(want), "worst": worst, "grad_err": grad_err, "pp": plan.pp,
             "norm_err": max(norm_errs, default=0.0), "clipped": clipped}
 
 

@@ -1,4 +1,5 @@
-"""Galvatron interop on the shared reference files: profiles, plan round trips, same-plan agreement."""
+"""Galvatron interop on Galvatron's own reference files (shipped in tests/data/galvatron, Apache-2.0):
+profiles, plan round trips, same-plan agreement."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from lightning_galv.plan import LayerStrategy, ParallelPlan
 from lightning_galv.planner.cost import GalvatronCostModel
 from lightning_galv.planner.search import SearchSpace, search
 
-REF = Path(__file__).resolve().parents[1].parent / "shared" / "galvatron-reference"
+REF = Path(__file__).resolve().parent / "data" / "galvatron"
 CONFIGS = REF / "gpt" / "configs"
 GiB = 2**30
 

@@ -34,7 +34,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def apply_fsdp(modules: nn.Module | list[nn.Module], mesh: Any, strategy: LayerStrategy, divide_factor: int,
                mp_policy: Any | None = None) -> None:
-    """ZeRO-2/3 for one unit via FSDP2 on its 1-D data mesh."""
+    """ZeRO-2/3 for one unit via FSDP2 on its 1-D data mesh.
+
+    Gradients are summed over the mesh and divided by ``divide_factor`` (the loader's dp, see the module
+    docstring). On a mesh of one rank (e.g. a tp=4, dp=1 layer in a plan whose other layers are dp=4)
+    torch 2.13's FSDP2 divides *twice* when a divide factor is set (``foreach_reduce``: the single-rank
+    copy divides by the factor and the post-divide divides again), giving 1/factor of the right
+    gradient. Forced sums cause the second division, and a one-rank mesh has no collective to force a
+    sum on, so there only the factor is set (FSDP2 then divides exactly once).
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.zero == 3}

@@ -73,7 +73,9 @@ class _Redistribute(torch.autograd.Function):
             # every rank's wanted (finer) shard is inside the one it holds: slice locally, no communication
             k = dst.shards // src.shards
             return _take(x, want % k, k).clone()
-        return _take(_gather_full(x, src, group), want, dst.shards)
+        # clone: a slice would be a view of the whole gathered batch (kept alive, and FSDP2 warns when a
+        # wrapped unit's output is a view); the copy is one shard and frees the gathered batch
+        return _take(_gather_full(x, src, group), want, dst.shards).clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

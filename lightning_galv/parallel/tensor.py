@@ -6,7 +6,9 @@ redistribution code relies on:
     A parallelized block is called as ``block(x, *extras)`` with ``x`` a plain local tensor
     ``[local_batch, full_seq, hidden]``, identical on all ranks of the block's tp group, and returns
     a plain local tensor of the same shape, identical on all ranks of the group. The gradient w.r.t.
-    ``x`` comes back full (not partial) and identical on every rank of the group.
+    ``x`` comes back full (not partial) and identical on every rank of the group. Tensors handed out at
+    a unit boundary (block exit, embedding and head outputs) are not views (:func:`local_output`), so
+    FSDP2's pre-backward hook on them survives a user's in-place op.
 
 How each mode honours it (``P`` = tp degree):
 
@@ -131,6 +133,40 @@ def wrap_block_forward(block: nn.Module, enter: Callable[[tuple], tuple], leave:
     block.forward = types.MethodType(forward, block)  # type: ignore[method-assign]
 
 
+class _LocalOutput(torch.autograd.Function):
+    """``DTensor -> local tensor`` like ``DTensor.to_local()``, but the result is **not a view**.
+
+    ``to_local()`` returns ``local.view_as(local)``, so every ``use_local_output=True`` boundary hands
+    out a view. When that tensor is the output of an FSDP2-wrapped unit (vocab-parallel embedding or
+    head, a Megatron-SP block) FSDP2 registers its pre-backward hook on a view and warns that an
+    in-place op on it (``h *= scale``) would drop the hook and skip the parameter all-gather. Here the
+    result is a detached alias of the local storage (no copy, ``_base is None``) that this function
+    makes differentiable, so the hook survives in-place ops and the forward costs nothing extra.
+    Backward wraps the gradient with the forward's placements, as ``to_local`` does.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = x._spec
+        return x._local_tensor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+        spec = ctx.spec
+        placements = tuple(Replicate() if pl.is_partial() else pl for pl in spec.placements)
+        return DTensor.from_local(grad, spec.mesh, placements, run_check=False, shape=spec.shape,
+                                  stride=spec.stride)
+
+
+def local_output(x: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of ``x`` as a non-view autograd tensor (plain tensors pass through)."""
+    return _LocalOutput.apply(x) if isinstance(x, DTensor) else x
+
+
+def _local_output_hook(_module: nn.Module, _args: tuple, out: Any) -> Any:
+    return local_output(out)
+
+
 def _parent(path: str) -> str:
     return path.rpartition(".")[0]
 
@@ -150,7 +186,7 @@ def _redistribute_first_arg(args: tuple, mesh: DeviceMesh, src: Placement, dst: 
         x = DTensor.from_local(x, mesh, (src,), run_check=False)
     if x.placements != (dst,):
         x = x.redistribute(mesh, (dst,))
-    return (x.to_local() if use_local else x, *args[1:])
+    return (local_output(x) if use_local else x, *args[1:])
 
 
 def _first_arg_pre_hook(mesh: DeviceMesh, src: Placement, dst: Placement, use_local: bool) -> Callable:
@@ -313,7 +349,8 @@ def apply_tp_embedding(embedding: nn.Embedding, mesh: DeviceMesh, strategy: Laye
     tp_mesh = tp_submesh(mesh, strategy, "embedding")
     mark_applied(embedding, strategy.short())
     parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(),
-                                                           use_local_output=True))
+                                                           use_local_output=False))
+    embedding.register_forward_hook(_local_output_hook)  # after the style's output hook; not a view
 
 
 def apply_tp_head(final_norm: nn.Module | None, head: nn.Linear, mesh: DeviceMesh, strategy: LayerStrategy) -> None:
@@ -340,7 +377,8 @@ def apply_tp_head(final_norm: nn.Module | None, head: nn.Linear, mesh: DeviceMes
     tp_mesh = tp_submesh(mesh, strategy, "head")
     mark_applied(head, strategy.short())
     parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(),
-                                                      use_local_output=True))
+                                                      use_local_output=False))
+    head.register_forward_hook(_local_output_hook)  # after the style's output hook; not a view
 
 
 def check_hidden_states(args: tuple, degree: int, where: str, kind: str, alternative: str) -> torch.Tensor:

@@ -65,7 +65,10 @@ class GalvatronStrategy(ParallelStrategy):
         start_method: ``"subprocess"`` re-runs the script per rank (like torchrun); ``"spawn"``/``"fork"``
             start ranks with multiprocessing (notebooks).
         process_group_backend: default from the accelerator (``nccl`` on CUDA, ``gloo`` on CPU).
-        timeout: every collective fails after this long instead of hanging.
+        timeout: how long a collective on the world process group waits for a missing rank before it
+            fails instead of hanging (default 10 minutes, Lightning's default; lower it to see a stopped
+            rank sooner). Caveat: the per-mesh subgroups that ``DeviceMesh`` creates in torch 2.13 get the
+            backend's default timeout (30 minutes for gloo), not this one.
     """
 
     strategy_name = "galvatron"
