@@ -46,9 +46,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..parallel.deepspeed import DeepSpeedRuntime
     from ..parallel.parallelize import ParallelRuntime
 
-_SHORTCUTS = ("tp", "sp", "zero", "checkpoint", "tp_consecutive")
-
-
 class GalvatronStrategy(ParallelStrategy):
     """Hybrid data / ZeRO / tensor / sequence parallelism from a :class:`~lightning_galv.ParallelPlan`.
 
@@ -262,7 +259,8 @@ class GalvatronStrategy(ParallelStrategy):
         if isinstance(self._plan_spec, ParallelPlan) and self._plan_spec.world_size != self.world_size:
             raise ValueError(f"plan world_size={self._plan_spec.world_size}: the Trainer runs {self.world_size} "
                              f"processes (devices x num_nodes). HINT: set devices={self._plan_spec.world_size}, or "
-                             "re-plan for this world size (galv search --world-size ...).")
+                             "re-plan for this world size: lightning_galv.planner.search(model_profile, hardware, "
+                             f"{self.world_size}, budget), or strategy='galvatron' to search automatically.")
         assert self.cluster_environment is not None
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -602,14 +600,10 @@ class GalvatronStrategy(ParallelStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("galvatron", cls, description="Galvatron hybrid parallelism (automatic plan)")
-        presets = {
-            "galvatron_dp": dict(zero=0), "galvatron_zero1": dict(zero=1), "galvatron_zero2": dict(zero=2),
-            "galvatron_zero3": dict(zero=3), "galvatron_tp": dict(tp=2), "galvatron_tp_sp": dict(tp=2, sp="megatron"),
-            "galvatron_ulysses": dict(tp=2, sp="ulysses"),
-        }
-        for name, kw in presets.items():
-            strategy_registry.register(name, cls, description=f"Galvatron uniform plan {kw}", **kw)
+        """Lightning's hook for strategy classes; the names themselves live in ``lightning_galv.PRESETS``."""
+        from .. import register
+
+        register(strategy_registry)
 
 
 def _loader_batch_size(trainer: "pl.Trainer") -> int | None:
