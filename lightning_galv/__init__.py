@@ -6,8 +6,18 @@
 from .plan import LayerStrategy, ModelShape, ParallelPlan, Prediction
 from .strategies.galvatron import GalvatronStrategy
 
-__all__ = ["GalvatronStrategy", "LayerStrategy", "ModelShape", "ParallelPlan", "Prediction"]
+__all__ = ["GalvatronStrategy", "LayerStrategy", "ModelShape", "ParallelPlan", "Prediction", "cross_entropy", "loss"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``lightning_galv.cross_entropy`` / ``lightning_galv.loss``, imported on first use."""
+    if name in ("cross_entropy", "loss"):
+        import importlib
+
+        module = importlib.import_module(".loss", __name__)
+        return module if name == "loss" else module.cross_entropy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _register() -> None:

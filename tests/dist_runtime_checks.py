@@ -45,14 +45,28 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / max(float(b.abs().max()), 0.01))
 
 
-def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+def _ce(logits: torch.Tensor, y: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), label_smoothing=label_smoothing)
 
 
 def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: int = 10,
                   global_batch: int = 8, seq: int = 16, clip: float | None = None,
-                  momentum: float = 0.9, lr: float = 0.2) -> dict[str, Any]:
+                  momentum: float = 0.9, lr: float = 0.2, galv_loss: bool = False,
+                  label_smoothing: float = 0.0) -> dict[str, Any]:
+    """Train ``plan`` and a single-process copy on the same data; ``galv_loss`` computes the parallel run's
+    loss with lightning_galv.loss.cross_entropy (which a plan with vocab_parallel_loss needs), the
+    reference always with F.cross_entropy."""
     plan = ParallelPlan.from_dict(plan_dict)
+    sharded_seen: list[bool] = []  # per loss call: did the loss get vocab-sharded logits?
+    if galv_loss:
+        from lightning_galv.loss import cross_entropy, is_vocab_sharded
+
+        def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            sharded_seen.append(is_vocab_sharded(logits))
+            return cross_entropy(logits, y, label_smoothing=label_smoothing)
+    else:
+        def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return _ce(logits, y, label_smoothing)
     rank = dist.get_rank()
     model = make_model(kind, layers)
     ref = copy.deepcopy(model)
@@ -72,10 +86,10 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
         b = global_batch // nshards
         xl, yl = x[shard * b:(shard + 1) * b], y[shard * b:(shard + 1) * b]
         if rt.pipeline is not None:
-            loss, _ = rt.pipeline.run(xl, yl, _ce, train=True)
+            loss, _ = rt.pipeline.run(xl, yl, loss_fn, train=True)
         else:
             logits = model(xl)
-            loss = _ce(logits, yl)
+            loss = loss_fn(logits, yl)
             loss.backward()
         rt.sync_gradients()
         if clip is not None:
@@ -86,7 +100,7 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
         dist.all_reduce(g)
         losses.append(float(g) / dist.get_world_size())
         rl = ref(x)
-        rloss = F.cross_entropy(rl.reshape(-1, rl.shape[-1]), y.reshape(-1))
+        rloss = _ce(rl, y, label_smoothing)
         rloss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
@@ -105,10 +119,72 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     weight_err = errs[worst]
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     return {"loss_err": loss_err, "weight_err": weight_err, "losses": losses, "ref_losses": ref_losses,
-            "keys_equal": sorted(got) == sorted(want), "worst": worst}
+            "keys_equal": sorted(got) == sorted(want), "worst": worst, "sharded_seen": sharded_seen}
 
 
 def run_many(cases: list[tuple[str, dict, dict]]) -> dict[str, Any]:
     """Several plan checks in one launch (start-up dominates on CPU)."""
     return {name: train_compare(plan, **kw) for name, plan, kw in cases}
 
+
+
+def vocab_loss_checks(vocab: int = 1024, batch: int = 8, seq: int = 32) -> dict[str, Any]:
+    """On a tp group of all ranks: (1) the vocab-parallel loss equals F.cross_entropy in value and logit
+    gradient for every option; (2) the saved activations of head + loss, measured with
+    ``saved_tensors_hooks``, under the gathered head and under ``vocab_parallel_loss``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_galv.loss import cross_entropy
+    from lightning_galv.parallel.redistribute import PENDING_ATTR, PendingRelayout
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(batch, seq, vocab, generator=g) * 4
+    targets = torch.randint(0, vocab, (batch, seq), generator=g)
+    targets[0, :3] = 5
+    width = vocab // world
+    formula: dict[str, float] = {}
+    for name, kw in {"mean": {}, "sum": {"reduction": "sum"}, "none": {"reduction": "none"},
+                     "ignore5": {"ignore_index": 5}, "smooth": {"label_smoothing": 0.1},
+                     "ignore5_smooth_sum": {"ignore_index": 5, "label_smoothing": 0.3, "reduction": "sum"}}.items():
+        full = logits.clone().requires_grad_()
+        mine = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_()
+        dt = DTensor.from_local(mine, mesh, (Shard(2),), run_check=False)
+        setattr(dt, PENDING_ATTR, PendingRelayout())
+        got = cross_entropy(dt, targets, **kw)
+        want = F.cross_entropy(full.reshape(-1, vocab), targets.reshape(-1), **kw)
+        got.sum().backward()
+        want.sum().backward()
+        err_v = float((got - want).abs().max() / want.abs().max())
+        err_g = rel_err(mine.grad, full.grad[..., rank * width:(rank + 1) * width])
+        formula[name] = max(err_v, err_g)
+
+    # saved activations of head + loss, gathered vs vocab-parallel (Llama head, fp32)
+    from lightning_galv.layout import MeshFactory, RankLayout
+    from lightning_galv.parallel.parallelize import parallelize
+    from lightning_galv.plan import LayerStrategy as L
+
+    saved: dict[str, int] = {}
+    for vpl in (False, True):
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(vocab_size=vocab, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                  ffn_hidden=64, max_seq_len=seq))
+        plan = ParallelPlan(world, (L(tp=world),), embed=L(tp=world), head=L(tp=world), vocab_parallel_loss=vpl)
+        parallelize(model, plan, MeshFactory(RankLayout(world, 1), "cpu", rank))
+        h = model.norm(model.tok_embeddings(targets)).detach().requires_grad_()  # the head's input
+        seen: dict[tuple, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            lt = t.to_local() if isinstance(t, DTensor) else t
+            key = (lt.untyped_storage().data_ptr(), lt.storage_offset(), tuple(lt.shape))
+            seen[key] = lt.numel() * lt.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model.output(h)
+            loss = cross_entropy(out, targets)
+        loss.backward()
+        saved["vpl" if vpl else "gathered"] = sum(seen.values())
+    return {"formula": formula, "saved": saved, "tokens": batch * seq, "vocab": vocab, "hidden": 32, "tp": world}
