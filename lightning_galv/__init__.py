@@ -18,7 +18,7 @@ from typing import Any
 
 from .plan import LayerStrategy, ModelShape, ParallelPlan, Prediction
 
-__all__ = ["GalvatronStrategy", "LayerStrategy", "ModelShape", "ParallelPlan", "Prediction"]
+__all__ = ["GalvatronStrategy", "LayerStrategy", "ModelShape", "ParallelPlan", "Prediction", "cross_entropy", "loss"]
 __version__ = "0.1.0"
 
 # registered names -> the uniform-plan shortcut each stands for ("galvatron" alone means automatic)
@@ -29,13 +29,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "galvatron_ulysses": dict(tp=2, sp="ulysses"),
 }
 
-_LAZY = {"GalvatronStrategy": "lightning_galv.strategies.galvatron"}
+# public names imported on first use: name -> (module, attribute or None for the module itself)
+_LAZY = {"GalvatronStrategy": ("lightning_galv.strategies.galvatron", "GalvatronStrategy"),
+         "cross_entropy": ("lightning_galv.loss", "cross_entropy"), "loss": ("lightning_galv.loss", None)}
 _REGISTRY_MODULE = "lightning.pytorch.strategies"
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        module, attr = _LAZY[name]
+        mod = importlib.import_module(module)
+        return mod if attr is None else getattr(mod, attr)
     raise AttributeError(f"module 'lightning_galv' has no attribute {name!r}")
 
 

@@ -132,11 +132,13 @@ class AutoSearch:
 
 def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torch.device,
               memory_budget: str | int | float | None = None, loader_batch: int | None = None,
-              pipeline: bool = False, memory_margin: float | None = None, verbose: bool = True) -> AutoSearch:
+              pipeline: bool = False, memory_margin: float | None = None, verbose: bool = True,
+              vocab_parallel_loss: bool = False) -> AutoSearch:
     """Search a plan for ``model`` on this machine over every pipeline degree and micro-batch count the
     run supports; ``loader_batch`` is the per-shard batch of the training loader, ``pipeline`` whether
     the LightningModule implements the pipeline hooks, ``memory_margin`` the fraction of the budget the
-    search keeps free (None: the planner's default, 2 %). Models without the block protocol get a plain
+    search keeps free (None: the planner's default, 2 %), ``vocab_parallel_loss`` whether the loss takes
+    vocab-sharded logits (priced, and set on the plan). Models without the block protocol get a plain
     data-parallel plan (no profile, no search)."""
     from .planner import GalvatronCostModel, HardwareProfile, ProfileCache, SearchSpace, search
     from .planner.search import DEFAULT_MEMORY_MARGIN, _rank_key
@@ -167,7 +169,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
             notes: list[str] = []
             failures: list[str] = []
             for pp, gb, ms in run_configs(world_size, n_layers, loader_batch, pipeline):
-                space = SearchSpace(pp_degrees=(pp,), micro_batches=ms)
+                space = SearchSpace(pp_degrees=(pp,), micro_batches=ms, vocab_parallel_loss=vocab_parallel_loss)
                 try:
                     result = search(profile, hw, world_size, budget, global_batch=gb, top_k=3, space=space,
                                     cost_model=cost, memory_margin=margin)

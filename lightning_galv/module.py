@@ -1,6 +1,8 @@
 """A plain LightningModule for causal language modelling with the reference decoders.
 
-Nothing in it knows about parallelism: it is what a user writes, and the strategy does the rest.
+Nothing in it knows about parallelism: it is what a user writes, and the strategy does the rest. The one
+concession is the loss: :func:`lightning_galv.loss.cross_entropy` is ``F.cross_entropy`` on plain logits,
+and computes the same loss on vocab-sharded logits, so the module declares ``galv_vocab_parallel_loss``.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
-import torch.nn.functional as F
 
+from .loss import cross_entropy
 from .models import GPT2, GPT2Config, Llama, LlamaConfig
 
 
@@ -27,6 +29,10 @@ def build_model(kind: str = "llama", **config: Any) -> torch.nn.Module:
 
 class CausalLM(L.LightningModule):
     """Next-token prediction on ``[batch, seq+1]`` token windows."""
+
+    # Every training loss below goes through lightning_galv.loss.cross_entropy, so a vocab-parallel head
+    # may hand it vocab-sharded logits (GalvatronStrategy reads this unless told otherwise).
+    galv_vocab_parallel_loss = True
 
     def __init__(self, kind: str = "llama", vocab_size: int = 256, dim: int = 64, n_layers: int = 4,
                  n_heads: int = 4, n_kv_heads: int | None = None, ffn_hidden: int | None = None,
@@ -45,8 +51,7 @@ class CausalLM(L.LightningModule):
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         x, y = batch[:, :-1], batch[:, 1:]
-        logits = self(x)  # [b, s, vocab]
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return cross_entropy(self(x), y)  # logits [b, s, vocab] (maybe vocab-sharded), targets [b, s]
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -67,7 +72,7 @@ class CausalLM(L.LightningModule):
         return batch[:, :-1], batch[:, 1:]
 
     def galv_pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return cross_entropy(logits, targets)
 
     def galv_pipeline_predict(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(-1)

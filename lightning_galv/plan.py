@@ -141,6 +141,13 @@ class ParallelPlan:
     strategies of the embedding and of the final norm + output projection (vocab-parallel when
     their ``tp > 1``). ``global_batch`` (samples per optimizer step, before gradient accumulation)
     may be ``None`` when the data loader decides it.
+
+    ``vocab_parallel_loss`` says the training loss consumes vocab-sharded logits (through
+    :func:`lightning_galv.loss.cross_entropy`): a vocab-parallel head (``head.tp > 1``) then hands the
+    loss its local ``V/tp`` slice of the logits instead of gathering all ``V``. It is a plan field, not
+    only a runtime switch, because it changes what the plan costs (the head's saved logits shrink by
+    ``tp`` and an all-gather of logits becomes all-reduces of per-token statistics), so the cost model
+    and the search must see it. It has no effect when ``head.tp == 1``.
     """
 
     world_size: int
@@ -154,6 +161,7 @@ class ParallelPlan:
     embed: LayerStrategy | None = None
     head: LayerStrategy | None = None
     backend: str = "native"
+    vocab_parallel_loss: bool = False
     prediction: Prediction | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -182,6 +190,9 @@ class ParallelPlan:
         if self.pipeline_schedule not in SCHEDULES:
             raise _err(f"pipeline_schedule={self.pipeline_schedule}", f"must be one of {SCHEDULES}",
                        "use '1f1b' unless you know you need another schedule.")
+        if not isinstance(self.vocab_parallel_loss, bool):
+            raise TypeError(f"vocab_parallel_loss={self.vocab_parallel_loss!r}: must be a bool. HINT: true only when "
+                            "the training loss uses lightning_galv.loss.cross_entropy on the head's output.")
         if self.backend not in BACKENDS:
             raise _err(f"backend={self.backend}", f"must be one of {BACKENDS}", "use 'native'.")
         if self.backend == "deepspeed":
@@ -319,6 +330,7 @@ class ParallelPlan:
             "pipeline_schedule": self.pipeline_schedule,
             "virtual_stages": self.virtual_stages,
             "backend": self.backend,
+            "vocab_parallel_loss": self.vocab_parallel_loss,
             "embed": self.embed.to_dict() if self.embed else None,
             "head": self.head.to_dict() if self.head else None,
             "layers": [s.to_dict() for s in self.layers],
@@ -411,7 +423,8 @@ class ParallelPlan:
         for start, stop, s in _runs(self.layers):
             label = f"layer {start}" if stop - start == 1 else f"layers {start}-{stop - 1}"
             lines.append(f"  {label:<12} {s.short()}")
-        lines.append(f"  head         {self.head.short()}")
+        lines.append(f"  head         {self.head.short()}"
+                     + (" (vocab-parallel loss)" if self.vocab_parallel_loss and self.head.tp > 1 else ""))
         if self.prediction is not None:
             p = self.prediction
             mem = ", ".join(f"{m / 2**30:.2f}" for m in p.stage_memory_bytes)

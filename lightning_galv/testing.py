@@ -162,7 +162,8 @@ def random_plan(rng: random.Random, world_size: int, shape: ModelShape, *, pp_ch
     Draws every plan dimension the runtime supports: pp (with schedule, micro-batches and an uneven
     division), per-layer tp / dp / sp / ZeRO / checkpointing / strided-vs-consecutive groups, and the
     embedding and head strategies; the global batch is the smallest multiple of the plan's batch unit
-    that is at least ``2 * data_parallel_size`` (so every shard sees two samples or more). Plans the
+    that is at least ``2 * data_parallel_size`` (so every shard sees two samples or more); a vocab-parallel
+    head computes its loss on vocab-sharded logits half of the time. Plans the
     model cannot take (``ParallelPlan.check_model``) are redrawn.
     """
     for _ in range(max_tries):
@@ -184,7 +185,9 @@ def random_plan(rng: random.Random, world_size: int, shape: ModelShape, *, pp_ch
         except ValueError:
             continue
         unit = plan.batch_unit
-        return plan.with_(global_batch=unit * math.ceil(2 * plan.data_parallel_size / unit))
+        vocab_loss = plan.head is not None and plan.head.tp > 1 and rng.random() < 0.5
+        return plan.with_(global_batch=unit * math.ceil(2 * plan.data_parallel_size / unit),
+                          vocab_parallel_loss=vocab_loss)
     raise ValueError(f"no valid plan for world_size={world_size}, shape={shape} in {max_tries} draws. "
                      "HINT: the model's heads / ffn / sequence must be divisible by some tp > 1, or use pp_choices=(1,).")
 

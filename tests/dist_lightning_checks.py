@@ -109,6 +109,33 @@ def reference(module: CausalLM, data: torch.Tensor, steps: int, global_batch: in
     return losses, {k: p.detach().clone() for k, p in module.model.named_parameters()}
 
 
+class ShardedLogitsRecorder:
+    """Wraps the loss CausalLM calls to record, per call, (autograd on?, were the logits vocab-sharded?)."""
+
+    def __enter__(self) -> list[tuple[bool, bool]]:
+        import lightning_galv.module as mod
+        from lightning_galv.loss import is_vocab_sharded
+
+        self.seen: list[tuple[bool, bool]] = []
+        self.original = original = mod.cross_entropy
+
+        def recording(logits: torch.Tensor, targets: torch.Tensor, **kw: Any) -> torch.Tensor:
+            self.seen.append((torch.is_grad_enabled(), is_vocab_sharded(logits)))
+            return original(logits, targets, **kw)
+
+        mod.cross_entropy = recording  # type: ignore[assignment]
+        return self.seen
+
+    def __exit__(self, *exc: Any) -> None:
+        import lightning_galv.module as mod
+
+        mod.cross_entropy = self.original  # type: ignore[assignment]
+        if exc[0] is None:  # every rank's calls (under pp only the last stage computes the loss)
+            everywhere: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everywhere, list(self.seen))
+            self.seen[:] = [call for calls in everywhere for call in calls]
+
+
 def trainer_kwargs(**kw: Any) -> dict[str, Any]:
     base = dict(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), logger=False,
                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -130,7 +157,8 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
     rec = LossRecorder()
     trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec], accumulate_grad_batches=accumulate,
                         gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm, **trainer_kwargs())
-    trainer.fit(module, loader)
+    with ShardedLogitsRecorder() as seen:
+        trainer.fit(module, loader)
     got = full_state(module.model)
     # Lightning's injected DistributedSampler shuffles training data with seed 0, epoch 0: at step t the
     # union of the ranks' batches is perm[t*G:(t+1)*G], which is what the reference consumes
@@ -143,6 +171,7 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
         "weight_err": weight_err(got, want),
         "keys_equal": set(got) <= set(want), "n_losses": len(loss_rec),
         "sampler": strategy.distributed_sampler_kwargs, "losses": rec.losses, "ref_losses": ref_losses,
+        "vocab_parallel_loss": strategy.plan.vocab_parallel_loss, "sharded_seen": seen,
     }
 
 
@@ -382,9 +411,10 @@ def fit_then_eval(plan: dict, steps: int = 3, global_batch: int = 8) -> dict[str
     evald = Windows(2 * global_batch, seed=11)
     b = global_batch // shards
     trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan), max_steps=steps, **trainer_kwargs())
-    trainer.fit(module, DataLoader(data, batch_size=b))
-    val = trainer.validate(module, DataLoader(evald, batch_size=b), verbose=False)[0]["val_loss"]
-    test = trainer.test(module, DataLoader(evald, batch_size=b), verbose=False)[0]["test_loss"]
+    with ShardedLogitsRecorder() as seen:
+        trainer.fit(module, DataLoader(data, batch_size=b))
+        val = trainer.validate(module, DataLoader(evald, batch_size=b), verbose=False)[0]["val_loss"]
+        test = trainer.test(module, DataLoader(evald, batch_size=b), verbose=False)[0]["test_loss"]
     preds = trainer.predict(module, DataLoader(evald, batch_size=b))
     perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
     reference(ref_module, data.data[perm], steps, global_batch)
@@ -395,7 +425,7 @@ def fit_then_eval(plan: dict, steps: int = 3, global_batch: int = 8) -> dict[str
     mine = ref_pred[shard::shards]  # DistributedSampler(shuffle=False) gives shard i the indices i, i+n, ...
     got_pred = torch.cat(preds)
     return {"val_err": abs(val - ref_val) / ref_val, "test_err": abs(test - ref_val) / ref_val,
-            "pred_equal": bool(torch.equal(got_pred, mine)), "n_pred": len(got_pred)}
+            "pred_equal": bool(torch.equal(got_pred, mine)), "n_pred": len(got_pred), "sharded_seen": seen}
 
 
 def fit_precision(plan: dict, precision: str, steps: int = 4, global_batch: int = 8) -> dict[str, Any]:
@@ -407,11 +437,13 @@ def fit_precision(plan: dict, precision: str, steps: int = 4, global_batch: int 
     rec = LossRecorder()
     trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan), max_steps=steps, precision=precision,
                         callbacks=[rec], **trainer_kwargs())
-    trainer.fit(module, DataLoader(data, batch_size=global_batch // shards))
+    with ShardedLogitsRecorder() as seen:
+        trainer.fit(module, DataLoader(data, batch_size=global_batch // shards))
     perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
     ref_losses, _ = reference(ref_module, data.data[perm], steps, global_batch)
     dtypes = sorted({str(p.dtype) for p in module.parameters()})
-    return {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(rec.losses, ref_losses)), "dtypes": dtypes}
+    return {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(rec.losses, ref_losses)), "dtypes": dtypes,
+            "sharded_seen": seen}
 
 
 def unseeded_init(plan: dict) -> dict[str, Any]:

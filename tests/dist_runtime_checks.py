@@ -46,8 +46,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / max(float(b.abs().max()), 0.01))
 
 
-def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+def _ce(logits: torch.Tensor, y: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), label_smoothing=label_smoothing)
 
 
 def grad_errors(model: torch.nn.Module, ref: torch.nn.Module) -> dict[str, float]:
@@ -72,14 +72,16 @@ def grad_errors(model: torch.nn.Module, ref: torch.nn.Module) -> dict[str, float
 def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: int = 10,
                   global_batch: int = 8, seq: int = 16, clip: float | None = None, clip_algorithm: str = "norm",
                   norm_type: float = 2.0, accumulate: int = 1, dropout: float = 0.0, momentum: float = 0.9,
-                  lr: float = 0.2) -> dict[str, Any]:
+                  lr: float = 0.2, galv_loss: bool = False, label_smoothing: float = 0.0) -> dict[str, Any]:
     """Train under ``plan_dict`` and single-process side by side; compare losses, first-step gradients, weights.
 
     ``accumulate`` micro-steps (each of ``global_batch`` samples) make one optimizer step; gradient sync
     is off on all but the last, as under the Trainer. ``clip`` clips by global norm (``norm_type``) or by
     value, compared with ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on the reference; the
     global norm itself is compared too (``norm_err``). With ``dropout`` both models draw keyed masks with the
-    same key per micro-step (the reference's batch is the shards concatenated in shard order).
+    same key per micro-step (the reference's batch is the shards concatenated in shard order). ``galv_loss``
+    computes the parallel run's loss with lightning_galv.loss.cross_entropy (which a plan with
+    vocab_parallel_loss needs), the reference's always with F.cross_entropy.
 
     Warnings raised in this rank while doing so are returned (``warnings``) so a launch can assert that
     none of them is FSDP2's "returned a view tensor" warning (see ``parallel/tensor.py``).
@@ -87,15 +89,25 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = _train_compare(plan_dict, kind, layers, steps, global_batch, seq, clip, clip_algorithm, norm_type,
-                             accumulate, dropout, momentum, lr)
+                             accumulate, dropout, momentum, lr, galv_loss, label_smoothing)
     res["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     return res
 
 
 def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_batch: int, seq: int,
                    clip: float | None, clip_algorithm: str, norm_type: float, accumulate: int, dropout: float,
-                   momentum: float, lr: float) -> dict[str, Any]:
+                   momentum: float, lr: float, galv_loss: bool, label_smoothing: float) -> dict[str, Any]:
     plan = ParallelPlan.from_dict(plan_dict)
+    sharded_seen: list[bool] = []  # per loss call: did the loss get vocab-sharded logits?
+    if galv_loss:
+        from lightning_galv.loss import cross_entropy, is_vocab_sharded
+
+        def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            sharded_seen.append(is_vocab_sharded(logits))
+            return cross_entropy(logits, y, label_smoothing=label_smoothing)
+    else:
+        def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return _ce(logits, y, label_smoothing)
     rank = dist.get_rank()
     model = make_model(kind, layers, dropout=dropout)
     ref = copy.deepcopy(model)
@@ -112,8 +124,8 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     grad_err: dict[str, float] = {}
     params = [p for p in model.parameters() if p.requires_grad]
 
-    def scaled_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return _ce(logits, y) / accumulate
+    def scaled_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return loss_fn(logits, y) / accumulate
 
     for step in range(steps):
         total = torch.zeros(())
@@ -129,17 +141,17 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
                 held = [p.grad for p in params]
                 for p in params:
                     p.grad = None
-                loss, _ = rt.pipeline.run(xl, yl, scaled_ce, train=True)
+                loss, _ = rt.pipeline.run(xl, yl, scaled_loss, train=True)
                 for p, h in zip(params, held):
                     if h is not None:
                         p.grad = h if p.grad is None else p.grad + h
                 loss = loss * accumulate
             else:
-                loss = _ce(model(xl), yl)
+                loss = loss_fn(model(xl), yl)
                 (loss / accumulate).backward()
             total += loss.detach()
             with restore_coords(DropoutCoords(key=key)):  # one process: rows 0..B-1, full sequence
-                rloss = _ce(ref(x), y)
+                rloss = _ce(ref(x), y, label_smoothing)
                 (rloss / accumulate).backward()
             ref_losses.append(float(rloss))
             g = loss.detach().clone()
@@ -174,10 +186,72 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     return {"loss_err": loss_err, "weight_err": weight_err, "losses": losses, "ref_losses": ref_losses,
             "keys_equal": sorted(got) == sorted(want), "worst": worst, "grad_err": grad_err, "pp": plan.pp,
-            "norm_err": max(norm_errs, default=0.0), "clipped": clipped}
+            "norm_err": max(norm_errs, default=0.0), "clipped": clipped, "sharded_seen": sharded_seen}
 
 
 def run_many(cases: list[tuple[str, dict, dict]]) -> dict[str, Any]:
     """Several plan checks in one launch (start-up dominates on CPU)."""
     return {name: train_compare(plan, **kw) for name, plan, kw in cases}
 
+
+
+def vocab_loss_checks(vocab: int = 1024, batch: int = 8, seq: int = 32) -> dict[str, Any]:
+    """On a tp group of all ranks: (1) the vocab-parallel loss equals F.cross_entropy in value and logit
+    gradient for every option; (2) the saved activations of head + loss, measured with
+    ``saved_tensors_hooks``, under the gathered head and under ``vocab_parallel_loss``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_galv.loss import cross_entropy
+    from lightning_galv.parallel.redistribute import PENDING_ATTR, PendingRelayout
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(batch, seq, vocab, generator=g) * 4
+    targets = torch.randint(0, vocab, (batch, seq), generator=g)
+    targets[0, :3] = 5
+    width = vocab // world
+    formula: dict[str, float] = {}
+    for name, kw in {"mean": {}, "sum": {"reduction": "sum"}, "none": {"reduction": "none"},
+                     "ignore5": {"ignore_index": 5}, "smooth": {"label_smoothing": 0.1},
+                     "ignore5_smooth_sum": {"ignore_index": 5, "label_smoothing": 0.3, "reduction": "sum"}}.items():
+        full = logits.clone().requires_grad_()
+        mine = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_()
+        dt = DTensor.from_local(mine, mesh, (Shard(2),), run_check=False)
+        setattr(dt, PENDING_ATTR, PendingRelayout())
+        got = cross_entropy(dt, targets, **kw)
+        want = F.cross_entropy(full.reshape(-1, vocab), targets.reshape(-1), **kw)
+        got.sum().backward()
+        want.sum().backward()
+        err_v = float((got - want).abs().max() / want.abs().max())
+        err_g = rel_err(mine.grad, full.grad[..., rank * width:(rank + 1) * width])
+        formula[name] = max(err_v, err_g)
+
+    # saved activations of head + loss, gathered vs vocab-parallel (Llama head, fp32)
+    from lightning_galv.layout import MeshFactory, RankLayout
+    from lightning_galv.parallel.parallelize import parallelize
+    from lightning_galv.plan import LayerStrategy as L
+
+    saved: dict[str, int] = {}
+    for vpl in (False, True):
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(vocab_size=vocab, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                  ffn_hidden=64, max_seq_len=seq))
+        plan = ParallelPlan(world, (L(tp=world),), embed=L(tp=world), head=L(tp=world), vocab_parallel_loss=vpl)
+        parallelize(model, plan, MeshFactory(RankLayout(world, 1), "cpu", rank))
+        h = model.norm(model.tok_embeddings(targets)).detach().requires_grad_()  # the head's input
+        seen: dict[tuple, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            lt = t.to_local() if isinstance(t, DTensor) else t
+            key = (lt.untyped_storage().data_ptr(), lt.storage_offset(), tuple(lt.shape))
+            seen[key] = lt.numel() * lt.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model.output(h)
+            loss = cross_entropy(out, targets)
+        loss.backward()
+        saved["vpl" if vpl else "gathered"] = sum(seen.values())
+    return {"formula": formula, "saved": saved, "tokens": batch * seq, "vocab": vocab, "hidden": 32, "tp": world}

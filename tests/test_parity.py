@@ -96,6 +96,25 @@ def _cases8() -> list[tuple[str, dict, dict]]:
             ("pp2_tp2_dp2", pp_tp_dp.to_dict(), {"layers": 4, "global_batch": 8})]
 
 
+def _cases_vocab_loss() -> list[tuple[str, dict, dict]]:
+    """Vocab-parallel heads whose loss runs on vocab-sharded logits (issue 9, item 5): the head's batch
+    layout differs from the loader's in all but the ZeRO-3 case, so targets and per-token losses are
+    re-laid-out; one pipeline, one with label smoothing, one GPT-2."""
+    vpl = {"galv_loss": True}
+    return [
+        ("vpl_head_tp2_dp2", ParallelPlan(4, (L(dp=4), L(tp=2, dp=2), L(dp=4)), embed=L(dp=4), head=L(tp=2, dp=2),
+                                          vocab_parallel_loss=True).to_dict(), vpl),
+        ("vpl_head_tp4_smooth", ParallelPlan(4, (L(tp=2, dp=2), L(dp=4, zero=1), L(tp=4)), embed=L(tp=4),
+                                             head=L(tp=4), vocab_parallel_loss=True).to_dict(),
+         {**vpl, "label_smoothing": 0.1, "clip": 0.05}),
+        ("vpl_head_tp2_zero3_gpt2", ParallelPlan.uniform(4, 3, L(tp=2, dp=2, zero=3), vocab_parallel_loss=True)
+         .to_dict(), {**vpl, "kind": "gpt2"}),
+        ("vpl_pp2_head_tp2", ParallelPlan(4, pp=2, micro_batches=2, embed=L(dp=2),
+                                          layers=(L(tp=2), L(dp=2), L(dp=2, zero=3), L(tp=2)), head=L(tp=2),
+                                          vocab_parallel_loss=True).to_dict(), {**vpl, "layers": 4}),
+    ]
+
+
 # the reference models of dist_runtime_checks.make_model, as the plan generator sees them
 SHAPES = {"llama": lambda n: ModelShape(n, 32, 8, 4, 64, 64, 16), "gpt2": lambda n: ModelShape(n, 32, 4, 4, 128, 64, 16)}
 CLIPS = [{}, {"clip": 0.05}, {"clip": 0.02, "norm_type": float("inf")}, {"clip": 0.01, "clip_algorithm": "value"}]
@@ -110,7 +129,9 @@ def random_cases(seed: int, world: int, n: int) -> list[tuple[str, dict, dict]]:
         layers = rng.choice((3, 4))
         plan = random_plan(rng, world, SHAPES[kind](layers))
         kw = {"kind": kind, "layers": layers, "steps": 4, "global_batch": plan.global_batch,
-              "accumulate": rng.choice((1, 2)), "dropout": rng.choice((0.0, 0.1)), **rng.choice(CLIPS)}
+              "accumulate": rng.choice((1, 2)), "dropout": rng.choice((0.0, 0.1)), **rng.choice(CLIPS),
+              # the package's loss is required by a vocab-parallel loss and must equal F.cross_entropy otherwise
+              "galv_loss": plan.vocab_parallel_loss or rng.random() < 0.3}
         cases.append((f"random{world}_{seed}_{i}", plan.to_dict(), kw))
     return cases
 
@@ -140,7 +161,29 @@ def _check(results: list[dict]) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_parity_4_ranks() -> None:
-    _check(run_distributed(CHECKS, 4, (_cases4(),), timeout=900))
+    """Every plan kind, plus the vocab-parallel-loss plans (one launch: start-up dominates on CPU)."""
+    results = run_distributed(CHECKS, 4, (_cases4() + _cases_vocab_loss(),), timeout=1200)
+    _check(results)
+    for name, _, _ in _cases_vocab_loss():
+        # the loss really got vocab-sharded logits (every step; under pp only on the last stage's ranks)
+        seen = [r[name]["sharded_seen"] for r in results]
+        assert all(all(s) for s in seen) and sum(map(len, seen)) >= 10, (name, seen)
+
+
+@pytest.mark.distributed
+def test_vocab_parallel_loss_2_ranks() -> None:
+    """Exact against F.cross_entropy for every option, and the saved activations of head + loss shrink:
+    gathered, log-softmax keeps all N*V fp32 logits; vocab-parallel keeps an N*V/tp softmax slice plus
+    what both modes save (head input N*h, the weight shard) and O(N) indices/masks."""
+    results = run_distributed(CHECKS.replace("run_many", "vocab_loss_checks"), 2, (), timeout=300)
+    for r in results:
+        assert max(r["formula"].values()) < 1e-5, r["formula"]
+        n, v, h, tp = r["tokens"], r["vocab"], r["hidden"], r["tp"]
+        gathered, vpl = r["saved"]["gathered"], r["saved"]["vpl"]
+        common = 4 * n * h + 4 * h * v // tp  # head input + local weight shard, saved either way
+        assert gathered >= 4 * n * v, r["saved"]
+        assert vpl <= 4 * n * v // tp + common + 64 * n, r["saved"]
+        assert gathered - vpl >= 4 * n * v * (1 - 1 / tp) - 64 * n, r["saved"]
 
 
 @pytest.mark.slow
@@ -164,6 +207,7 @@ def test_random_cases_are_valid_and_varied() -> None:
     assert {kw.get("clip_algorithm", "norm") for _, _, kw in cases if "clip" in kw} == {"norm", "value"}
     assert {kw["kind"] for _, _, kw in cases} == {"llama", "gpt2"}
     assert {kw["dropout"] for _, _, kw in cases} == {0.0, 0.1}
+    assert any(p.vocab_parallel_loss for p in plans) and any(p.head.tp > 1 and not p.vocab_parallel_loss for p in plans)
     assert len({n for n, _, _ in cases}) == len(cases)
 
 

@@ -22,7 +22,8 @@ HETERO = ParallelPlan(4, embed=L(tp=2, dp=2), layers=(L(tp=4, sp="megatron"), L(
 
 
 def test_round_trip_yaml_json(tmp_path) -> None:
-    for p in (HETERO, ParallelPlan.uniform(8, 6, L(tp=2, dp=2), pp=2, micro_batches=4, global_batch=32)):
+    for p in (HETERO, ParallelPlan.uniform(8, 6, L(tp=2, dp=2), pp=2, micro_batches=4, global_batch=32),
+              HETERO.with_(head=L(tp=2, dp=2), vocab_parallel_loss=True)):
         assert ParallelPlan.from_yaml(p.to_yaml()) == p
         assert ParallelPlan.from_json(p.to_json()) == p
         for suffix in (".yaml", ".json"):
@@ -76,6 +77,15 @@ def test_wrong_types_are_type_errors() -> None:
         L(tp="2")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="HINT"):
         ParallelPlan.from_dict([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="vocab_parallel_loss='yes'.*HINT"):
+        HETERO.with_(vocab_parallel_loss="yes")
+
+
+def test_vocab_parallel_loss_in_plan() -> None:
+    plan = HETERO.with_(head=L(tp=2, dp=2), vocab_parallel_loss=True)
+    assert plan.to_dict()["vocab_parallel_loss"] is True and plan != plan.with_(vocab_parallel_loss=False)
+    assert "(vocab-parallel loss)" in plan.describe() and "(vocab-parallel loss)" not in HETERO.describe()
+    assert ParallelPlan.from_dict({k: v for k, v in HETERO.to_dict().items() if k != "vocab_parallel_loss"}) == HETERO
 
 
 def test_malformed_plan_files(tmp_path) -> None:
@@ -144,6 +154,8 @@ def test_strategy_argument_errors() -> None:
         GalvatronStrategy(sp="megatron")  # sp without a tp group
     with pytest.raises(ValueError, match="HINT"):
         GalvatronStrategy(start_method="thread")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="vocab_parallel_loss=1.*HINT"):
+        GalvatronStrategy(vocab_parallel_loss=1)  # type: ignore[arg-type]
 
 
 def _trainer_error(**kw) -> str:

@@ -122,6 +122,32 @@ def test_tensor_parallel_comm_golden() -> None:
     assert uly.fwd == pytest.approx(1 * MS + 4 * (1 / 2) * (msg / 2) / 1e6)
 
 
+def test_vocab_parallel_head_golden() -> None:
+    """tp=2 head, b=2 samples, seq 100, vocab 64, bf16 (2 bytes), 1e6 B/s, no latency, no head compute.
+
+    Gathered logits: all-gather of the full 2*100*64*2 = 25600 bytes, each rank receives half: 12800 / 1e6
+    = 12.8 ms; saved logits 2 samples x 1000 bytes. Vocab-parallel loss: all-reduce of 2*100 fp32 maxima
+    (800 bytes, ring factor 2*(1/2) = 1) + all-reduce of 2*100*2 fp32 sums (1600 bytes): 2.4 ms; saved
+    logits 2 x 1000 / 2. Backward and states are the same (no head parameters in this profile).
+    """
+    cm = GalvatronCostModel(profile(params=0).with_(head_act_bytes=1000.0), hardware(bw=1e6))
+    ctx = StageContext(stage_size=2, micro_batch=2, micro_batches=1)
+    head = LayerStrategy(tp=2)
+    gathered = cm.other_cost(head, ctx, False, True)
+    vpl = cm.other_cost(head, ctx, False, True, vocab_parallel_loss=True)
+    assert gathered.fwd == pytest.approx(12.8e-3) and gathered.act == pytest.approx(2000.0)
+    assert vpl.fwd == pytest.approx(2.4e-3) and vpl.act == pytest.approx(1000.0)
+    assert vpl.bwd == gathered.bwd and vpl.states == gathered.states
+    # a tp=1 head neither gathers nor shards, whatever the flag
+    dp = LayerStrategy(dp=2)
+    assert cm.other_cost(dp, ctx, False, True, True) == cm.other_cost(dp, ctx, False, True, False)
+    # the whole plan: the flag is read from ParallelPlan.vocab_parallel_loss
+    plan = ParallelPlan.uniform(2, 4, LayerStrategy(tp=2), global_batch=2)
+    a, b = cm.evaluate(plan), cm.evaluate(plan.with_(vocab_parallel_loss=True))
+    assert a.step_time_s - b.step_time_s == pytest.approx(12.8e-3 - 2.4e-3)
+    assert a.peak_memory_bytes - b.peak_memory_bytes == pytest.approx(1000.0)
+
+
 def test_transition_only_when_layout_changes() -> None:
     cm = GalvatronCostModel(profile(), hardware(bw=1e6))
     ctx = StageContext(stage_size=4, micro_batch=4, micro_batches=1)

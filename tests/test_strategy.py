@@ -30,6 +30,52 @@ PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=2),
                    layers=(L(tp=2), L(dp=2, zero=3), L(dp=2, zero=1)), head=L(dp=2)).to_dict()
 
 
+# vocab-parallel heads (issue 9, item 5); CausalLM declares galv_vocab_parallel_loss, the plans do not
+VPL = ParallelPlan(4, embed=L(dp=4), layers=(L(dp=4), L(tp=2, dp=2), L(dp=4, zero=2)),
+                   head=L(tp=2, dp=2, zero=2)).to_dict()
+VPL_PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=2),
+                       layers=(L(tp=2), L(dp=2, zero=3), L(dp=2, zero=1)), head=L(tp=2)).to_dict()
+
+
+@pytest.fixture(scope="module")
+def vpl_results() -> dict:
+    cases = [
+        ("vpl_fit", "fit_compare", dict(plan=VPL, accumulate=2)),  # clip: see the note in test_fit_parity_vocab_parallel_loss
+        ("vpl_off", "fit_compare", dict(plan=VPL, strategy_kwargs={"vocab_parallel_loss": False})),
+        ("vpl_pp2", "fit_compare", dict(plan=VPL_PP2, accumulate=2)),
+        ("vpl_eval", "fit_then_eval", dict(plan=VPL)),
+        ("vpl_pp2_eval", "fit_then_eval", dict(plan=VPL_PP2)),
+        ("vpl_bf16_mixed", "fit_precision", dict(plan=VPL, precision="bf16-mixed")),
+    ]
+    return run_distributed(CHECKS, 4, (cases,), init_process_group=False, timeout=1200)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fit_parity_vocab_parallel_loss(vpl_results: dict) -> None:
+    """Trainer.fit with a tp=2 head: the module's declaration turns the vocab-parallel loss on (the loss then
+    sees vocab-sharded logits in every training step) and the run equals one process; the strategy
+    argument turns it off (plain gathered logits), equally exact. Evaluation/predict after fit gather.
+
+    Not clipped: gradient clipping under this plan (tp=2 layer, ZeRO-2 tp=2 head) is off by ~1e-4 with the
+    vocab-parallel loss on *and off* (a clipping issue of its own, left for a separate fix); clipping
+    with a vocab-parallel loss is covered by test_parity.py (vpl_head_tp4_smooth)."""
+    for name in ("vpl_fit", "vpl_off", "vpl_pp2"):
+        r = vpl_results[name]
+        assert r["keys_equal"] and r["loss_err"] < TOL and r["weight_err"] < TOL, (name, r)
+    for name in ("vpl_fit", "vpl_pp2"):
+        r = vpl_results[name]
+        assert r["vocab_parallel_loss"] and r["sharded_seen"] and all(sh for _, sh in r["sharded_seen"]), (name, r)
+    off = vpl_results["vpl_off"]
+    assert not off["vocab_parallel_loss"] and off["sharded_seen"] and not any(sh for _, sh in off["sharded_seen"])
+    for name in ("vpl_eval", "vpl_pp2_eval"):  # training sharded, validation/test gathered
+        r = vpl_results[name]
+        assert r["val_err"] < TOL and r["test_err"] < TOL and r["pred_equal"] and r["n_pred"] > 0, (name, r)
+        assert {(grad, sh) for grad, sh in r["sharded_seen"]} == {(True, True), (False, False)}, (name, r)
+    r = vpl_results["vpl_bf16_mixed"]
+    assert r["loss_err"] < 2e-2 and all(sh for _, sh in r["sharded_seen"]) and r["sharded_seen"], r
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = str(tmp_path_factory.mktemp("ckpt"))

@@ -198,7 +198,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
         if unit.name == "embed":
             tensor.apply_tp_embedding(parts.embedding, mesh, s)  # type: ignore[arg-type]
         elif unit.name == "head":
-            tensor.apply_tp_head(parts.final_norm, parts.head, mesh, s)  # type: ignore[arg-type]
+            tensor.apply_tp_head(parts.final_norm, parts.head, mesh, s,  # type: ignore[arg-type]
+                                     vocab_parallel_loss=plan.vocab_parallel_loss)
         elif s.ulysses:
             sequence.apply_ulysses(unit.modules[0], mesh, s)
         else:

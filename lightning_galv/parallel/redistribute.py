@@ -16,6 +16,7 @@ a tp group's identical copies from being counted tp times.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -112,13 +113,56 @@ def add_input_redistribution(module: nn.Module, src: BatchLayout, dst: BatchLayo
     module.register_forward_pre_hook(hook, prepend=True)  # before TP/FSDP input hooks
 
 
+PENDING_ATTR = "_galv_pending_relayout"  # set on vocab-sharded head logits (see PendingRelayout)
+
+
+@dataclass(frozen=True)
+class PendingRelayout:
+    """A batch re-layout that vocab-sharded logits still owe the loss.
+
+    Vocab-sharded logits cannot be moved to the loader's batch layout: the ranks of the head's tp group
+    hold *different* vocabulary slices of the same samples, while the loader's layout may give those
+    ranks different samples, and a per-token loss needs every slice of a sample inside one tp group.
+    So the head leaves its logits in its own batch layout and tags them with this record; the loss
+    (:func:`lightning_galv.loss.cross_entropy`) moves the small tensors instead - the targets from the
+    loader's layout to the head's (``to_head``), and the per-token losses back (``to_data``, exact in
+    backward like every other re-layout) - before reducing them in the loader's layout. ``src is None``
+    means the two layouts coincide.
+    """
+
+    src: BatchLayout | None = None  # the head's batch layout
+    dst: BatchLayout | None = None  # the loader's batch layout
+    stage_rank: int = 0
+    group: Any = None
+
+    def to_data(self, x: torch.Tensor) -> torch.Tensor:
+        """Head layout -> loader layout (differentiable)."""
+        if self.src is None or self.dst is None:
+            return x
+        return redistribute(x, self.src, self.dst, self.stage_rank, self.group)
+
+    def to_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Loader layout -> head layout."""
+        if self.src is None or self.dst is None:
+            return x
+        return redistribute(x, self.dst, self.src, self.stage_rank, self.group)
+
+
 def add_output_redistribution(module: nn.Module, src: BatchLayout, dst: BatchLayout, stage_rank: int,
                               group: dist.ProcessGroup | None) -> None:
-    """Re-lay-out the (tensor) output of ``module`` after it runs."""
+    """Re-lay-out the (tensor) output of ``module`` after it runs.
+
+    Plain tensors are moved at once. Output already tagged with a :class:`PendingRelayout` (vocab-sharded
+    logits from a head under ``vocab_parallel_loss``) is left where it is and its tag records the move,
+    which the loss performs on the targets and per-token losses instead.
+    """
     if src == dst:
         return
 
     def hook(_mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        if isinstance(getattr(out, PENDING_ATTR, None), PendingRelayout):
+            setattr(out, PENDING_ATTR, PendingRelayout(src, dst, stage_rank, group))
+            return out
         return redistribute(out, src, dst, stage_rank, group)
 
     module.register_forward_hook(hook)

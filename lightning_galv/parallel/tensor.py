@@ -353,13 +353,23 @@ def apply_tp_embedding(embedding: nn.Embedding, mesh: DeviceMesh, strategy: Laye
     embedding.register_forward_hook(_local_output_hook)  # after the style's output hook; not a view
 
 
-def apply_tp_head(final_norm: nn.Module | None, head: nn.Linear, mesh: DeviceMesh, strategy: LayerStrategy) -> None:
-    """Vocab-parallel output head: ``head`` column-split over the vocabulary, logits gathered.
+def apply_tp_head(final_norm: nn.Module | None, head: nn.Linear, mesh: DeviceMesh, strategy: LayerStrategy,
+                  vocab_parallel_loss: bool = False) -> None:
+    """Vocab-parallel output head: ``head`` column-split over the vocabulary.
 
-    The output is a plain full-vocabulary ``[b, s, vocab]`` tensor identical on the tp group, so a
-    user's plain ``F.cross_entropy`` works unchanged (this trades the memory saving of a vocab-parallel
-    loss for compatibility). The input gradient is all-reduced, so ``final_norm`` stays an ordinary
-    replicated module whose gradient is full on every rank; it is accepted here only to be validated.
+    By default the logits are gathered: the output is a plain full-vocabulary ``[b, s, vocab]`` tensor
+    identical on the tp group, so a user's plain ``F.cross_entropy`` works unchanged (at the price of
+    ``b*s*V`` logits, and their gradient, on every rank).
+
+    With ``vocab_parallel_loss=True`` (``ParallelPlan.vocab_parallel_loss``: the run declared that its loss
+    uses :func:`lightning_galv.loss.cross_entropy`) the head returns, *while autograd records*, a
+    ``Shard(-1)`` DTensor whose local part is this rank's ``[b, s, V/tp]`` slice, tagged with a
+    :class:`~.redistribute.PendingRelayout`; the loss then never materializes the full logits. Passes
+    without autograd (validation, test, predict) still gather: nothing is saved for a backward there, and
+    ``argmax``-style prediction code keeps working on plain full logits.
+
+    Either way the input gradient is all-reduced, so ``final_norm`` stays an ordinary replicated module
+    whose gradient is full on every rank; it is accepted here only to be validated.
     """
     if strategy.tp == 1:
         return
@@ -376,9 +386,26 @@ def apply_tp_head(final_norm: nn.Module | None, head: nn.Linear, mesh: DeviceMes
                          f"HINT: pad the vocabulary to a multiple of {strategy.tp} or lower the head tp.")
     tp_mesh = tp_submesh(mesh, strategy, "head")
     mark_applied(head, strategy.short())
-    parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(),
+    if not vocab_parallel_loss:
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(),
+                                                          use_local_output=False))
+        head.register_forward_hook(_local_output_hook)  # after the style's output hook; not a view
+        return
+    parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
                                                       use_local_output=False))
-    head.register_forward_hook(_local_output_hook)  # after the style's output hook; not a view
+    head.register_forward_hook(_vocab_sharded_output)
+
+
+def _vocab_sharded_output(_mod: nn.Module, _args: tuple, out: Any) -> Any:
+    """Keep the logits vocab-sharded (tagged for the loss) under autograd, else gather them to a plain tensor."""
+    from .redistribute import PENDING_ATTR, PendingRelayout
+
+    if not isinstance(out, DTensor):
+        return out
+    if not torch.is_grad_enabled():
+        return local_output(out.redistribute(out.device_mesh, (Replicate(),)))
+    setattr(out, PENDING_ATTR, PendingRelayout())
+    return out
 
 
 def check_hidden_states(args: tuple, degree: int, where: str, kind: str, alternative: str) -> torch.Tensor:

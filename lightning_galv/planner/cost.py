@@ -180,6 +180,17 @@ def block_comm_time(hw: HardwareProfile, shape: ModelShape, s: LayerStrategy, ac
     return ulysses_comm(hw, act_bytes, t, stride, shape.num_kv_heads / shape.num_heads, 1)
 
 
+def vocab_parallel_head(hw: HardwareProfile, logit_bytes: float, tokens: float, tp: int, stride: int,
+                        vocab_parallel_loss: bool) -> tuple[float, float]:
+    """(forward seconds, share of the logits a rank saves) of a tp-way head: vocab-parallel loss = MAX all-reduce of b*s fp32 maxima + SUM all-reduce of 2*b*s fp32 (sum-exp, target logit), logits /tp; else an all-gather of the full logits (Megatron-LM, Shoeybi et al. 2019, vocab-parallel cross entropy)."""
+    if tp == 1:
+        return 0.0, 1.0
+    if vocab_parallel_loss:
+        return (hw.collective_time("allreduce", 4.0 * tokens, tp, stride)
+                + hw.collective_time("allreduce", 8.0 * tokens, tp, stride)), 1.0 / tp
+    return hw.collective_time("allgather", logit_bytes, tp, stride), 1.0
+
+
 def bucket_copy_time(grad_bytes: float, memory_bandwidth: float) -> float:
     """Flatten gradients into one all-reduce bucket, scale, copy back: 3 reads + 3 writes (PyTorch DDP, Li et al. VLDB'20, Sec. 3.2.3)."""
     return 6.0 * grad_bytes / memory_bandwidth if memory_bandwidth > 0 else 0.0
@@ -353,8 +364,10 @@ class GalvatronCostModel(CostModel):
         return transition_bytes_time(self.hw, a, b, sample_bytes, ctx.micro_batch)
 
     # -- embedding + head ----------------------------------------------------------------------------
-    def other_cost(self, s: LayerStrategy, ctx: StageContext, first: bool, last: bool) -> LayerCost:
-        """Embedding (first stage) and final norm + output projection + loss (last stage)."""
+    def other_cost(self, s: LayerStrategy, ctx: StageContext, first: bool, last: bool,
+                   vocab_parallel_loss: bool = False) -> LayerCost:
+        """Embedding (first stage) and final norm + output projection + loss (last stage); a tp > 1 head
+        gathers its logits unless ``vocab_parallel_loss`` (``ParallelPlan.vocab_parallel_loss``)."""
         m, hw = self.model, self.hw
         b = ctx.micro_batch / s.dp
         seq = m.seq_len
@@ -362,6 +375,10 @@ class GalvatronCostModel(CostModel):
         precision = "fp32" if m.precision == "fp32" else "mixed"
         d = s.dp
         dp_stride = s.tp if (s.tp_consecutive and s.tp > 1) else 1
+        head_t, head_share = 0.0, 1.0
+        if last:  # logits gathered (default) or vocab-parallel loss
+            head_t, head_share = vocab_parallel_head(hw, b * seq * m.shape.vocab_size * m.act_dtype_bytes, b * seq,
+                                                     s.tp, 1 if s.tp_consecutive else s.dp, vocab_parallel_loss)
         for present, params, fit, act_per_sample, bwd_ratio in (
                 (first, m.embed_params, m.embed_forward, m.embed_act_bytes, 1.0),
                 (last, m.head_params, m.head_forward, m.head_act_bytes, 2.0)):
@@ -373,19 +390,18 @@ class GalvatronCostModel(CostModel):
             pf, pb, pe = self._data_parallel(local, s.zero, d, dp_stride, f, bwd_ratio * f)
             fwd, bwd, extra = fwd + pf, bwd + pb, extra + pe
             states += local * state_bytes_per_param(s.zero, d, precision)
-            act += act_per_sample * b / (s.tp if last else 1)
-        if s.tp > 1 and last:  # vocab-parallel cross entropy: all-reduce of max / sum-exp (Megatron-LM SC'19)
-            fwd += 2 * hw.collective_time("allreduce", b * seq * 4.0, s.tp, 1 if s.tp_consecutive else s.dp)
-        return LayerCost(fwd, bwd, extra, states, act)
+            act += act_per_sample * b * (head_share if last else 1.0)
+        return LayerCost(fwd + head_t, bwd, extra, states, act)
 
-    def backward_freed(self, plan_head: LayerStrategy, ctx: StageContext) -> float:
+    def backward_freed(self, plan_head: LayerStrategy, ctx: StageContext, vocab_parallel_loss: bool = False) -> float:
         """Bytes of the head's activations (logits, loss) of one micro-batch, freed before any block runs
         its backward -- so a checkpointed block's recompute peak does not stack on top of them."""
         if ctx.stage != ctx.pp - 1:
             return 0.0
-        return self.other_cost(plan_head, ctx, False, True).act
+        return self.other_cost(plan_head, ctx, False, True, vocab_parallel_loss).act
 
-    def stage_fixed(self, plan_embed: LayerStrategy, plan_head: LayerStrategy, ctx: StageContext) -> tuple[float, float, float]:
+    def stage_fixed(self, plan_embed: LayerStrategy, plan_head: LayerStrategy, ctx: StageContext,
+                    vocab_parallel_loss: bool = False) -> tuple[float, float, float]:
         """(mb time, step extra, memory) of everything on a stage that is not a transformer block."""
         first, last = ctx.stage == 0, ctx.stage == ctx.pp - 1
         mb_t = extra = 0.0
@@ -393,12 +409,12 @@ class GalvatronCostModel(CostModel):
         inflight = ctx.inflight
         costs = []
         if first and last and plan_embed == plan_head:
-            costs.append(self.other_cost(plan_embed, ctx, True, True))
+            costs.append(self.other_cost(plan_embed, ctx, True, True, vocab_parallel_loss))
         else:
             if first:
                 costs.append(self.other_cost(plan_embed, ctx, True, False))
             if last:
-                costs.append(self.other_cost(plan_head, ctx, False, True))
+                costs.append(self.other_cost(plan_head, ctx, False, True, vocab_parallel_loss))
         for c in costs:
             mb_t += c.fwd + c.bwd
             extra += c.step_extra
@@ -428,7 +444,8 @@ class GalvatronCostModel(CostModel):
         for st in range(plan.pp):
             ctx = StageContext(plan.stage_size, mb, m, plan.pp, st, plan.pipeline_schedule, v)
             inflight = ctx.inflight
-            t, e, mem = self.stage_fixed(plan.embed, plan.head, ctx)
+            vpl = plan.vocab_parallel_loss
+            t, e, mem = self.stage_fixed(plan.embed, plan.head, ctx, vpl)
             breakdown["other"] += t
             transient = 0.0
             for chunk in range(st, plan.pp * v, plan.pp):  # this stage's chunks, layers in model order
@@ -448,7 +465,7 @@ class GalvatronCostModel(CostModel):
                     prev = s
             mb_times.append(t)
             extras.append(e)
-            mems.append(mem + max(0.0, transient - self.backward_freed(plan.head, ctx)))
+            mems.append(mem + max(0.0, transient - self.backward_freed(plan.head, ctx, vpl)))
         step = pipeline_time(mb_times, extras, m, v)
         return PlanCost(step, tuple(mb_times), tuple(extras), tuple(mems), plan.global_batch, breakdown)
 

@@ -81,6 +81,7 @@ class SearchSpace:
     embed_tp: int | None = None  # vocabulary-parallel degree of embedding and head; None: searched
     embed_zero: int | None = None  # ZeRO stage of embedding and head; None: searched over zero_stages
     vocab_padding: bool = False  # allow vocab-parallel degrees that do not divide the vocabulary (Megatron pads it)
+    vocab_parallel_loss: bool = False  # the loss takes vocab-sharded logits: priced, and set on the emitted plans
 
     def __post_init__(self) -> None:
         for s in self.schedules:
@@ -387,7 +388,7 @@ class _Searcher:
             return hit
         assert isinstance(self.cost, GalvatronCostModel)
         ctx = StageContext(S, mb, 1)
-        cs = [self.cost.other_cost(e, ctx, first, not first) for e in opts]
+        cs = [self.cost.other_cost(e, ctx, first, not first, self.space.vocab_parallel_loss) for e in opts]
         vec = np.array([[c.fwd + c.bwd, c.step_extra, c.states, c.act] for c in cs]).reshape(len(cs), 4)
         keep = []
         for i in range(len(opts)):
@@ -409,7 +410,7 @@ class _Searcher:
         fixed_t, fixed_e, fixed_mem = self.fixed(edge[0], edge[1], ctx)
         k = ctx.inflight
         types = np.array(self.p.layer_type_of[start:start + n_hi]) if not self.p.homogeneous else None
-        freed = self.cost.backward_freed(edge[1], ctx)
+        freed = self.cost.backward_freed(edge[1], ctx, self.space.vocab_parallel_loss)
         key = (S, ctx.micro_batch, cfg.m, k, round(fixed_mem), round(freed), n_lo, n_hi,
                start if types is not None else -1, cfg.v)
         base = fixed_t * cfg.m + fixed_e
@@ -565,7 +566,7 @@ class _Searcher:
         hit = self.fixed_cache.get(key)
         if hit is None:
             assert isinstance(self.cost, GalvatronCostModel)
-            hit = self.fixed_cache[key] = self.cost.stage_fixed(emb, head, ctx)
+            hit = self.fixed_cache[key] = self.cost.stage_fixed(emb, head, ctx, self.space.vocab_parallel_loss)
         return hit
 
     def solve(self, cfg: _Config) -> ParallelPlan | None:
@@ -679,7 +680,7 @@ class _Searcher:
                 u_best, which = np.full(n_hi + 1, np.inf), np.zeros(n_hi + 1, dtype=np.int64)
                 for idx, (e, h) in enumerate(group[i]):
                     ft, fe, fmem = self.fixed(e, h, ctx)
-                    freed = self.cost.backward_freed(h, ctx)
+                    freed = self.cost.backward_freed(h, ctx, self.space.vocab_parallel_loss)
                     capacity = int(math.floor((self.budget - fmem - max(0.0, tau - freed)) / self.grid + 1e-9))
                     if capacity < 0:
                         continue
@@ -716,7 +717,8 @@ class _Searcher:
         """Build the plan and price it with the full cost model (the search's objective is only a proxy)."""
         plan = ParallelPlan(world_size=self.world, layers=layers, pp=cfg.pp, pp_division=division,
                             micro_batches=cfg.m, global_batch=cfg.global_batch, pipeline_schedule=cfg.schedule,
-                            virtual_stages=cfg.v, embed=embed, head=head)
+                            virtual_stages=cfg.v, embed=embed, head=head,
+                            vocab_parallel_loss=self.space.vocab_parallel_loss)
         pc = self.cost.evaluate(plan)
         if pc.peak_memory_bytes > self.budget * (1 + 1e-9):  # cannot happen with the conservative grid
             return None

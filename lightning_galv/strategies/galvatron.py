@@ -66,6 +66,13 @@ class GalvatronStrategy(ParallelStrategy):
             fails instead of hanging (default 10 minutes, Lightning's default; lower it to see a stopped
             rank sooner). Caveat: the per-mesh subgroups that ``DeviceMesh`` creates in torch 2.13 get the
             backend's default timeout (30 minutes for gloo), not this one.
+        vocab_parallel_loss: whether a vocab-parallel head (``head.tp > 1``) may hand the training loss
+            vocab-sharded logits (``ParallelPlan.vocab_parallel_loss``). ``None`` (default): what the
+            LightningModule declares with a ``galv_vocab_parallel_loss`` attribute (``CausalLM`` does), else
+            the plan's own value (False unless the plan file says otherwise). Opting in is the user's
+            statement that every loss on the head's output goes through
+            :func:`lightning_galv.loss.cross_entropy`; a plain ``F.cross_entropy`` needs the default
+            (gathered) logits. The flag lives in the plan because the cost model prices it.
     """
 
     strategy_name = "galvatron"
@@ -85,6 +92,7 @@ class GalvatronStrategy(ParallelStrategy):
         start_method: Literal["subprocess", "spawn", "fork", "forkserver"] = "subprocess",
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=10),
+        vocab_parallel_loss: bool | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -114,6 +122,10 @@ class GalvatronStrategy(ParallelStrategy):
             raise ValueError(f"start_method={start_method!r}: must be subprocess, spawn, fork or forkserver. "
                              "HINT: 'subprocess' works everywhere a script runs.")
         self._start_method = start_method
+        if vocab_parallel_loss is not None and not isinstance(vocab_parallel_loss, bool):
+            raise TypeError(f"vocab_parallel_loss={vocab_parallel_loss!r}: must be True, False or None. HINT: True "
+                            "only when the loss uses lightning_galv.loss.cross_entropy; None follows the module.")
+        self._vocab_parallel_loss = vocab_parallel_loss
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -343,7 +355,25 @@ class GalvatronStrategy(ParallelStrategy):
                              "'bf16-true'. HINT: fp16 needs loss scaling across meshes, which is not implemented; "
                              "use bf16-mixed.")
 
+    def _vocab_parallel_loss_choice(self) -> bool | None:
+        """The explicit argument, else the module's declaration, else None (keep the plan's value)."""
+        if self._vocab_parallel_loss is not None:
+            return self._vocab_parallel_loss
+        declared = getattr(self.lightning_module, "galv_vocab_parallel_loss", None)
+        if declared is not None and not isinstance(declared, bool):
+            raise TypeError(f"{type(self.lightning_module).__name__}.galv_vocab_parallel_loss={declared!r}: must "
+                            "be a bool. HINT: set it to True only when every loss on the model's output uses "
+                            "lightning_galv.loss.cross_entropy.")
+        return declared
+
     def _resolve_plan(self, trainer: "pl.Trainer") -> ParallelPlan:
+        plan = self._resolve_plan_layers(trainer)
+        choice = self._vocab_parallel_loss_choice()
+        if choice is not None and choice != plan.vocab_parallel_loss:
+            plan = plan.with_(vocab_parallel_loss=choice)
+        return plan
+
+    def _resolve_plan_layers(self, trainer: "pl.Trainer") -> ParallelPlan:
         from ..models.protocol import find_parts
 
         assert self.model is not None
@@ -363,7 +393,8 @@ class GalvatronStrategy(ParallelStrategy):
         pipeline = all(callable(getattr(module, n, None)) for n in ("galv_pipeline_batch", "galv_pipeline_loss"))
         self.auto = auto_plan(self.model, parts, self.world_size, self.root_device, self._memory_budget,
                               loader_batch=_loader_batch_size(trainer), pipeline=pipeline,
-                              memory_margin=self._memory_margin)
+                              memory_margin=self._memory_margin,
+                              vocab_parallel_loss=bool(self._vocab_parallel_loss_choice()))
         return self.auto.plan
 
     # -- gradients ---------------------------------------------------------------------------------
