@@ -1,8 +1,9 @@
 """Degrees -> rank groups -> DeviceMesh, owned by one object.
 
-The rank arithmetic is pure (testable at any simulated world size); :class:`RankLayout.mesh` is the
-single place that builds ``DeviceMesh`` objects, and it caches them so every layer with the same
-factorization shares one set of process groups.
+The rank arithmetic (:class:`RankLayout`) is pure, testable at any simulated world size;
+:class:`MeshFactory` is the single place that builds ``DeviceMesh`` objects. It caches them, so every
+layer with the same factorization shares one set of process groups, and it gives every group it creates
+the strategy's collective timeout.
 
 Rank numbering (as in Galvatron): pipeline stages are the outermost dimension, so stage ``s`` owns
 global ranks ``[s*S, (s+1)*S)`` with ``S = world_size // pp``. Inside a stage a layer factorizes the
@@ -18,6 +19,7 @@ shards, replicated over the rank's tp group.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from .plan import LayerStrategy, ParallelPlan
@@ -91,12 +93,16 @@ class MeshFactory:
     For a factorization ``(tp, dp, consecutive)`` it builds one world mesh ``("pp", "dp", "tp")`` and
     hands out the current stage's ``("dp", "tp")`` sub-mesh. Every rank must request meshes in the
     same order (mesh creation is collective); :meth:`build_all` does that for a whole plan up front.
+    ``timeout`` (if given) is put on every process group the factory creates: DeviceMesh sub-groups
+    otherwise get the backend default (30 minutes for gloo), not the world group's timeout.
     """
 
     layout: RankLayout
     device_type: str
     rank: int
+    timeout: timedelta | None = None
     _cache: dict[tuple[int, int, bool], Any] = field(default_factory=dict)
+    _flat: dict[str, Any] = field(default_factory=dict)
 
     def world_mesh(self, s: LayerStrategy) -> "DeviceMesh":
         import torch
@@ -106,7 +112,12 @@ class MeshFactory:
         if key not in self._cache:
             grids = [self.layout.grid(s, stage) for stage in range(self.layout.pp)]
             mesh = torch.tensor(grids, dtype=torch.int)  # [pp, dp, tp]
-            self._cache[key] = DeviceMesh(self.device_type, mesh, mesh_dim_names=("pp", "dp", "tp"))
+            built = DeviceMesh(self.device_type, mesh, mesh_dim_names=("pp", "dp", "tp"))
+            if self.timeout is not None:
+                from .parallel.timeouts import set_mesh_timeout
+
+                set_mesh_timeout(built, self.timeout)
+            self._cache[key] = built
         return self._cache[key]
 
     def mesh(self, s: LayerStrategy) -> "DeviceMesh":
@@ -116,13 +127,17 @@ class MeshFactory:
     def data_mesh(self, s: LayerStrategy) -> "DeviceMesh":
         """1-D mesh over which ``s`` reduces gradients (dp, or dp*tp for Ulysses)."""
         mesh = self.mesh(s)
-        if s.ulysses:
-            return mesh._flatten(f"dp_tp_{s.tp}_{s.dp}_{int(s.tp_consecutive)}")
-        return mesh["dp"]
+        if not s.ulysses:
+            return mesh["dp"]
+        name = f"dp_tp_{s.tp}_{s.dp}_{int(s.tp_consecutive)}"
+        if name not in self._flat:
+            flat = mesh._flatten(name)
+            if self.timeout is not None:
+                from .parallel.timeouts import set_mesh_timeout
 
-    def pp_mesh(self) -> "DeviceMesh":
-        s = LayerStrategy(dp=self.layout.stage_size)
-        return self.world_mesh(s)["pp"]
+                set_mesh_timeout(flat, self.timeout)
+            self._flat[name] = flat
+        return self._flat[name]
 
     def build_all(self, plan: ParallelPlan) -> None:
         seen: set[tuple[int, int, bool]] = set()

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from .plan import SCHEDULES, SP_MODES, LayerStrategy, ModelShape, ParallelPlan
 
@@ -33,11 +33,12 @@ def free_port() -> int:
 
 def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: float = 600.0,
                     init_process_group: bool = True, env: dict[str, str] | None = None,
-                    threads: int = 1) -> list[Any]:
+                    threads: int = 1, may_die: Collection[int] = ()) -> list[Any]:
     """Run ``target(*args)`` on ``world_size`` ranks (separate processes, gloo) and return results.
 
     ``init_process_group=False`` leaves process-group creation to the function (a Lightning Trainer
-    does it itself from the same environment variables torchrun would set).
+    does it itself from the same environment variables torchrun would set). Ranks in ``may_die`` may
+    exit abnormally (a failure test kills them on purpose): their result is None and the others run on.
     """
     import torch
 
@@ -61,11 +62,11 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
         try:
             while True:
                 codes = [p.poll() for p in procs]
-                bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                bad = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in may_die]
                 if bad:
                     failed = bad[0]
                     break
-                if all(c == 0 for c in codes):
+                if all(c == 0 or (c is not None and r in may_die) for r, c in enumerate(codes)):
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"distributed launch of {target} on {world_size} ranks exceeded "
@@ -80,7 +81,8 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
         if failed is not None:
             raise RuntimeError(f"rank {failed} of {target} failed (exit {procs[failed].returncode}).\n"
                                f"{_tails(logs, first=failed)}")
-        results = [torch.load(Path(tmp) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+        results = [None if procs[r].returncode and r in may_die else
+                   torch.load(Path(tmp) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
         for log in logs:
             log.close()
         return results

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 from typing import Any
 
 import lightning.pytorch as L
@@ -512,3 +513,48 @@ def fit_infeasible_budget(memory_budget: str = "1KB") -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - the test compares what every rank saw
         return {"type": type(exc).__name__, "message": str(exc)}
     return {"type": None, "message": ""}
+
+
+class _StopAt(L.Callback):
+    """Freeze this rank (SIGSTOP) at the start of batch ``at``, as a hung or suspended process would."""
+
+    def __init__(self, at: int, pid_file: str) -> None:
+        self.at, self.pid_file = at, pid_file
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if batch_idx == self.at:
+            with open(self.pid_file + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(self.pid_file + ".tmp", self.pid_file)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def fit_stopped_rank(plan: dict, tmpdir: str, stop_rank: int, timeout_s: float, at: int = 1) -> dict[str, Any]:
+    """Rank ``stop_rank`` stops mid-training; what does every other rank raise, and how soon?
+
+    The world group comes from the launcher (3-minute timeout); the strategy's ``timeout`` must reach
+    the mesh sub-groups the plan's collectives run on, or the others would wait 30 minutes (gloo's default).
+    """
+    import time
+
+    rank = dist.get_rank()
+    pid_file = os.path.join(tmpdir, f"pid{stop_rank}")
+    module = make_module("llama")
+    loader = DataLoader(Windows(64), batch_size=2, shuffle=False)
+    callbacks = [_StopAt(at, pid_file)] if rank == stop_rank else []
+    trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan, timeout=timeout_s), max_steps=4, callbacks=callbacks,
+                        **trainer_kwargs())
+    start = time.monotonic()
+    try:
+        trainer.fit(module, loader)
+        out: dict[str, Any] = {"type": None}
+    except Exception as exc:  # noqa: BLE001 - the test inspects what every surviving rank raised
+        out = {"type": type(exc).__name__, "message": str(exc), "cause": repr(exc.__cause__),
+               "silent": getattr(exc, "silent_ranks", None), "group_ranks": getattr(exc, "group_ranks", None),
+               "group": getattr(exc, "group", None), "elapsed": time.monotonic() - start}
+    if rank == 0:  # the stopped rank never exits on its own
+        with open(pid_file) as f:
+            os.kill(int(f.read()), signal.SIGKILL)
+    dist.destroy_process_group()  # no closing barrier: a member of the world is gone
+    return out

@@ -7,6 +7,7 @@ hooks Lightning needs (gradient sync around accumulation, clipping across meshes
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -37,6 +38,7 @@ from torch.optim import Optimizer
 
 from .. import checkpoint as ckpt
 from ..layout import MeshFactory, RankLayout
+from ..parallel.timeouts import DEFAULT_TIMEOUT, check_timeout, enable_flight_recorder, naming_timeouts
 from ..plan import LayerStrategy, ParallelPlan, parse_plan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,6 +47,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..auto import AutoSearch
     from ..parallel.deepspeed import DeepSpeedRuntime
     from ..parallel.parallelize import ParallelRuntime
+
+def _names_timeouts(method: Any) -> Any:
+    """Run a strategy entry point so that a backend collective timeout comes out named (group, peers)."""
+
+    @functools.wraps(method)
+    def wrapper(self: "GalvatronStrategy", *args: Any, **kwargs: Any) -> Any:
+        with naming_timeouts(self._timeout):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
 
 class GalvatronStrategy(ParallelStrategy):
     """Hybrid data / ZeRO / tensor / sequence parallelism from a :class:`~lightning_galv.ParallelPlan`.
@@ -62,10 +75,12 @@ class GalvatronStrategy(ParallelStrategy):
         start_method: ``"subprocess"`` re-runs the script per rank (like torchrun); ``"spawn"``/``"fork"``
             start ranks with multiprocessing (notebooks).
         process_group_backend: default from the accelerator (``nccl`` on CUDA, ``gloo`` on CPU).
-        timeout: how long a collective on the world process group waits for a missing rank before it
-            fails instead of hanging (default 10 minutes, Lightning's default; lower it to see a stopped
-            rank sooner). Caveat: the per-mesh subgroups that ``DeviceMesh`` creates in torch 2.13 get the
-            backend's default timeout (30 minutes for gloo), not this one.
+        timeout: how long any collective -- on the world group and on every tp / dp / pp / Ulysses
+            sub-group of the plan -- waits for a missing rank before it fails instead of hanging
+            (``timedelta`` or seconds; default 10 minutes, Lightning's default; ``None`` leaves the
+            backend defaults). A timeout raises :class:`~lightning_galv.parallel.timeouts.CollectiveTimeoutError`
+            on every waiting rank, naming the collective, its group and ranks, and the ranks that never
+            arrived (stopped, crashed or stuck); the backend's own error is its ``__cause__``.
         vocab_parallel_loss: whether a vocab-parallel head (``head.tp > 1``) may hand the training loss
             vocab-sharded logits (``ParallelPlan.vocab_parallel_loss``). ``None`` (default): what the
             LightningModule declares with a ``galv_vocab_parallel_loss`` attribute (``CausalLM`` does), else
@@ -91,7 +106,7 @@ class GalvatronStrategy(ParallelStrategy):
         save_distributed_checkpoint: bool = True,
         start_method: Literal["subprocess", "spawn", "fork", "forkserver"] = "subprocess",
         process_group_backend: str | None = None,
-        timeout: timedelta | None = timedelta(minutes=10),
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         vocab_parallel_loss: bool | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -127,7 +142,7 @@ class GalvatronStrategy(ParallelStrategy):
                             "only when the loss uses lightning_galv.loss.cross_entropy; None follows the module.")
         self._vocab_parallel_loss = vocab_parallel_loss
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = None if timeout is None else check_timeout(timeout)
         self._num_nodes = 1
         self.plan: ParallelPlan | None = None
         self.auto: AutoSearch | None = None  # automatic mode: what was searched and predicted
@@ -276,12 +291,13 @@ class GalvatronStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        kwargs: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        enable_flight_recorder()  # lets a collective timeout name its group (see parallel/timeouts.py)
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self.layout = RankLayout(self.world_size, pp)
-        self.mesh_factory = MeshFactory(self.layout, self.root_device.type, self.global_rank)
+        self.mesh_factory = MeshFactory(self.layout, self.root_device.type, self.global_rank, self._timeout)
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -289,6 +305,7 @@ class GalvatronStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
+    @_names_timeouts
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -299,7 +316,7 @@ class GalvatronStrategy(ParallelStrategy):
             assert self.layout is not None
             if self.layout.pp != self.plan.pp:  # automatic mode chose a pipeline: stages change the rank layout
                 self.layout = RankLayout(self.world_size, self.plan.pp)
-                self.mesh_factory = MeshFactory(self.layout, self.root_device.type, self.global_rank)
+                self.mesh_factory = MeshFactory(self.layout, self.root_device.type, self.global_rank, self._timeout)
             from ..parallel.parallelize import parallelize
 
             assert self.mesh_factory is not None
@@ -414,6 +431,7 @@ class GalvatronStrategy(ParallelStrategy):
         if self._sync_grads and self.runtime is not None:
             self.runtime.sync_gradients()
 
+    @_names_timeouts
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is not None:
             # the schedule ran the backward inside training_step; its gradients were held back so that
@@ -436,6 +454,7 @@ class GalvatronStrategy(ParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
+    @_names_timeouts
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         ds = self._deepspeed
         if ds is None:
@@ -493,6 +512,7 @@ class GalvatronStrategy(ParallelStrategy):
         accumulate = trainer.accumulate_grad_batches
         set_dropout_key(trainer.global_step * accumulate + int(batch_idx) % accumulate)
 
+    @_names_timeouts
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._set_dropout_key(args, kwargs)
         if self._pipeline is None:
@@ -500,18 +520,21 @@ class GalvatronStrategy(ParallelStrategy):
         with self.precision_plugin.train_step_context():
             return self._pipeline_loss(args[0], train=True, stage="train")
 
+    @_names_timeouts
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().validation_step(*args, **kwargs)
         with self.precision_plugin.val_step_context():
             return self._pipeline_loss(args[0], train=False, stage="val")
 
+    @_names_timeouts
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().test_step(*args, **kwargs)
         with self.precision_plugin.test_step_context():
             return self._pipeline_loss(args[0], train=False, stage="test")
 
+    @_names_timeouts
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().predict_step(*args, **kwargs)
@@ -544,6 +567,7 @@ class GalvatronStrategy(ParallelStrategy):
         self.precision_plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
 
     # -- collectives -------------------------------------------------------------------------------
+    @_names_timeouts
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
@@ -552,6 +576,7 @@ class GalvatronStrategy(ParallelStrategy):
         else:
             dist.barrier()
 
+    @_names_timeouts
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
@@ -559,6 +584,7 @@ class GalvatronStrategy(ParallelStrategy):
         dist.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
 
+    @_names_timeouts
     def reduce(self, tensor: Tensor | Any, group: Any | None = None,
                reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
@@ -586,6 +612,7 @@ class GalvatronStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded in load_checkpoint
 
+    @_names_timeouts
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"storage_options={storage_options!r}: not supported by GalvatronStrategy. "
@@ -606,6 +633,7 @@ class GalvatronStrategy(ParallelStrategy):
                 self.checkpoint_io.save_checkpoint(checkpoint, path)
         self.barrier()
 
+    @_names_timeouts
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None and self.runtime is not None and self.lightning_module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
