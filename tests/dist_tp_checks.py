@@ -21,6 +21,7 @@ from lightning_galv.layout import MeshFactory, RankLayout
 from lightning_galv.models.common import RMSNorm
 from lightning_galv.models.gpt2 import GPT2, GPT2Block, GPT2Config
 from lightning_galv.models.llama import Llama, LlamaBlock, LlamaConfig
+from lightning_galv.parallel.block import apply_block
 from lightning_galv.parallel.sequence import apply_ulysses
 from lightning_galv.parallel.tensor import apply_tp, apply_tp_embedding, apply_tp_head
 from lightning_galv.plan import LayerStrategy
@@ -110,7 +111,7 @@ def block_parity(make: Callable[[], nn.Module], strategy: LayerStrategy, factory
     ref = make()
     par = copy.deepcopy(ref)
     mesh = factory.mesh(strategy)
-    apply_tp(par, mesh, strategy)  # delegates to apply_ulysses for sp='ulysses'
+    apply_block(par, mesh, strategy)  # what parallelize() and the profiler call: picks TP / Megatron-SP / Ulysses
     if perturb:
         with torch.no_grad():
             w = next(p for p in par.parameters() if p.dim() == 2)

@@ -107,13 +107,32 @@ def test_no_protocol_fails_before_touching_the_mesh() -> None:
     assert not hasattr(block, "_galv_parallel")
 
 
+def test_only_apply_block_chooses_the_mode() -> None:
+    """``apply_block`` is the one place that maps ``sp`` to a mode: each mode's own entry point refuses the
+    other's strategies (before any check that needs a mesh) instead of silently delegating."""
+    from lightning_galv.parallel.block import apply_block
+    from lightning_galv.parallel.sequence import apply_ulysses
+    from lightning_galv.parallel.tensor import apply_tp
+
+    block = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="apply_tp.*HINT: use apply_block"):
+        apply_tp(block, None, LayerStrategy(tp=2, sp="ulysses"))  # type: ignore[arg-type]
+    for sp in ("none", "megatron"):
+        with pytest.raises(ValueError, match="apply_ulysses.*HINT: use apply_block"):
+            apply_ulysses(block, None, LayerStrategy(tp=2, sp=sp))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no mesh.*HINT: pass MeshFactory.mesh"):
+        apply_block(block, None, LayerStrategy(tp=2, sp="ulysses"))
+    apply_block(block, None, LayerStrategy(tp=1))  # tp=1 splits nothing and needs no mesh
+    assert not hasattr(block, "_galv_parallel")
+
+
 def test_forward_wrapper_survives_deepcopy() -> None:
     """The entry/exit wrapper is a bound method: a deep copy must call its own forward, not the original's."""
     import copy
 
     import torch
 
-    from lightning_galv.parallel.tensor import wrap_block_forward
+    from lightning_galv.parallel.boundary import wrap_block_forward
 
     block = nn.Linear(3, 3)
     wrap_block_forward(block, lambda args: (args[0] * 2, *args[1:]), lambda out: out + 1)

@@ -4,9 +4,10 @@ Order, and why:
 
 1. **Replicated start** - broadcast every parameter and buffer from rank 0 so replicas agree even if
    the user forgot to seed (shards are cut from identical tensors).
-2. **Tensor / sequence parallelism** per unit (``apply_tp``, ``apply_ulysses``, vocab-parallel
-   embedding and head): turns weights into DTensors on the unit's ``tp`` mesh dim; must precede FSDP,
-   which then shards the DTensors further on the ``dp`` dim.
+2. **Tensor / sequence parallelism** per unit (``apply_block`` for blocks, which picks Megatron TP,
+   TP + Megatron-SP or Ulysses from the strategy; vocab-parallel embedding and head): turns weights into
+   DTensors on the unit's ``tp`` mesh dim; must precede FSDP, which then shards the DTensors further on
+   the ``dp`` dim.
 3. **Activation checkpointing** per block: wraps the block's own forward only, so the hooks added next
    stay outside the recomputed region.
 4. **Layout re-distribution hooks** between units whose batch sharding differs (and from/to the data
@@ -32,9 +33,11 @@ from ..models.dropout import keyed_dropout_, set_coords
 from ..models.protocol import ModelParts, find_parts
 from ..plan import LayerStrategy, ParallelPlan
 from . import grads
+from .block import apply_block
 from .checkpointing import apply_checkpointing
 from .data import GradientSync, OptimizerStateSharding, apply_fsdp
 from .redistribute import BatchLayout, add_input_redistribution, add_output_redistribution
+from .tensor import apply_tp_embedding, apply_tp_head
 
 
 @dataclass
@@ -193,17 +196,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
         if s.tp == 1:
             continue
         mesh = factory.mesh(s)
-        from . import sequence, tensor
-
         if unit.name == "embed":
-            tensor.apply_tp_embedding(parts.embedding, mesh, s)  # type: ignore[arg-type]
+            apply_tp_embedding(parts.embedding, mesh, s)  # type: ignore[arg-type]
         elif unit.name == "head":
-            tensor.apply_tp_head(parts.final_norm, parts.head, mesh, s,  # type: ignore[arg-type]
-                                     vocab_parallel_loss=plan.vocab_parallel_loss)
-        elif s.ulysses:
-            sequence.apply_ulysses(unit.modules[0], mesh, s)
+            apply_tp_head(parts.final_norm, parts.head, mesh, s,  # type: ignore[arg-type]
+                          vocab_parallel_loss=plan.vocab_parallel_loss)
         else:
-            tensor.apply_tp(unit.modules[0], mesh, s)
+            apply_block(unit.modules[0], mesh, s)
 
     # 3. activation checkpointing
     for unit in units:

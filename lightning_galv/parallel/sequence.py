@@ -7,8 +7,8 @@ the whole sequence; around it, an all-to-all turns sequence-sharded, all-heads t
 ``[b, s/P, H, d]`` into full-sequence, head-sharded tensors ``[b, s, H/P, d]`` and back. Rotary
 embedding runs inside the core module, so it sees the true positions ``0..s-1``.
 
-Boundary contract (shared with :mod:`.tensor`): the block takes and returns a plain full
-``[b, s, hidden]`` tensor, identical on the group, and the gradient w.r.t. its input comes back
+Boundary contract (:mod:`.boundary`, the same as Megatron TP's): the block takes and returns a plain
+full ``[b, s, hidden]`` tensor, identical on the group, and the gradient w.r.t. its input comes back
 full and identical on the group. Entry slices this rank's chunk (backward: all-gather of the chunk
 gradients); exit all-gathers the chunks (backward: this rank's slice of the, identical, incoming
 gradient).
@@ -31,7 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..models.dropout import set_coords
 from ..plan import LayerStrategy
-from .tensor import check_hidden_states, check_protocol, mark_applied, tp_submesh, wrap_block_forward
+from .boundary import (check_hidden_states, check_protocol, map_hidden_states, mark_applied, tp_submesh,
+                       wrap_block_forward)
 
 __all__ = ["apply_ulysses", "seq_all_to_all", "heads_all_to_all"]
 
@@ -180,14 +181,12 @@ def _enter(group: dist.ProcessGroup, p: int, where: str) -> Callable[[tuple], tu
 
 
 def _leave(group: dist.ProcessGroup, where: str) -> Callable[[Any], Any]:
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return _GatherSeq.apply(x, group)  # [b, s/P, h] -> [b, s, h]
+
     def leave(out: Any) -> Any:
         set_coords(seq_offset=0)
-        if isinstance(out, torch.Tensor):
-            return _GatherSeq.apply(out, group)  # [b, s/P, h] -> [b, s, h]
-        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-            return (_GatherSeq.apply(out[0], group), *out[1:])
-        raise TypeError(f"{where}: returned {type(out).__name__}; Ulysses needs the block to return the "
-                        "hidden states tensor (or a tuple starting with it). HINT: return x from forward.")
+        return map_hidden_states(out, gather, where, "Ulysses")
     return leave
 
 
@@ -212,7 +211,8 @@ def apply_ulysses(block: nn.Module, mesh: DeviceMesh, strategy: LayerStrategy) -
         return
     if not strategy.ulysses:
         raise ValueError(f"strategy {strategy.short()} (sp={strategy.sp!r}) passed to apply_ulysses: it needs "
-                         "sp='ulysses'. HINT: use apply_tp for Megatron TP / SP.")
+                         "sp='ulysses'. HINT: use apply_block, which picks the mode from the strategy (or "
+                         "apply_tp for Megatron TP / SP).")
     name = type(block).__name__
     path: str = check_protocol(block, strategy, "galv_attention")
     try:

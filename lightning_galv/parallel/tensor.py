@@ -1,14 +1,8 @@
 """Megatron tensor parallelism (and Megatron sequence parallelism) for one block, via DTensor.
 
-Every function here works *in place* on one module and keeps the **boundary contract** the
-redistribution code relies on:
-
-    A parallelized block is called as ``block(x, *extras)`` with ``x`` a plain local tensor
-    ``[local_batch, full_seq, hidden]``, identical on all ranks of the block's tp group, and returns
-    a plain local tensor of the same shape, identical on all ranks of the group. The gradient w.r.t.
-    ``x`` comes back full (not partial) and identical on every rank of the group. Tensors handed out at
-    a unit boundary (block exit, embedding and head outputs) are not views (:func:`local_output`), so
-    FSDP2's pre-backward hook on them survives a user's in-place op.
+Every function here works *in place* on one module and keeps the **block boundary contract** stated in
+:mod:`.boundary` (plain full-sequence ``[local_batch, seq, hidden]`` tensors in and out, identical on the
+tp group; a full, identical input gradient; unit outputs that are not views).
 
 How each mode honours it (``P`` = tp degree):
 
@@ -24,8 +18,8 @@ How each mode honours it (``P`` = tp degree):
   (backward reduce-scatter); row-parallel outputs are reduce-scattered to the chunk; at block exit the
   chunk is all-gathered (backward: a local slice). The residual stream inside the block is a plain
   ``[b, s/P, hidden]`` chunk.
-* ``sp="ulysses"`` is not tensor parallelism (weights are not split): :func:`apply_tp` hands it to
-  :func:`lightning_galv.parallel.sequence.apply_ulysses`.
+* ``sp="ulysses"`` is not tensor parallelism (weights are not split): it lives in :mod:`.sequence`, and
+  :func:`apply_tp` refuses it. :func:`.block.apply_block` is the one place that picks the mode.
 
 Gradients of parameters after ``backward``:
 
@@ -42,7 +36,6 @@ Reducing gradients over the data-parallel dimension is the data-parallel code's 
 
 from __future__ import annotations
 
-import types
 from typing import Any, Callable
 
 import torch
@@ -59,110 +52,17 @@ from torch.distributed.tensor.parallel import (
 
 from ..models.dropout import set_coords
 from ..plan import LayerStrategy
+from .boundary import (check_hidden_states, check_protocol, local_output, map_hidden_states, mark_applied,
+                       tp_submesh, wrap_block_forward)
 
-__all__ = ["apply_tp", "apply_tp_embedding", "apply_tp_head", "tp_submesh"]
+__all__ = ["apply_tp", "apply_tp_embedding", "apply_tp_head"]
 
 _KINDS = ("colwise", "rowwise", "norm")
-_APPLIED_ATTR = "_galv_parallel"  # set on a block once it is parallelized (guards double application)
 
 
 # ---------------------------------------------------------------------------------------------------
-# helpers shared with sequence.py
+# hooks and checks
 # ---------------------------------------------------------------------------------------------------
-def tp_submesh(mesh: DeviceMesh, strategy: LayerStrategy, what: str) -> DeviceMesh:
-    """The 1-D ``"tp"`` mesh of ``mesh`` (or ``mesh`` itself if it is 1-D), checked against ``strategy.tp``.
-
-    A mismatch means the caller built the mesh for another strategy; failing here names it instead of
-    letting a collective hang or silently split weights by the wrong degree.
-    """
-    names = mesh.mesh_dim_names or ()
-    if "tp" in names:
-        sub = mesh["tp"]
-    elif mesh.ndim == 1:
-        sub = mesh
-    else:
-        raise ValueError(f"{what}: mesh with dims {names}: needs a 'tp' dimension. HINT: build it with "
-                         "MeshFactory.mesh(strategy), whose dims are ('dp', 'tp').")
-    if sub.size() != strategy.tp:
-        raise ValueError(f"{what}: tp mesh of size {sub.size()} for strategy {strategy.short()} (tp={strategy.tp}): "
-                         "the mesh's tp dimension must equal the strategy's tp degree. HINT: pass "
-                         "MeshFactory.mesh(strategy) for this very strategy.")
-    return sub
-
-
-def check_protocol(block: nn.Module, strategy: LayerStrategy, attr: str) -> Any:
-    """The block class's protocol attribute ``attr``, or a ValueError explaining the protocol."""
-    value = getattr(type(block), attr, None)
-    if not value:
-        raise ValueError(
-            f"block {type(block).__name__}: has no class attribute `{attr}`, so {strategy.short()} "
-            f"(tp={strategy.tp}, sp={strategy.sp!r}) cannot be applied; tensor/sequence parallelism needs the "
-            "model protocol. HINT: give the block class `galv_tp_plan = {'attn.q': 'colwise', ..., "
-            "'attn.o': 'rowwise', 'norm1': 'norm'}` and `galv_attention = 'attn.core'` (see "
-            "lightning_galv.models.protocol), or use a plan with tp=1 (DP/ZeRO only) for this model.")
-    return value
-
-
-def mark_applied(block: nn.Module, kind: str) -> None:
-    """Refuse to parallelize a block twice (a second DTensor wrap would split already-split weights)."""
-    prev = getattr(block, _APPLIED_ATTR, None)
-    if prev is not None:
-        raise ValueError(f"block {type(block).__name__}: already parallelized with {prev}, now asked for {kind}. "
-                         "HINT: parallelize each block once, on a fresh (unparallelized) model.")
-    setattr(block, _APPLIED_ATTR, kind)
-
-
-def wrap_block_forward(block: nn.Module, enter: Callable[[tuple], tuple], leave: Callable[[Any], Any]) -> None:
-    """Run ``enter(args)`` / ``leave(output)`` *inside* the block's forward, not as module hooks.
-
-    Other parts of the runtime hook the block too (batch re-layout between layers with different dp,
-    FSDP2's parameter all-gather). A sequence slice at entry must run *after* any batch re-layout and
-    the sequence gather at exit *before* it, whatever order the hooks were registered in; placing both
-    inside ``forward`` guarantees that (module pre-hooks run before ``forward``, forward hooks after).
-    The wrapper is a bound method calling the class's ``forward``, so ``copy.deepcopy`` rebinds it to the
-    copy. An activation-checkpoint wrapper applied later wraps this forward, so the layout changes are
-    recomputed with the block (correct, at the cost of one extra gather in recompute).
-    """
-    prev = block.__dict__.get("forward")  # an instance-level forward installed earlier, if any
-
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        args = enter(args)
-        out = prev(*args, **kwargs) if prev is not None else type(self).forward(self, *args, **kwargs)
-        return leave(out)
-
-    block.forward = types.MethodType(forward, block)  # type: ignore[method-assign]
-
-
-class _LocalOutput(torch.autograd.Function):
-    """``DTensor -> local tensor`` like ``DTensor.to_local()``, but the result is **not a view**.
-
-    ``to_local()`` returns ``local.view_as(local)``, so every ``use_local_output=True`` boundary hands
-    out a view. When that tensor is the output of an FSDP2-wrapped unit (vocab-parallel embedding or
-    head, a Megatron-SP block) FSDP2 registers its pre-backward hook on a view and warns that an
-    in-place op on it (``h *= scale``) would drop the hook and skip the parameter all-gather. Here the
-    result is a detached alias of the local storage (no copy, ``_base is None``) that this function
-    makes differentiable, so the hook survives in-place ops and the forward costs nothing extra.
-    Backward wraps the gradient with the forward's placements, as ``to_local`` does.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: DTensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.spec = x._spec
-        return x._local_tensor.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
-        spec = ctx.spec
-        placements = tuple(Replicate() if pl.is_partial() else pl for pl in spec.placements)
-        return DTensor.from_local(grad, spec.mesh, placements, run_check=False, shape=spec.shape,
-                                  stride=spec.stride)
-
-
-def local_output(x: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor of ``x`` as a non-view autograd tensor (plain tensors pass through)."""
-    return _LocalOutput.apply(x) if isinstance(x, DTensor) else x
-
-
 def _local_output_hook(_module: nn.Module, _args: tuple, out: Any) -> Any:
     return local_output(out)
 
@@ -211,14 +111,12 @@ def _sp_enter(mesh: DeviceMesh, tp: int, what: str) -> Callable[[tuple], tuple]:
 
 def _sp_leave(mesh: DeviceMesh, what: str) -> Callable[[Any], Any]:
     """Block exit under Megatron-SP: plain ``[b, s/P, h]`` chunk -> plain full ``[b, s, h]`` (backward: slice)."""
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return _redistribute_first_arg((x,), mesh, Shard(1), Replicate(), use_local=True)[0]
+
     def leave(out: Any) -> Any:
         set_coords(seq_offset=0)
-        if isinstance(out, torch.Tensor):
-            return _redistribute_first_arg((out,), mesh, Shard(1), Replicate(), True)[0]
-        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-            return _redistribute_first_arg(out, mesh, Shard(1), Replicate(), True)
-        raise TypeError(f"{what}: returned {type(out).__name__}; Megatron-SP needs the block to return the "
-                        "hidden states tensor (or a tuple starting with it). HINT: return x from forward.")
+        return map_hidden_states(out, gather, what, "Megatron-SP")
     return leave
 
 
@@ -265,18 +163,18 @@ def _check_linear(block: nn.Module, path: str, mod: nn.Module, kind: str, tp: in
 def apply_tp(block: nn.Module, mesh: DeviceMesh, strategy: LayerStrategy) -> None:
     """Split ``block`` in place over ``mesh["tp"]`` following its class's ``galv_tp_plan``.
 
-    ``strategy.sp`` selects plain Megatron TP (``"none"``), TP + Megatron sequence parallelism
-    (``"megatron"``), or Ulysses (``"ulysses"``, delegated to :func:`~.sequence.apply_ulysses` since its
-    weights are not split). ``strategy.tp == 1`` is a no-op. The block keeps the boundary contract (see
-    the module docstring): plain full-sequence tensors in and out, identical on the tp group.
+    ``strategy.sp`` selects plain Megatron TP (``"none"``) or TP + Megatron sequence parallelism
+    (``"megatron"``); Ulysses is refused (its weights are not split: :func:`~.sequence.apply_ulysses`,
+    or :func:`~.block.apply_block`, which picks the mode from the strategy). ``strategy.tp == 1`` is a
+    no-op. The block keeps the boundary contract (:mod:`.boundary`): plain full-sequence tensors in and
+    out, identical on the tp group.
     """
     if strategy.tp == 1:
         return
     if strategy.ulysses:
-        from .sequence import apply_ulysses
-
-        apply_ulysses(block, mesh, strategy)
-        return
+        raise ValueError(f"strategy {strategy.short()} (sp={strategy.sp!r}) passed to apply_tp: Ulysses is not "
+                         "tensor parallelism. HINT: use apply_block, which picks the mode from the strategy "
+                         "(or apply_ulysses).")
     tp_plan: dict[str, str] = dict(check_protocol(block, strategy, "galv_tp_plan"))
     tp_mesh = tp_submesh(mesh, strategy, f"block {type(block).__name__}")
     tp = strategy.tp
@@ -407,18 +305,3 @@ def _vocab_sharded_output(_mod: nn.Module, _args: tuple, out: Any) -> Any:
     setattr(out, PENDING_ATTR, PendingRelayout())
     return out
 
-
-def check_hidden_states(args: tuple, degree: int, where: str, kind: str, alternative: str) -> torch.Tensor:
-    """The block input a sequence-sharding entry needs: ``[batch, seq, hidden]``, seq divisible by ``degree``.
-
-    Checked before any collective, so a bad shape fails identically on every rank instead of hanging.
-    """
-    if not args or not isinstance(args[0], torch.Tensor):
-        raise TypeError(f"{where}: called without a hidden-states tensor as first argument. HINT: call "
-                        "block(x, *extras) with x of shape [batch, seq, hidden].")
-    x = args[0]
-    if x.dim() != 3 or x.shape[1] % degree:
-        raise ValueError(f"{where}: input of shape {tuple(x.shape)}: {kind} of degree {degree} needs "
-                         f"[batch, seq, hidden] with seq divisible by {degree}. HINT: pad or crop the sequence "
-                         f"to a multiple of {degree}, or {alternative}.")
-    return x

@@ -255,7 +255,7 @@ class ShardedLayerProfiler:
         """``layer`` (from :class:`ModelProfiler`) with ``sharded``, ``activation_bytes`` for every
         (tp, sp, checkpoint), the recompute transients, and ``zero_overhead`` filled in from real runs."""
         from ..layout import MeshFactory, RankLayout
-        from ..parallel import sequence, tensor
+        from ..parallel.block import apply_block
         from ..parallel.checkpointing import apply_checkpointing
         from ..plan import LayerStrategy
         from ..planner.cost import block_comm_time
@@ -271,9 +271,8 @@ class ShardedLayerProfiler:
 
             def build(checkpointed: bool) -> nn.Module:
                 block = self.make_block().to(self.device)
-                if tp > 1:
-                    mesh = factory.mesh(LayerStrategy(tp=tp, dp=self.world // tp))
-                    (sequence.apply_ulysses if sp == "ulysses" else tensor.apply_tp)(block, mesh, s)
+                # the very code parallelize() runs; no mesh for tp=1 (building one is a collective)
+                apply_block(block, factory.mesh(s) if tp > 1 else None, s)
                 if checkpointed:
                     apply_checkpointing(block)
                 return block
