@@ -657,13 +657,6 @@ class GalvatronStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Lightning's hook for strategy classes; the names themselves live in ``lightning_galv.PRESETS``."""
-        from .. import register
-
-        register(strategy_registry)
-
 
 def _loader_batch_size(trainer: "pl.Trainer") -> int | None:
     """Per-shard batch size of the loader this run will draw from, or None when it cannot be read.
