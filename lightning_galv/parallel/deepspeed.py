@@ -2,10 +2,9 @@
 
 The native runtime (:func:`lightning_galv.parallel.parallelize`) implements ZeRO with FSDP2; this module
 lets the same plan run through DeepSpeed's ZeRO engine instead, for users who rely on DeepSpeed's
-optimizer partitioning and checkpoints. :class:`DeepSpeedRuntime` has the small interface the strategy
-drives for every backend (``data_shard``, ``set_gradient_sync``, ``sync_gradients``, ``wrap_optimizer``,
-``clip_grad_norm_``) plus the engine-specific ``initialize`` / ``backward`` / ``optimizer_step`` and
-checkpoint methods.
+optimizer partitioning and checkpoints. :class:`DeepSpeedRuntime` implements the
+:class:`~.runtime.Runtime` protocol the strategy drives for every backend: ``prepare`` creates the
+engine, ``backward`` / ``optimizer_step`` go through it, checkpoints use its format.
 
 Design decisions, and why:
 
@@ -36,6 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import ParallelPlan
+from . import state_dict as ckpt
+from .runtime import StepCall
 
 _TAG = "checkpoint"
 
@@ -110,33 +111,22 @@ class DeepSpeedRuntime:
         self.engine: Any = None
         self.clip_val = 0.0
 
-    # -- the interface shared with the native ParallelRuntime --------------------------------------
+    # -- the Runtime protocol ----------------------------------------------------------------------
     @property
     def data_shard(self) -> tuple[int, int]:
         """Pure data parallelism: every rank reads its own shard."""
         return self.rank, self.world_size
 
-    def set_gradient_sync(self, enabled: bool) -> None:
-        """Nothing to do: with unmanaged accumulation the engine reduces at ``step()`` only."""
+    def check_loader(self, loader: object) -> None:
+        """Any loader works: Lightning's own step consumes what it yields."""
 
-    def sync_gradients(self) -> None:
-        """Nothing to do: the engine reduces gradients in its backward / step."""
-
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Nothing to do: :meth:`initialize` hands the optimizer to the engine."""
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
-        """Lightning's clip hook: the engine already clips at ``step()`` with the configured value."""
-        if float(norm_type) != 2.0 or float(max_norm) != self.clip_val:
-            raise ValueError(f"clip_gradients(max_norm={max_norm}, norm_type={norm_type}) with plan "
-                             f"backend='deepspeed': the engine clips by the 2-norm to the Trainer's "
-                             f"gradient_clip_val={self.clip_val}, fixed when it was created. "
-                             "HINT: set Trainer(gradient_clip_val=...) instead of clipping by hand.")
-
-    # -- engine ------------------------------------------------------------------------------------
-    def initialize(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, clip_val: float | None,
-                   clip_algorithm: str | None, precision: str) -> nn.Module:
+    def prepare(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, clip_val: float | None,
+                clip_algorithm: str | None, precision: str) -> nn.Module:
         """Create the engine around ``module`` (the LightningModule) with the user's optimizer."""
+        if len(optimizers) != 1:
+            raise ValueError(f"{len(optimizers)} optimizers with plan backend='deepspeed': a DeepSpeed engine "
+                             "drives exactly one. HINT: return one optimizer from configure_optimizers, or use "
+                             "backend='native'.")
         deepspeed = _import_deepspeed()
         if self.engine is not None:
             raise ValueError("plan backend='deepspeed': the model already belongs to a DeepSpeed engine from an "
@@ -146,28 +136,46 @@ class DeepSpeedRuntime:
                               precision=precision)
         self.clip_val = float(config["gradient_clipping"])
         init_deepspeed_comm()
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizers[0], config=config,
                                                dist_init_required=False)
         self.engine = engine
         return engine
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def step(self, call: StepCall) -> Any:
+        return call.default()  # the strategy's model is the engine: Lightning's step runs through it
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Nothing to do: with unmanaged accumulation the engine reduces at ``step()`` only."""
+
+    def backward(self, loss: torch.Tensor, default: Callable[[torch.Tensor], None]) -> None:
         """``engine.backward`` instead of ``loss.backward``: it runs ZeRO's pre/post-backward bookkeeping."""
         self.engine.backward(loss)
 
-    def optimizer_step(self, precision_plugin: Any, optimizer: torch.optim.Optimizer, model: Any,
-                       closure: Callable[[], Any]) -> Any:
-        """Run Lightning's closure (forward + backward), its pre-step hooks, then the engine's step."""
-        result = closure()
-        # the hooks (on_before_optimizer_step, clipping) Lightning's Precision runs between closure and step;
-        # Lightning's own DeepSpeedPrecision calls this helper the same way
-        precision_plugin._after_closure(model, optimizer)
-        self.engine.step()
-        return result
+    def after_backward(self) -> None:
+        """Nothing to do: the engine reduces gradients in its backward / step."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
+        """Lightning's clip hook: the engine already clips at ``step()`` with the configured value."""
+        if float(norm_type) != 2.0 or float(max_norm) != self.clip_val:
+            raise ValueError(f"clip_gradients(max_norm={max_norm}, norm_type={norm_type}) with plan "
+                             f"backend='deepspeed': the engine clips by the 2-norm to the Trainer's "
+                             f"gradient_clip_val={self.clip_val}, fixed when it was created. "
+                             "HINT: set Trainer(gradient_clip_val=...) instead of clipping by hand.")
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Refused (Trainer settings are refused earlier, in :func:`build_config`): ZeRO owns the gradients."""
+        raise ValueError(f"clip_grad_value_({clip_value}) with plan backend='deepspeed': the engine clips by "
+                         "global norm only. HINT: use gradient_clip_algorithm='norm' or backend='native'.")
+
+    def optimizer_step(self, step: Callable[[Any], Any], optimizer: torch.optim.Optimizer) -> Any:
+        """Lightning's step (closure, hooks, clipping) with the engine's ``step()`` as the update."""
+        return step(_EngineOptimizer(self.engine, optimizer))
 
     # -- checkpoints -------------------------------------------------------------------------------
-    def module_state(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights of the LightningModule on every rank, keys as the unwrapped model's."""
+    def module_state(self, model: nn.Module, full: bool) -> dict[str, Any]:
+        """Full (unsharded) weights on every rank, keys as the unwrapped model's (any ``full``)."""
+        if self.engine is None:  # no fit yet: the model is a plain replicated module
+            return ckpt.model_state(model, full=full)
         module = self.engine.module
         if self.zero_stage == 3:
             deepspeed = _import_deepspeed()
@@ -176,13 +184,26 @@ class DeepSpeedRuntime:
                 return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
         return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, full: bool) -> dict[str, Any]:
+        return {}  # partitioned inside the engine; save() writes it in DeepSpeed's format
+
+    def save(self, checkpoint: dict[str, Any], path: Path, *, sharded: bool, is_rank_zero: bool,
+             write_full: Callable[[dict[str, Any], Path], None]) -> None:
         """Engine state (weights + partitioned optimizer) plus Lightning's loop state as client state."""
+        if self.engine is None:
+            raise ValueError(f"checkpoint {str(path)!r} with plan backend='deepspeed' before any fit: the engine "
+                             "that owns the weights and optimizer does not exist yet. HINT: save during or after "
+                             "Trainer.fit.")
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         self.engine.save_checkpoint(str(path), client_state=client_state, tag=_TAG)
 
-    def load_checkpoint(self, path: Path, strict: bool = True) -> dict[str, Any]:
+    def load(self, path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], *, strict: bool,
+             weights_only: bool | None) -> dict[str, Any]:
         """Restore weights and optimizer state into the engine; return Lightning's part of the checkpoint."""
+        if self.engine is None:
+            raise ValueError(f"checkpoint {str(path)!r} with plan backend='deepspeed' outside Trainer.fit: only "
+                             "the engine reads DeepSpeed's checkpoint folder. HINT: resume with "
+                             "Trainer.fit(ckpt_path=...), or evaluate a native checkpoint with backend='native'.")
         if not (path / _TAG).is_dir():
             raise ValueError(f"checkpoint {str(path)!r}: not a DeepSpeed checkpoint folder (no {_TAG!r} tag inside). "
                              "HINT: plans with backend='deepspeed' resume only from checkpoints they wrote; load "
@@ -194,3 +215,25 @@ class DeepSpeedRuntime:
             raise ValueError(f"checkpoint {str(path)!r}: DeepSpeed could not load it. HINT: check that it was "
                              "written by the same world size and ZeRO stage.")
         return dict(client_state or {})
+
+
+class _EngineOptimizer:
+    """What Lightning's precision plugin steps: runs its closure, then the engine's ``step()``.
+
+    Lightning's ``Precision.optimizer_step`` calls ``optimizer.step(closure=...)``, where the closure
+    runs forward, backward, ``on_before_optimizer_step`` and clipping; the update itself must be the
+    engine's (ZeRO partitions, gradient clipping, zeroing). Other attributes (``param_groups`` for LR
+    schedulers and hooks) are the user's optimizer's.
+    """
+
+    def __init__(self, engine: Any, optimizer: torch.optim.Optimizer) -> None:
+        self._engine = engine
+        self._optimizer = optimizer
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        result = closure() if closure is not None else None
+        self._engine.step()
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)

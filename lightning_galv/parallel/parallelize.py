@@ -15,13 +15,15 @@ Order, and why:
 5. **Data parallelism / ZeRO** per unit: FSDP2 for ZeRO-2/3 (registered last so its pre-forward
    all-gather runs after our re-distribution), gradient sum + ZeRO-1 ownership for the rest.
 
-Everything is collected into a :class:`ParallelRuntime` that the strategy drives (gradient sync, clipping,
-optimizer wrapping, checkpoint consolidation).
+Everything is collected into a runtime (``parallel/runtime.py``) that the strategy drives: a
+:class:`~.runtime.ParallelRuntime`, or a :class:`~.pipeline.PipelineRuntime` when ``pp > 1``. Plans with
+``backend="deepspeed"`` skip all of the above: the DeepSpeed engine applies ZeRO itself, so
+``parallelize`` hands back a :class:`~.deepspeed.DeepSpeedRuntime` that creates the engine when the
+optimizers are known.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,73 +39,8 @@ from .block import apply_block
 from .checkpointing import apply_checkpointing
 from .data import GradientSync, OptimizerStateSharding, apply_fsdp
 from .redistribute import BatchLayout, add_input_redistribution, add_output_redistribution
+from .runtime import ParallelRuntime, Runtime, Unit
 from .tensor import apply_tp_embedding, apply_tp_head
-
-
-@dataclass
-class Unit:
-    """A piece of the model that one strategy addresses."""
-
-    name: str
-    modules: list[nn.Module]
-    strategy: LayerStrategy
-    extra: list[nn.Parameter] = field(default_factory=list)  # loose parameters, always replicated
-    chunk: int = 0  # pipeline chunk the unit belongs to
-
-    def parameters(self) -> list[nn.Parameter]:
-        seen: dict[int, nn.Parameter] = {}
-        for m in self.modules:
-            for p in m.parameters():
-                seen.setdefault(id(p), p)
-        for p in self.extra:
-            seen.setdefault(id(p), p)
-        return list(seen.values())
-
-
-@dataclass
-class ParallelRuntime:
-    """What the strategy needs after parallelization."""
-
-    plan: ParallelPlan
-    layout: RankLayout
-    factory: MeshFactory
-    rank: int
-    units: list[Unit]
-    data_strategy: LayerStrategy
-    grad_sync: GradientSync
-    zero1: OptimizerStateSharding
-    fsdp_roots: list[nn.Module] = field(default_factory=list)
-    params: list[nn.Parameter] = field(default_factory=list)  # this stage's, same order on its ranks
-    pipeline: Any = None  # PipelineDriver when plan.pp > 1
-
-    # -- data loading ------------------------------------------------------------------------------
-    @property
-    def data_shard(self) -> tuple[int, int]:
-        """(index, count) of the sample shard this rank's loader serves."""
-        return self.layout.batch_shard(self.data_strategy, self.rank)
-
-    # -- gradients ---------------------------------------------------------------------------------
-    def set_gradient_sync(self, enabled: bool) -> None:
-        """Skip (accumulation micro-steps) or perform gradient reduction on the next backward."""
-        for m in self.fsdp_roots:
-            m.set_requires_gradient_sync(enabled)  # type: ignore[operator]
-
-    def sync_gradients(self) -> None:
-        self.grad_sync.sync()
-
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """Global gradient norm over every mesh and stage, each element counted once."""
-        return grads.grad_norm(self.params, self.layout.stage_size, norm_type)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        return grads.clip_grad_norm_(self.params, self.layout.stage_size, max_norm, norm_type)
-
-    def clip_grad_value_(self, clip_value: float) -> None:
-        grads.clip_grad_value_(self.params, clip_value)
-
-    # -- optimizers --------------------------------------------------------------------------------
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self.zero1.wrap(optimizer)
 
 
 def _dropout_rows_hook(shard: int, shards: int) -> Any:
@@ -171,9 +108,13 @@ def broadcast_module(module: nn.Module, src: int = 0) -> None:
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
-                mp_policy: Any | None = None, sync_init: bool = True) -> ParallelRuntime:
-    """Apply ``plan`` to ``model`` in place (order in the module docstring)."""
+                mp_policy: Any | None = None, sync_init: bool = True) -> Runtime:
+    """Apply ``plan`` to ``model`` in place (order in the module docstring) and return its runtime."""
     layout, rank = factory.layout, factory.rank
+    if plan.backend == "deepspeed":  # the engine shards the model itself, once the optimizer exists
+        from .deepspeed import DeepSpeedRuntime
+
+        return DeepSpeedRuntime(plan, rank, layout.world_size)
     parts = find_parts(model)
     check_plan_for_model(plan, parts)
     keyed_dropout_(model)  # masks from global coordinates: the same under every plan (models/dropout.py)
@@ -229,8 +170,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
         add_output_redistribution(exit_mod, prev, data_layout, stage_rank, group)
 
     # 5. data parallelism / ZeRO
-    runtime = ParallelRuntime(plan, layout, factory, rank, units, data_s,
-                              GradientSync(plan.data_parallel_size), OptimizerStateSharding())
+    runtime_cls = ParallelRuntime
+    if stages is not None:
+        from .pipeline import PipelineRuntime
+
+        runtime_cls = PipelineRuntime
+    runtime = runtime_cls(plan, layout, factory, rank, units, data_s,
+                          GradientSync(plan.data_parallel_size), OptimizerStateSharding())
     for unit in units:
         s = unit.strategy
         data_mesh = factory.data_mesh(s)

@@ -23,6 +23,7 @@ from torch import nn
 from ..models.dropout import set_coords, use_coords
 from ..models.protocol import ModelParts, _unwrap
 from ..plan import ParallelPlan
+from .runtime import ParallelRuntime, StepCall
 
 
 class Placeholder(nn.Module):
@@ -198,3 +199,103 @@ class PipelineDriver:
         box = [obj]
         dist.broadcast_object_list(box, src=self.group_ranks[-1], group=self.group)
         return box[0]
+
+
+PIPELINE_HOOKS = ("galv_pipeline_batch", "galv_pipeline_loss")
+
+
+@dataclass
+class PipelineRuntime(ParallelRuntime):
+    """The native runtime for ``pp > 1``: a step runs the whole schedule, backward included.
+
+    Lightning's order is step -> zero_grad -> backward -> optimizer step, but the schedule back-propagates
+    inside the step. The gradients it produces are therefore held back (the parameters' ``.grad`` is
+    restored to what it was before the step) and added in :meth:`backward`, where Lightning expects
+    them -- so gradient accumulation, clipping and the optimizer see exactly one process's gradients.
+
+    The module supplies two hooks: ``galv_pipeline_batch(batch) -> (inputs, targets)`` and
+    ``galv_pipeline_loss(output, targets) -> loss`` (see :class:`lightning_galv.module.CausalLM`).
+    """
+
+    held: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
+
+    def check_loader(self, loader: object) -> None:
+        """Every batch the loader yields, the partial last one too, must split into the plan's micro-batches.
+
+        Checked when the loader is set up because the schedule would otherwise fail at the epoch's last
+        step, after the rest of the epoch has been trained.
+        """
+        from torch.utils.data import BatchSampler, DataLoader
+
+        if not isinstance(loader, DataLoader):
+            return
+        bs = loader.batch_sampler
+        bs = getattr(bs, "inner", bs)  # behind the resume wrapper
+        if type(bs) is not BatchSampler:
+            return  # a custom batch sampler's sizes are its own business
+        try:
+            n = len(bs.sampler)
+        except TypeError:
+            return
+        m = self.plan.micro_batches
+        sizes = {bs.batch_size} if n >= bs.batch_size else set()
+        if n % bs.batch_size and not bs.drop_last:
+            sizes.add(n % bs.batch_size)
+        bad = sorted(b for b in sizes if b % m)
+        if bad:
+            raise ValueError(f"{type(loader).__name__} over {type(loader.dataset).__name__}: {n} samples per "
+                             f"data shard in batches of {bs.batch_size} give batches of {bad} samples, which cannot "
+                             f"be split into the plan's micro_batches={m} (pp={self.plan.pp}). HINT: "
+                             f"DataLoader(drop_last=True) drops the partial last batch; or make the samples per shard "
+                             f"and the batch size multiples of {m}.")
+
+    def _hooks(self, module: Any) -> Any:
+        for name in PIPELINE_HOOKS:
+            if not callable(getattr(module, name, None)):
+                raise ValueError(f"{type(module).__name__}.{name}: missing, and plan pp={self.plan.pp} runs the model "
+                                 "through a pipeline schedule, which needs it. HINT: implement "
+                                 "galv_pipeline_batch(batch) -> (inputs, targets) and galv_pipeline_loss(output, "
+                                 "targets) -> loss (see lightning_galv.module.CausalLM), or use pp=1.")
+        return module
+
+    def step(self, call: StepCall) -> Any:
+        module = self._hooks(call.module)
+        inputs, targets = module.galv_pipeline_batch(call.batch)
+        if call.kind == "predict":
+            with call.context():
+                _, output = self.pipeline.run(inputs, None, None, train=False)
+            output = self.pipeline.object_from_last(output)  # every stage returns the predictions, in order
+            post = getattr(module, "galv_pipeline_predict", None)
+            return post(output) if callable(post) else output
+        train = call.kind == "train"
+        scale = call.accumulate if train else 1
+
+        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            # Lightning divides the loss by the accumulation factor before its backward; the schedule runs
+            # the backward itself, so the division happens here
+            return module.galv_pipeline_loss(output, target) / scale
+
+        with call.context():
+            if not train:
+                loss, _ = self.pipeline.run(inputs, targets, loss_fn, train=False)
+            else:
+                params = [p for p in self.params if p.requires_grad]
+                before = [p.grad for p in params]
+                for p in params:
+                    p.grad = None
+                loss, _ = self.pipeline.run(inputs, targets, loss_fn, train=True)
+                self.held = [(p, p.grad) for p in params]
+                for p, g in zip(params, before):
+                    p.grad = g
+        loss = loss * scale
+        hook = getattr(module, "on_pipeline_loss", None)
+        if callable(hook):
+            hook(loss, call.kind)
+        return loss
+
+    def backward(self, loss: torch.Tensor, default: Callable[[torch.Tensor], None]) -> None:
+        """The schedule already back-propagated: add the held gradients (``loss`` has no graph)."""
+        for p, g in self.held:
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        self.held = []

@@ -1,8 +1,9 @@
 """GalvatronStrategy: a Lightning strategy that trains with a hybrid-parallel plan.
 
 Thin by design: intent in ``__init__``; process group and rank layout in ``setup_environment``;
-plan resolution and :func:`lightning_galv.parallel.parallelize` in ``setup``; the rest is the few
-hooks Lightning needs (gradient sync around accumulation, clipping across meshes, checkpoints).
+plan resolution and :func:`lightning_galv.parallel.parallelize` in ``setup``. Every hook after that
+forwards to the plan's :class:`~lightning_galv.parallel.runtime.Runtime` (native, pipeline or
+DeepSpeed), so nothing here depends on the backend or on pipelining.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .. import checkpoint as ckpt
 from ..layout import MeshFactory, RankLayout
+from ..parallel.runtime import StepKind
+from ..parallel.state_dict import is_sharded
 from ..parallel.timeouts import DEFAULT_TIMEOUT, check_timeout, enable_flight_recorder, naming_timeouts
 from ..plan import LayerStrategy, ParallelPlan, parse_plan
 
@@ -45,8 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
     from ..auto import AutoSearch
-    from ..parallel.deepspeed import DeepSpeedRuntime
-    from ..parallel.parallelize import ParallelRuntime
+    from ..parallel.runtime import Runtime
 
 def _names_timeouts(method: Any) -> Any:
     """Run a strategy entry point so that a backend collective timeout comes out named (group, peers)."""
@@ -148,9 +149,7 @@ class GalvatronStrategy(ParallelStrategy):
         self.auto: AutoSearch | None = None  # automatic mode: what was searched and predicted
         self.layout: RankLayout | None = None
         self.mesh_factory: MeshFactory | None = None
-        self.runtime: ParallelRuntime | None = None
-        self._sync_grads = True
-        self._pp_pending: list[tuple[Any, Any]] = []
+        self.runtime: Runtime | None = None
 
     # -- Lightning plumbing ------------------------------------------------------------------------
     @property
@@ -203,7 +202,8 @@ class GalvatronStrategy(ParallelStrategy):
         ``DataLoader`` that state (epoch, batches yielded, shuffle seed) so a resumed run continues with the
         very samples the interrupted one would have drawn next.
         """
-        self._check_pipeline_batches(dataloader)
+        if self.runtime is not None:
+            self.runtime.check_loader(dataloader)
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
@@ -211,36 +211,6 @@ class GalvatronStrategy(ParallelStrategy):
 
         progress = trainer.fit_loop.epoch_progress
         return make_resumable(dataloader, lambda: progress.current.processed)
-
-    def _check_pipeline_batches(self, dataloader: object) -> None:
-        """pp > 1: every batch the loader yields, the partial last one too, must split into the plan's micro-batches.
-
-        Checked when the loader is set up because the schedule would otherwise fail at the epoch's last
-        step, after the rest of the epoch has been trained.
-        """
-        from torch.utils.data import BatchSampler, DataLoader
-
-        if self.plan is None or self.plan.pp == 1 or not isinstance(dataloader, DataLoader):
-            return
-        bs = dataloader.batch_sampler
-        bs = getattr(bs, "inner", bs)  # behind the resume wrapper
-        if type(bs) is not BatchSampler:
-            return  # a custom batch sampler's sizes are its own business
-        try:
-            n = len(bs.sampler)
-        except TypeError:
-            return
-        m = self.plan.micro_batches
-        sizes = {bs.batch_size} if n >= bs.batch_size else set()
-        if n % bs.batch_size and not bs.drop_last:
-            sizes.add(n % bs.batch_size)
-        bad = sorted(b for b in sizes if b % m)
-        if bad:
-            raise ValueError(f"{type(dataloader).__name__} over {type(dataloader.dataset).__name__}: {n} samples per "
-                             f"data shard in batches of {bs.batch_size} give batches of {bad} samples, which cannot "
-                             f"be split into the plan's micro_batches={m} (pp={self.plan.pp}). HINT: "
-                             f"DataLoader(drop_last=True) drops the partial last batch; or make the samples per shard "
-                             f"and the batch size multiples of {m}.")
 
     def on_train_start(self) -> None:
         """Warn once (rank 0) when a mid-epoch resume cannot restore a training loader's position."""
@@ -296,8 +266,14 @@ class GalvatronStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         enable_flight_recorder()  # lets a collective timeout name its group (see parallel/timeouts.py)
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        self.layout = RankLayout(self.world_size, pp)
-        self.mesh_factory = MeshFactory(self.layout, self.root_device.type, self.global_rank, self._timeout)
+        if self._plan_spec is not None or self._shortcuts:  # pp is known now; automatic mode knows it in setup
+            self._build_layout(pp)
+
+    def _build_layout(self, pp: int) -> None:
+        """The rank layout and the one mesh factory of this strategy (meshes themselves are built lazily)."""
+        if self.layout is None or self.layout.pp != pp:
+            self.layout = RankLayout(self.world_size, pp)
+            self.mesh_factory = MeshFactory(self.layout, self.root_device.type, self.global_rank, self._timeout)
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -313,57 +289,36 @@ class GalvatronStrategy(ParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
             self.plan = self._resolve_plan(trainer)
-            assert self.layout is not None
-            if self.layout.pp != self.plan.pp:  # automatic mode chose a pipeline: stages change the rank layout
-                self.layout = RankLayout(self.world_size, self.plan.pp)
-                self.mesh_factory = MeshFactory(self.layout, self.root_device.type, self.global_rank, self._timeout)
+            self._build_layout(self.plan.pp)
             from ..parallel.parallelize import parallelize
+            from .precision import clip_across_meshes
 
             assert self.mesh_factory is not None
-            if self.plan.backend == "deepspeed":  # DeepSpeed's ZeRO engine replaces parallelize()
-                from ..parallel.deepspeed import DeepSpeedRuntime
-
-                self.runtime = DeepSpeedRuntime(self.plan, self.global_rank, self.world_size)  # type: ignore[assignment]
-            else:
-                self.runtime = parallelize(self.model, self.plan, self.mesh_factory)
-            self._install_clipping()
+            self.runtime = parallelize(self.model, self.plan, self.mesh_factory)
+            self.precision_plugin = clip_across_meshes(self.precision_plugin, self.runtime)
             rank_zero_info(self.plan.describe())
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()  # never keep optimizers of an earlier setup
             self.setup_optimizers(trainer)
-            for opt in self.optimizers:
-                self.runtime.wrap_optimizer(opt)
-            if self._deepspeed is not None:
-                self._setup_deepspeed_engine(trainer)
+            assert self.lightning_module is not None
+            replacement = self.runtime.prepare(self.lightning_module, self.optimizers,
+                                               clip_val=trainer.gradient_clip_val,
+                                               clip_algorithm=trainer.gradient_clip_algorithm,
+                                               precision=str(self.precision_plugin.precision))
+            if replacement is not None:  # e.g. the DeepSpeed engine now holds the module
+                self.model = replacement
         self.setup_precision_plugin()
-
-    @property
-    def _deepspeed(self) -> "DeepSpeedRuntime | None":
-        """The DeepSpeed runtime when the plan's backend is ``deepspeed`` (else None)."""
-        from ..parallel.deepspeed import DeepSpeedRuntime
-
-        return self.runtime if isinstance(self.runtime, DeepSpeedRuntime) else None
-
-    def _setup_deepspeed_engine(self, trainer: "pl.Trainer") -> None:
-        """Hand the model and the user's optimizer to DeepSpeed; the engine becomes ``self.model``."""
-        ds = self._deepspeed
-        assert ds is not None and self.lightning_module is not None
-        if len(self.optimizers) != 1:
-            raise ValueError(f"{len(self.optimizers)} optimizers with plan backend='deepspeed': a DeepSpeed engine "
-                             "drives exactly one. HINT: return one optimizer from configure_optimizers, or use "
-                             "backend='native'.")
-        self.model = ds.initialize(self.lightning_module, self.optimizers[0], clip_val=trainer.gradient_clip_val,
-                                   clip_algorithm=trainer.gradient_clip_algorithm,
-                                   precision=str(self.precision_plugin.precision))
 
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
     def _check_precision(self) -> None:
+        from .precision import plugin_class
+
         p = self.precision_plugin
-        ok = (type(p) is Precision
+        ok = (plugin_class(p) is Precision
               or (isinstance(p, MixedPrecision) and p.precision == "bf16-mixed")
               or (isinstance(p, HalfPrecision) and p.precision == "bf16-true"))
         if not ok:
@@ -405,102 +360,50 @@ class GalvatronStrategy(ParallelStrategy):
             s = LayerStrategy(**{**self._shortcuts, "tp": tp, "dp": self.world_size // tp})
             return ParallelPlan.uniform(self.world_size, len(parts.blocks), s)
         from ..auto import auto_plan
+        from ..parallel.pipeline import PIPELINE_HOOKS
 
         module = self.lightning_module
-        pipeline = all(callable(getattr(module, n, None)) for n in ("galv_pipeline_batch", "galv_pipeline_loss"))
+        pipeline = all(callable(getattr(module, n, None)) for n in PIPELINE_HOOKS)
         self.auto = auto_plan(self.model, parts, self.world_size, self.root_device, self._memory_budget,
                               loader_batch=_loader_batch_size(trainer), pipeline=pipeline,
                               memory_margin=self._memory_margin,
                               vocab_parallel_loss=bool(self._vocab_parallel_loss_choice()))
         return self.auto.plan
 
-    # -- gradients ---------------------------------------------------------------------------------
+    # -- gradients and steps: all forwarded to the runtime ----------------------------------------
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: no reduction on the non-final micro-batches."""
         assert self.runtime is not None
-        self._sync_grads = False
         self.runtime.set_gradient_sync(False)
         try:
             yield
         finally:
-            self._sync_grads = True
             self.runtime.set_gradient_sync(True)
 
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self._sync_grads and self.runtime is not None:
-            self.runtime.sync_gradients()
+        if self.runtime is not None:
+            self.runtime.after_backward()
 
     @_names_timeouts
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._pipeline is not None:
-            # the schedule ran the backward inside training_step; its gradients were held back so that
-            # Lightning's zero_grad (which runs between training_step and backward) cannot erase them
-            for p, g in self._pp_pending:
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad + g
-            self._pp_pending = []
-            self.post_backward(closure_loss)
-            return closure_loss
-        ds = self._deepspeed
-        if ds is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # DeepSpeed: the engine's backward replaces loss.backward() (ZeRO's gradient bookkeeping); hooks as usual
-        assert self.lightning_module is not None
+        """Lightning's backward (hooks, precision) with the runtime deciding how the loss back-propagates."""
+        assert self.lightning_module is not None and self.runtime is not None
+        module = self.lightning_module
         self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        ds.backward(closure_loss)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.runtime.backward(closure_loss,
+                              lambda loss: self.precision_plugin.backward(loss, module, optimizer, *args, **kwargs))
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
 
     @_names_timeouts
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        ds = self._deepspeed
-        if ds is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        return ds.optimizer_step(self.precision_plugin, optimizer, model or self.lightning_module, closure)
-
-    # -- pipeline steps (pp > 1) --------------------------------------------------------------------
-    @property
-    def _pipeline(self) -> Any:
-        return getattr(self.runtime, "pipeline", None)
-
-    def _pipeline_hooks(self) -> Any:
-        module = self.lightning_module
-        for name in ("galv_pipeline_batch", "galv_pipeline_loss"):
-            if not callable(getattr(module, name, None)):
-                raise ValueError(f"{type(module).__name__}.{name}: missing, and plan pp={self.plan.pp if self.plan else '?'}"
-                                 " runs the model through a pipeline schedule, which needs it. HINT: implement "
-                                 "galv_pipeline_batch(batch) -> (inputs, targets) and galv_pipeline_loss(output, "
-                                 "targets) -> loss (see lightning_galv.module.CausalLM), or use pp=1.")
-        return module
-
-    def _pipeline_loss(self, batch: Any, train: bool, stage: str) -> Tensor:
-        module = self._pipeline_hooks()
-        inputs, targets = module.galv_pipeline_batch(batch)
-        scale = self.lightning_module.trainer.accumulate_grad_batches if train else 1
-
-        def loss_fn(output: Tensor, target: Tensor) -> Tensor:
-            # Lightning divides the loss by the accumulation factor before its backward; the schedule runs
-            # the backward itself, so the division happens here
-            return module.galv_pipeline_loss(output, target) / scale
-
-        if train:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            held = [p.grad for p in params]
-            for p in params:
-                p.grad = None
-        loss, _ = self._pipeline.run(inputs, targets, loss_fn, train=train)
-        if train:
-            self._pp_pending = [(p, p.grad) for p in params]
-            for p, g in zip(params, held):
-                p.grad = g
-        loss = loss * scale
-        hook = getattr(module, "on_pipeline_loss", None)
-        if callable(hook):
-            hook(loss, stage)
-        return loss
+        assert self.runtime is not None
+        model = model or self.lightning_module
+        return self.runtime.optimizer_step(
+            lambda opt: self.precision_plugin.optimizer_step(opt, model=model, closure=closure, **kwargs), optimizer)
 
     def _set_dropout_key(self, args: tuple, kwargs: dict) -> None:
         """One keyed-dropout key per training micro-step, from the loop's counters: the same masks on every
@@ -512,59 +415,32 @@ class GalvatronStrategy(ParallelStrategy):
         accumulate = trainer.accumulate_grad_batches
         set_dropout_key(trainer.global_step * accumulate + int(batch_idx) % accumulate)
 
+    def _step(self, kind: StepKind, args: tuple, kwargs: dict, default: Any, context: Any) -> Any:
+        from ..parallel.runtime import StepCall
+
+        assert self.runtime is not None and self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        batch = args[0] if args else kwargs.get("batch")
+        call = StepCall(kind, batch, self.lightning_module, lambda: default(*args, **kwargs), context,
+                        trainer.accumulate_grad_batches if kind == "train" else 1)
+        return self.runtime.step(call)
+
     @_names_timeouts
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._set_dropout_key(args, kwargs)
-        if self._pipeline is None:
-            return super().training_step(*args, **kwargs)
-        with self.precision_plugin.train_step_context():
-            return self._pipeline_loss(args[0], train=True, stage="train")
+        return self._step("train", args, kwargs, super().training_step, self.precision_plugin.train_step_context)
 
     @_names_timeouts
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().validation_step(*args, **kwargs)
-        with self.precision_plugin.val_step_context():
-            return self._pipeline_loss(args[0], train=False, stage="val")
+        return self._step("val", args, kwargs, super().validation_step, self.precision_plugin.val_step_context)
 
     @_names_timeouts
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().test_step(*args, **kwargs)
-        with self.precision_plugin.test_step_context():
-            return self._pipeline_loss(args[0], train=False, stage="test")
+        return self._step("test", args, kwargs, super().test_step, self.precision_plugin.test_step_context)
 
     @_names_timeouts
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().predict_step(*args, **kwargs)
-        module = self._pipeline_hooks()
-        inputs, _ = module.galv_pipeline_batch(args[0])
-        with self.precision_plugin.predict_step_context():
-            _, output = self._pipeline.run(inputs, None, None, train=False)
-        output = self._pipeline.object_from_last(output)  # every stage returns the predictions, in order
-        post = getattr(module, "galv_pipeline_predict", None)
-        return post(output) if callable(post) else output
-
-    def _install_clipping(self) -> None:
-        """Clip over every mesh: Lightning's default norm sees only local shards, and its value clipping
-        hands torch's foreach kernels a mix of tensors and DTensors."""
-        runtime = self.runtime
-        assert runtime is not None
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
-            runtime.clip_grad_norm_(float(clip_val))
-
-        def clip_grad_by_value(optimizer: Optimizer, clip_val: int | float) -> None:
-            clip_value = getattr(runtime, "clip_grad_value_", None)
-            if clip_value is None:
-                raise ValueError(f"gradient_clip_algorithm='value' with plan backend={self.plan.backend if self.plan else '?'!r}"
-                                 ": this runtime clips by global norm only. HINT: use gradient_clip_algorithm='norm' "
-                                 "or backend='native'.")
-            clip_value(float(clip_val))
-
-        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-        self.precision_plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+        return self._step("predict", args, kwargs, super().predict_step, self.precision_plugin.predict_step_context)
 
     # -- collectives -------------------------------------------------------------------------------
     @_names_timeouts
@@ -593,21 +469,16 @@ class GalvatronStrategy(ParallelStrategy):
 
     # -- checkpoints -------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
-        if self._deepspeed is not None and self._deepspeed.engine is not None:
-            return self._deepspeed.module_state()
-        return ckpt.model_state(self.model, full=not self._save_distributed_checkpoint, runtime=self.runtime)
+        assert self.model is not None and self.runtime is not None
+        return self.runtime.module_state(self.model, full=not self._save_distributed_checkpoint)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # loaded in load_checkpoint (needs the parallelized model)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None and self.runtime is not None
-        if self._deepspeed is not None:
-            return {}  # partitioned inside the engine; save_checkpoint writes it with DeepSpeed's format
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return ckpt.optimizer_state(self.model, optimizer, self.runtime,
-                                    full=not self._save_distributed_checkpoint)
+        return self.runtime.optimizer_state(self.model, optimizer, full=not self._save_distributed_checkpoint)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded in load_checkpoint
@@ -617,31 +488,30 @@ class GalvatronStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"storage_options={storage_options!r}: not supported by GalvatronStrategy. "
                             "HINT: drop the argument; checkpoints are written with torch.distributed.checkpoint.")
+        assert self.runtime is not None
         path = Path(self.broadcast(str(filepath)))
-        if self._deepspeed is not None and self._deepspeed.engine is not None:
-            self._deepspeed.save_checkpoint(checkpoint, path)  # DeepSpeed's folder format (any save_distributed_checkpoint)
-        elif self._save_distributed_checkpoint:
-            ckpt.save_sharded(checkpoint, path, is_rank_zero=self.is_global_zero)
-        else:
-            if path.is_dir():
-                if ckpt.is_sharded(path):
-                    if self.is_global_zero:
-                        shutil.rmtree(path)
-                else:
-                    raise IsADirectoryError(f"checkpoint path {str(path)!r} is a directory. HINT: pass a file path.")
-            if self.is_global_zero:
-                self.checkpoint_io.save_checkpoint(checkpoint, path)
+        self.runtime.save(checkpoint, path, sharded=self._save_distributed_checkpoint,
+                          is_rank_zero=self.is_global_zero, write_full=self._write_full)
         self.barrier()
+
+    def _write_full(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """One ``.ckpt`` file through Lightning's checkpoint IO (rank 0), replacing a sharded folder there."""
+        if path.is_dir():
+            if is_sharded(path):  # a DCP folder from an earlier sharded save
+                if self.is_global_zero:
+                    shutil.rmtree(path)
+            else:
+                raise IsADirectoryError(f"checkpoint path {str(path)!r} is a directory. HINT: pass a file path.")
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, path)
 
     @_names_timeouts
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None and self.runtime is not None and self.lightning_module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
-        if self._deepspeed is not None and self._deepspeed.engine is not None:
-            return self._deepspeed.load_checkpoint(path, strict=self.lightning_module.strict_loading)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        return ckpt.load(path, self.model, optimizers, self.runtime, strict=self.lightning_module.strict_loading,
-                         weights_only=weights_only)
+        return self.runtime.load(path, self.model, optimizers, strict=self.lightning_module.strict_loading,
+                                 weights_only=weights_only)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

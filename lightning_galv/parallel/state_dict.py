@@ -1,4 +1,7 @@
-"""Sharded (DCP folder) and full (one file) checkpoints for parallelized models.
+"""State dicts of parallelized models: sharded (DCP folder) and full (one file) checkpoints.
+
+The native runtimes call these with the two pieces of their state that matter here: the ZeRO-1
+optimizer-state ownership (``zero1``) and, for pipelines, the driver whose group connects the stages.
 
 Keys are the unwrapped model's: TP, FSDP2 and our checkpointing leave module names alone, and
 ``torch.distributed.checkpoint.state_dict`` gathers DTensors of any mesh into full tensors. ZeRO-1
@@ -16,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .parallel.parallelize import ParallelRuntime
+    from .data import OptimizerStateSharding
 
 META_FILE = "meta.pt"
 
@@ -28,10 +31,9 @@ def _options(full: bool, **kw: Any) -> Any:
     return StateDictOptions(full_state_dict=full, **kw)
 
 
-def model_state(model: nn.Module, full: bool, runtime: "ParallelRuntime | None" = None) -> dict[str, Any]:
+def model_state(model: nn.Module, full: bool, pipeline: Any = None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    pipeline = getattr(runtime, "pipeline", None)
     if full and pipeline is not None:
         # every stage holds other keys: gather each stage's full tensors to global rank 0
         local_sd = get_model_state_dict(model, options=_options(True, cpu_offload=False))
@@ -40,13 +42,12 @@ def model_state(model: nn.Module, full: bool, runtime: "ParallelRuntime | None" 
     return get_model_state_dict(model, options=_options(full))
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, runtime: "ParallelRuntime",
-                    full: bool) -> dict[str, Any]:
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, zero1: "OptimizerStateSharding",
+                    full: bool, pipeline: Any = None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    runtime.zero1.consolidate(optimizer)
+    zero1.consolidate(optimizer)
     try:
-        pipeline = getattr(runtime, "pipeline", None)
         if full and pipeline is not None:
             osd = _to_cpu(get_optimizer_state_dict(model, optimizer, options=_options(True, cpu_offload=False)))
             parts = _gather_stages(osd, pipeline)
@@ -64,7 +65,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, runtime:
         # de-duplication of equal keys and re-map onto any other plan's parameters
         return get_optimizer_state_dict(model, optimizer, options=_options(full, flatten_optimizer_state_dict=not full))
     finally:
-        runtime.zero1.reshard(optimizer)
+        zero1.reshard(optimizer)
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -105,14 +106,14 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, is_rank_zero: bool) -> 
         torch.save(checkpoint, path / META_FILE)
 
 
-def load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], runtime: "ParallelRuntime",
+def load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], zero1: "OptimizerStateSharding",
          strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
     """Load weights and optimizer states into the parallelized model; return the remaining metadata."""
-    with runtime.zero1.unsharded_steps(optimizers):
-        return _load(path, model, optimizers, runtime, strict, weights_only)
+    with zero1.unsharded_steps(optimizers):
+        return _load(path, model, optimizers, zero1, strict, weights_only)
 
 
-def _load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], runtime: "ParallelRuntime",
+def _load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], zero1: "OptimizerStateSharding",
           strict: bool, weights_only: bool | None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -136,7 +137,7 @@ def _load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
             # parameters that never received a gradient have no saved state: allow the partial load
             dcp.load(obox, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
             set_optimizer_state_dict(model, opt, obox[f"optimizer_{i}"], options=flat)
-            runtime.zero1.reshard(opt)
+            zero1.reshard(opt)
         meta = torch.load(path / META_FILE, weights_only=weights_only if weights_only is not None else False)
         return meta
     if path.is_file():
@@ -154,7 +155,7 @@ def _load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
             osd = {"state": {k: v for k, v in osd["state"].items() if k in own},
                    "param_groups": [{**g, "params": [p for p in g["params"] if p in own]} for g in osd["param_groups"]]}
             set_optimizer_state_dict(model, opt, osd, options=_options(True))
-            runtime.zero1.reshard(opt)
+            zero1.reshard(opt)
         return checkpoint
     raise ValueError(f"checkpoint path {str(path)!r}: neither a DCP folder nor a checkpoint file. "
                      "HINT: pass the folder/file ModelCheckpoint wrote (or ckpt_path='last').")
