@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_galv  # noqa: F401  (registers the strategy)
 from lightning_galv import GalvatronStrategy, LayerStrategy, ParallelPlan
-from lightning_galv.module import CausalLM
+from lightning_galv.demo.module import CausalLM
 
 MODEL = dict(kind="llama", vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=8, ffn_hidden=768,
              max_seq_len=128, optimizer="adamw", lr=1e-3)

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
-        from .demo import main as demo
+        from .demo.run import main as demo
 
         demo(rest)
     elif cmd == "plan" and rest[:1] == ["show"] and len(rest) == 2:
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
 
         print(ParallelPlan.load(rest[1]).describe())
     elif cmd in ("fit", "validate", "test", "predict"):
-        from .recipes import cli_main
+        from .demo.recipes_cli import cli_main
 
         cli_main([cmd, *rest])
     else:

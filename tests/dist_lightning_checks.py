@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 import lightning_galv  # noqa: F401  (registers the strategy)
 from lightning_galv import GalvatronStrategy, ParallelPlan
 from lightning_galv.layout import RankLayout
-from lightning_galv.module import CausalLM
+from lightning_galv.demo.module import CausalLM
 
 SMALL = dict(vocab_size=64, dim=32, n_layers=3, n_heads=8, max_seq_len=16)
 
@@ -114,7 +114,7 @@ class ShardedLogitsRecorder:
     """Wraps the loss CausalLM calls to record, per call, (autograd on?, were the logits vocab-sharded?)."""
 
     def __enter__(self) -> list[tuple[bool, bool]]:
-        import lightning_galv.module as mod
+        import lightning_galv.demo.module as mod
         from lightning_galv.loss import is_vocab_sharded
 
         self.seen: list[tuple[bool, bool]] = []
@@ -128,7 +128,7 @@ class ShardedLogitsRecorder:
         return self.seen
 
     def __exit__(self, *exc: Any) -> None:
-        import lightning_galv.module as mod
+        import lightning_galv.demo.module as mod
 
         mod.cross_entropy = self.original  # type: ignore[assignment]
         if exc[0] is None:  # every rank's calls (under pp only the last stage computes the loss)

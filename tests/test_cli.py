@@ -25,8 +25,8 @@ def test_recipe_builds_the_strategy_from_class_path(monkeypatch: pytest.MonkeyPa
 def _cli_without_running():  # type: ignore[no-untyped-def]
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_galv.data import ByteCorpus
-    from lightning_galv.module import CausalLM
+    from lightning_galv.demo.corpus import ByteCorpus
+    from lightning_galv.demo.module import CausalLM
 
     return LightningCLI(CausalLM, ByteCorpus, run=False, args=["--config", str(ROOT / "recipes/tiny_cpu.yaml")])
 

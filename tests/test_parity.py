@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_galv.demo import demo_plan
+from lightning_galv.demo.run import demo_plan
 from lightning_galv.plan import LayerStrategy as L
 from lightning_galv.plan import ModelShape, ParallelPlan
 from lightning_galv.testing import random_plan, run_distributed

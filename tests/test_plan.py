@@ -161,7 +161,7 @@ def test_strategy_argument_errors() -> None:
 def _trainer_error(**kw) -> str:
     import lightning.pytorch as pl
 
-    from lightning_galv.module import CausalLM
+    from lightning_galv.demo.module import CausalLM
 
     start = time.monotonic()
     with pytest.raises(ValueError) as e:

@@ -46,16 +46,10 @@ class ModelParts:
     shape: ModelShape | None
     understood: bool  # True when the model implements the protocol (TP/SP allowed)
 
-    def block_tp_plan(self, i: int) -> dict[str, str]:
-        return dict(getattr(type(self.blocks[i]), "galv_tp_plan", {}))
-
-    def block_attention(self, i: int) -> str | None:
-        return getattr(type(self.blocks[i]), "galv_attention", None)
-
 
 def find_parts(model: nn.Module) -> ModelParts:
     """The protocol parts of ``model``, or a best-effort guess for models that do not implement it."""
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     if hasattr(inner, "galv_blocks"):
         shape = inner.galv_shape() if hasattr(inner, "galv_shape") else None
         return ModelParts(inner.galv_blocks, getattr(inner, "galv_embedding", None),
@@ -73,10 +67,10 @@ def find_parts(model: nn.Module) -> ModelParts:
     return ModelParts(best, None, None, None, None, understood=False)
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """A LightningModule usually holds the network as a child; follow a single `.model`/`.net`."""
     for name in ("model", "net", "module"):
         child = getattr(model, name, None)
         if isinstance(child, nn.Module) and not hasattr(model, "galv_blocks"):
-            return _unwrap(child)
+            return unwrap_model(child)
     return model

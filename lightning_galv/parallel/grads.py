@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .data import local
+from .data_parallel import local
 
 
 def is_sharded(placement: object) -> bool:

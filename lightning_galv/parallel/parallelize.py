@@ -36,8 +36,8 @@ from ..models.protocol import ModelParts, find_parts
 from ..plan import LayerStrategy, ParallelPlan
 from . import grads
 from .block import apply_block
-from .checkpointing import apply_checkpointing
-from .data import GradientSync, OptimizerStateSharding, apply_fsdp
+from .activation_checkpoint import apply_checkpointing
+from .data_parallel import GradientSync, OptimizerStateSharding, apply_fsdp
 from .redistribute import BatchLayout, add_input_redistribution, add_output_redistribution
 from .runtime import ParallelRuntime, Runtime, Unit
 from .tensor import apply_tp_embedding, apply_tp_head

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.dropout import set_coords, use_coords
-from ..models.protocol import ModelParts, _unwrap
+from ..models.protocol import ModelParts, unwrap_model
 from ..plan import ParallelPlan
 from .runtime import ParallelRuntime, StepCall
 
@@ -95,10 +95,10 @@ def split_model(model: nn.Module, parts: ModelParts, plan: ParallelPlan, stage: 
     n = plan.pp * plan.virtual_stages
     layers = {i for c in chunks for i in plan.stage_layers(c)}
     loose = loose_modules(model, parts)
-    if any(m is model or m is _unwrap(model) for m in loose):
+    if any(m is model or m is unwrap_model(model) for m in loose):
         raise ValueError("model holds parameters directly on its root module: they cannot be assigned to a "
                          "pipeline stage. HINT: put them in a submodule (e.g. an nn.Embedding) or use pp=1.")
-    stages = {c: StageModule(_unwrap(model), parts, plan.stage_layers(c), c == 0, c == n - 1, loose)
+    stages = {c: StageModule(unwrap_model(model), parts, plan.stage_layers(c), c == 0, c == n - 1, loose)
               for c in chunks}
     for i, block in enumerate(parts.blocks):
         if i not in layers:
@@ -214,7 +214,7 @@ class PipelineRuntime(ParallelRuntime):
     them -- so gradient accumulation, clipping and the optimizer see exactly one process's gradients.
 
     The module supplies two hooks: ``galv_pipeline_batch(batch) -> (inputs, targets)`` and
-    ``galv_pipeline_loss(output, targets) -> loss`` (see :class:`lightning_galv.module.CausalLM`).
+    ``galv_pipeline_loss(output, targets) -> loss`` (see :class:`lightning_galv.demo.module.CausalLM`).
     """
 
     held: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
@@ -255,7 +255,7 @@ class PipelineRuntime(ParallelRuntime):
                 raise ValueError(f"{type(module).__name__}.{name}: missing, and plan pp={self.plan.pp} runs the model "
                                  "through a pipeline schedule, which needs it. HINT: implement "
                                  "galv_pipeline_batch(batch) -> (inputs, targets) and galv_pipeline_loss(output, "
-                                 "targets) -> loss (see lightning_galv.module.CausalLM), or use pp=1.")
+                                 "targets) -> loss (see lightning_galv.demo.module.CausalLM), or use pp=1.")
         return module
 
     def step(self, call: StepCall) -> Any:

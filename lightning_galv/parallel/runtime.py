@@ -34,7 +34,7 @@ from . import state_dict as ckpt
 from ..layout import MeshFactory, RankLayout
 from ..plan import LayerStrategy, ParallelPlan
 from . import grads
-from .data import GradientSync, OptimizerStateSharding
+from .data_parallel import GradientSync, OptimizerStateSharding
 
 StepKind = Literal["train", "val", "test", "predict"]
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .data import OptimizerStateSharding
+    from .data_parallel import OptimizerStateSharding
 
 META_FILE = "meta.pt"
 

@@ -256,7 +256,7 @@ class ShardedLayerProfiler:
         (tp, sp, checkpoint), the recompute transients, and ``zero_overhead`` filled in from real runs."""
         from ..layout import MeshFactory, RankLayout
         from ..parallel.block import apply_block
-        from ..parallel.checkpointing import apply_checkpointing
+        from ..parallel.activation_checkpoint import apply_checkpointing
         from ..plan import LayerStrategy
         from ..planner.cost import block_comm_time
         from ..planner.profiles import act_key, time_key
@@ -336,7 +336,7 @@ class ShardedLayerProfiler:
         ``tp1/none`` fits), the rest is FSDP2's own work: flat-buffer copies and hooks.
         """
         from ..layout import MeshFactory, RankLayout
-        from ..parallel.data import apply_fsdp
+        from ..parallel.data_parallel import apply_fsdp
         from ..plan import LayerStrategy
 
         if self.world == 1:

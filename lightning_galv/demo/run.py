@@ -14,7 +14,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 
-from .plan import LayerStrategy, ParallelPlan
+from ..plan import LayerStrategy, ParallelPlan
 
 DEMO_MODEL = dict(kind="llama", vocab_size=256, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128,
                   max_seq_len=64)
@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
 
-    from . import GalvatronStrategy
-    from .data import ByteCorpus
+    from .. import GalvatronStrategy
+    from .corpus import ByteCorpus
     from .module import CausalLM
 
     if args.auto:

@@ -1,6 +1,6 @@
 """Local text corpora through Hugging Face ``datasets`` (no hub access), byte-level tokens.
 
-The package ships a small generated corpus (``data/corpus.txt``) so the demo and recipes run on any
+The package ships a small generated corpus (``demo/corpus.txt``) so the demo and recipes run on any
 machine; pass ``files=`` to train on your own text files.
 """
 
@@ -13,7 +13,7 @@ import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-DEFAULT_CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+DEFAULT_CORPUS = Path(__file__).parent / "corpus.txt"
 
 
 class TokenWindows(Dataset):

@@ -12,8 +12,8 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 
-from .loss import cross_entropy
-from .models import GPT2, GPT2Config, Llama, LlamaConfig
+from ..loss import cross_entropy
+from ..models import GPT2, GPT2Config, Llama, LlamaConfig
 
 
 def build_model(kind: str = "llama", **config: Any) -> torch.nn.Module:

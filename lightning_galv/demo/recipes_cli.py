@@ -8,7 +8,7 @@ from lightning.pytorch.cli import LightningCLI
 
 import lightning_galv  # noqa: F401  (registers the strategies)
 
-from .data import ByteCorpus
+from .corpus import ByteCorpus
 from .module import CausalLM
 
 
