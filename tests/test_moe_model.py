@@ -334,7 +334,12 @@ def test_stats_counts_sum_to_tokens_times_k(top_k: int, cf: float | None) -> Non
         entries[0].tokens = 3  # type: ignore[misc]  # frozen
 
 
-def test_checkpoint_recompute_records_once_and_gives_the_same_gradients() -> None:
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_checkpoint_recompute_records_once_and_gives_the_same_gradients(early_stop: bool) -> None:
+    """With early stop (torch's default) the recompute ends before the stats are recorded anyway; without it
+    the recompute runs the whole block again, inside backward, and must not record a second time."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
     from lightning_galv.parallel.checkpointing import apply_checkpointing
 
     torch.manual_seed(0)
@@ -345,7 +350,8 @@ def test_checkpoint_recompute_records_once_and_gives_the_same_gradients() -> Non
     tokens = torch.randint(0, 32, (2, 8))
     for m in (model, ckpt):
         m.routing_log.enable()
-        F.cross_entropy(m(tokens).reshape(-1, 32), tokens.reshape(-1)).backward()
+        with set_checkpoint_early_stop(early_stop):
+            F.cross_entropy(m(tokens).reshape(-1, 32), tokens.reshape(-1)).backward()
     assert len(ckpt.routing_log) == len(model.routing_log) == 2
     for (name, p), q in zip(model.named_parameters(), ckpt.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6), name
