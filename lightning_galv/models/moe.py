@@ -260,8 +260,8 @@ class AllReduceStatsReducer:
 
     * ``"sum"`` (data-parallel groups): every rank back-propagates the same global aux loss and the data
       code *averages* gradients over the group. The backward all-reduces (sums) the incoming gradients
-      (``torch.distributed.nn.functional.all_reduce``), so rank r's parameters receive ``n`` times its own
-      tokens' share, and the average over the ``n`` ranks is exactly the gradient of the global loss.
+      (what ``torch.distributed.nn.functional.all_reduce`` does), so rank r's parameters receive ``n`` times
+      its own tokens' share, and the average over the ``n`` ranks is exactly the gradient of the global loss.
     * ``"identity"`` (ranks holding different sequence chunks of the same samples, e.g. Ulysses, whose
       parameter gradients are *summed*): the backward passes the gradient through unchanged, so the sum
       over the group is the gradient of the global loss.
@@ -284,30 +284,33 @@ class AllReduceStatsReducer:
         ints = ints.clone()
         dist.all_reduce(ints, group=self.group)
         floats = torch.cat([sums.prob_sum, sums.z_sum.reshape(1)])  # [E + 1], one differentiable collective
-        if self.grad == "sum":
-            from torch.distributed.nn.functional import all_reduce
-
-            floats = all_reduce(floats, group=self.group)
-        else:
-            floats = _AllReduceIdentityGrad.apply(floats, self.group)
+        floats = _AllReduceSum.apply(floats, self.group, self.grad == "sum")
         e = sums.counts.numel()
         return RouterSums(counts=ints[:e], prob_sum=floats[:e], z_sum=floats[e], tokens=ints[e])
 
 
-class _AllReduceIdentityGrad(torch.autograd.Function):
-    """Forward: sum over the group; backward: the incoming gradient unchanged (see AllReduceStatsReducer)."""
+class _AllReduceSum(torch.autograd.Function):
+    """Forward: sum over ``group``. Backward: the sum of the incoming gradients over ``group``
+    (``sum_grad=True``) or the incoming gradient unchanged (see AllReduceStatsReducer). Synchronous
+    collectives on contiguous copies (gloo scrambles non-contiguous buffers)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any, sum_grad: bool) -> torch.Tensor:  # type: ignore[override]
         import torch.distributed as dist
 
-        out = x.detach().clone().contiguous()
+        ctx.group, ctx.sum_grad = group, sum_grad
+        out = x.detach().clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        import torch.distributed as dist
+
+        if ctx.sum_grad:
+            grad = grad.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -334,7 +334,7 @@ def apply_tp(block: nn.Module, mesh: DeviceMesh, strategy: LayerStrategy) -> Non
             styles[path] = ColwiseParallel(input_layouts=stream, use_local_output=True)
         elif kind == "rowwise":
             styles[path] = RowwiseParallel(output_layouts=stream, use_local_output=True)
-        elif sp:  # a norm under Megatron-SP runs on the sequence chunk with replicated weights
+        elif kind == "norm" and sp:  # a norm under Megatron-SP runs on the sequence chunk with replicated weights
             styles[path] = SequenceParallel(sequence_dim=1, use_local_output=True)
     parallelize_module(block, tp_mesh, styles)
 
