@@ -73,9 +73,9 @@ over micro-batches of each micro-batch's aux loss, the same convention as the LM
 
 **Routing statistics** (:class:`RoutingStats`, frozen, plain ints): every forward stores
 ``layer.last_stats``; if the model's :class:`RoutingLog` is enabled, it is also appended there for a
-callback to drain. No collective, no extra device sync (the split sizes needed by the dispatch are
-read back once anyway). A forward that runs inside a backward pass is an activation-checkpoint recompute
-and records nothing, so every micro-batch appears once.
+callback to drain. No collective; the only host reads are of ``[E]`` count vectors, right after the one the
+dispatch needs for its split sizes anyway. A forward that runs inside a backward pass is an
+activation-checkpoint recompute and records nothing, so every micro-batch appears once.
 """
 
 from __future__ import annotations
