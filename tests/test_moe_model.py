@@ -28,6 +28,7 @@ from lightning_galv.models.moe import (
     capacity_for,
 )
 from lightning_galv.models.protocol import find_parts
+from lightning_galv.module import CausalLM, build_model
 
 SMALL = dict(vocab_size=32, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=24, max_seq_len=16)
 
@@ -382,8 +383,6 @@ def test_mixed_dense_and_moe_blocks_follow_the_protocol() -> None:
 
 
 def test_causal_lm_builds_moe_and_rejects_moe_options_elsewhere() -> None:
-    from lightning_galv.module import CausalLM, build_model
-
     lm = CausalLM(kind="moe", **SMALL, num_experts=3, top_k=1, moe_every=2, shared_expert_hidden=8)
     assert isinstance(lm.model, MoEDecoder)
     assert lm.model.cfg.num_experts == 3 and lm.model.cfg.top_k == 1 and lm.model.cfg.moe_layer_ids() == (1,)
@@ -407,8 +406,6 @@ def test_causal_lm_fit_scales_aux_gradient_by_accumulation_and_logs_aux() -> Non
     assert "train_aux_loss" in trainer.callback_metrics and "train_z_loss" in trainer.callback_metrics
     assert float(trainer.callback_metrics["train_aux_loss"]) > 0
 
-
-from lightning_galv.module import CausalLM  # noqa: E402
 
 
 class CausalLMForTest(CausalLM):

@@ -453,7 +453,8 @@ class AttachAuxLoss(torch.autograd.Function):
     whatever backward flows through ``h``. The output is a fresh alias of ``h``'s storage, not a view."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, hidden: torch.Tensor, aux: torch.Tensor,  # type: ignore[override]
+                scale: float) -> torch.Tensor:
         ctx.scale = scale
         ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
         return hidden.detach()
@@ -644,8 +645,9 @@ class MoEDecoder(nn.Module):
         rope = Rotary(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         moe_ids = set(cfg.moe_layer_ids())
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(MoEBlock(cfg, rope, i, self.routing_log) if i in moe_ids else LlamaBlock(dense, rope)
-                                    for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(
+            MoEBlock(cfg, rope, i, self.routing_log) if i in moe_ids else LlamaBlock(dense, rope)
+            for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         init_weights(self)
