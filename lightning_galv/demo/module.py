@@ -3,6 +3,12 @@
 Nothing in it knows about parallelism: it is what a user writes, and the strategy does the rest. The one
 concession is the loss: :func:`lightning_galv.loss.cross_entropy` is ``F.cross_entropy`` on plain logits,
 and computes the same loss on vocab-sharded logits, so the module declares ``galv_vocab_parallel_loss``.
+
+``kind="moe"`` builds :class:`~lightning_galv.models.moe.MoEDecoder`. Its load-balancing and z-losses do
+not enter the returned loss: each MoE layer injects their gradient in backward (see the model's module
+docstring), scaled like the LM loss (``1 / accumulate_grad_batches``, set before every training batch);
+the loss returned and logged as ``train_loss`` stays the pure cross entropy, the aux values are logged as
+``train_aux_loss`` / ``train_z_loss`` (unweighted, summed over MoE layers).
 """
 
 from __future__ import annotations
@@ -13,18 +19,28 @@ import lightning.pytorch as L
 import torch
 
 from ..loss import cross_entropy
-from ..models import GPT2, GPT2Config, Llama, LlamaConfig
+from ..models import GPT2, GPT2Config, Llama, LlamaConfig, MoEConfig, MoEDecoder
+
+MOE_OPTIONS = ("num_experts", "top_k", "expert_hidden", "renormalize", "shared_expert_hidden", "shared_expert_gate",
+               "moe_every", "moe_layers", "capacity_factor", "aux_loss_weight", "z_loss_weight")
 
 
 def build_model(kind: str = "llama", **config: Any) -> torch.nn.Module:
+    """``kind`` in {"llama", "gpt2", "moe"}; ``None`` values mean the config's default."""
     config = {k: v for k, v in config.items() if v is not None}
+    if kind == "moe":
+        return MoEDecoder(MoEConfig(**config))
+    moe = sorted(k for k in config if k in MOE_OPTIONS)
+    if moe:
+        raise ValueError(f"model kind {kind!r} with MoE options {moe}: only kind='moe' has experts. "
+                         "HINT: --model.kind moe, or drop the MoE options.")
     if kind == "llama":
         return Llama(LlamaConfig(**config))
     if kind == "gpt2":
         config.pop("n_kv_heads", None)
         config.pop("ffn_hidden", None)
         return GPT2(GPT2Config(**config))
-    raise ValueError(f"model kind {kind!r}: must be 'llama' or 'gpt2'. HINT: --model.kind llama")
+    raise ValueError(f"model kind {kind!r}: must be 'llama', 'gpt2' or 'moe'. HINT: --model.kind llama")
 
 
 class CausalLM(L.LightningModule):
@@ -37,14 +53,20 @@ class CausalLM(L.LightningModule):
     def __init__(self, kind: str = "llama", vocab_size: int = 256, dim: int = 64, n_layers: int = 4,
                  n_heads: int = 4, n_kv_heads: int | None = None, ffn_hidden: int | None = None,
                  max_seq_len: int = 64, lr: float = 3e-3, weight_decay: float = 0.0, optimizer: str = "adamw",
-                 momentum: float = 0.0, dropout: float = 0.0) -> None:
+                 momentum: float = 0.0, dropout: float = 0.0,
+                 num_experts: int | None = None, top_k: int | None = None, expert_hidden: int | None = None,
+                 renormalize: bool | None = None, shared_expert_hidden: int | None = None,
+                 shared_expert_gate: bool | None = None, moe_every: int | None = None,
+                 moe_layers: tuple[int, ...] | None = None, capacity_factor: float | None = None,
+                 aux_loss_weight: float | None = None, z_loss_weight: float | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer={optimizer!r}: must be 'adamw' or 'sgd'. HINT: --model.optimizer adamw")
+        moe = {k: getattr(self.hparams, k) for k in MOE_OPTIONS}  # None = MoEConfig default (kind='moe' only)
         self.model = build_model(kind, vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads,
                                  n_kv_heads=n_kv_heads, ffn_hidden=ffn_hidden, max_seq_len=max_seq_len,
-                                 dropout=dropout)
+                                 dropout=dropout, **moe)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
@@ -53,9 +75,20 @@ class CausalLM(L.LightningModule):
         x, y = batch[:, :-1], batch[:, 1:]
         return cross_entropy(self(x), y)  # logits [b, s, vocab] (maybe vocab-sharded), targets [b, s]
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # MoE aux-loss gradients are injected in backward, outside the loss Lightning divides by the
+        # accumulation factor: scale them the same way (pipelines also divide every gradient by their
+        # micro-batch count, which covers the injected part as well).
+        set_scale = getattr(self.model, "set_aux_grad_scale", None)
+        if callable(set_scale):
+            set_scale(1.0 / self.trainer.accumulate_grad_batches)
+
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        aux = getattr(self.model, "aux_losses", None)
+        for name, value in (aux() if callable(aux) else {}).items():
+            self.log(f"train_{name}", value, sync_dist=True)
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:

@@ -18,6 +18,8 @@ from ..plan import LayerStrategy, ParallelPlan
 
 DEMO_MODEL = dict(kind="llama", vocab_size=256, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128,
                   max_seq_len=64)
+# --model moe: every block MoE (4 experts of half the dense width, top-2: the dense model's active compute)
+DEMO_MOE = dict(DEMO_MODEL, kind="moe", num_experts=4, top_k=2, expert_hidden=64)
 
 
 def demo_plan(world_size: int = 4) -> ParallelPlan:
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="global batch (samples per step)")
     p.add_argument("--plan", default=None, help="plan file (YAML/JSON); default: the built-in heterogeneous plan")
     p.add_argument("--auto", action="store_true", help="let the planner search a plan for this machine")
+    p.add_argument("--model", choices=("llama", "moe"), default="llama",
+                   help="llama, or the MoE decoder (every block MoE; aux losses logged, not in train_loss)")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     torch.set_num_threads(1)
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--batch-size {args.batch_size}: must be divisible by the plan's {shards} data shards. "
                          f"HINT: use a multiple of {shards}.")
     data = ByteCorpus(seq_len=DEMO_MODEL["max_seq_len"], batch_size=args.batch_size // shards)
-    model = CausalLM(lr=3e-3, **DEMO_MODEL)
+    model = CausalLM(lr=3e-3, **(DEMO_MOE if args.model == "moe" else DEMO_MODEL))
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                         callbacks=[LossCurve()], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=4,

@@ -16,8 +16,10 @@ block; default ``galv_embedding(tokens)``) and ``galv_head_forward(h)`` (after t
 
 and each block class carries two class attributes:
 
-``galv_tp_plan``     ``{submodule path: "colwise" | "rowwise" | "norm"}``: Megatron column / row
-                     splits of the projections, and the norms that Megatron-SP shards on the sequence.
+``galv_tp_plan``     ``{submodule path: "colwise" | "rowwise" | "norm" | "replicated"}``: Megatron column /
+                     row splits of the projections, the norms that Megatron-SP shards on the sequence,
+                     and submodules that run whole on the full sequence on every tp rank (an MoE layer,
+                     see :mod:`lightning_galv.parallel.tensor`).
 ``galv_attention``   path of the *core attention* submodule, called ``core(q, k, v)`` with
                      ``[batch, seq, heads, head_dim]`` tensors. Attention code must infer the local
                      head count from the projection output (``view(b, s, -1, head_dim)``), so the

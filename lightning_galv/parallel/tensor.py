@@ -18,6 +18,13 @@ How each mode honours it (``P`` = tp degree):
   (backward reduce-scatter); row-parallel outputs are reduce-scattered to the chunk; at block exit the
   chunk is all-gathered (backward: a local slice). The residual stream inside the block is a plain
   ``[b, s/P, hidden]`` chunk.
+* ``"replicated"`` submodules (e.g. an MoE layer: router and experts are not split, expert parallelism is
+  their scaling axis) keep plain, whole parameters and run redundantly on the tp group on the full,
+  identical tokens. Under plain TP nothing changes for them. Under Megatron-SP their input chunk is
+  all-gathered (backward: this rank's slice of the identical gradient) and their output sliced back to
+  the chunk (backward: all-gather), so their parameter gradients are full and identical on every rank;
+  run on the chunk instead, plain parameters would be left with partial (per-chunk) gradients that
+  nothing sums. Keyed dropout inside them sees sequence offset 0 (they hold the whole sequence).
 * ``sp="ulysses"`` is not tensor parallelism (weights are not split): it lives in :mod:`.sequence`, and
   :func:`apply_tp` refuses it. :func:`.block.apply_block` is the one place that picks the mode.
 
@@ -57,7 +64,7 @@ from .boundary import (check_hidden_states, check_protocol, local_output, map_hi
 
 __all__ = ["apply_tp", "apply_tp_embedding", "apply_tp_head"]
 
-_KINDS = ("colwise", "rowwise", "norm")
+_KINDS = ("colwise", "rowwise", "norm", "replicated")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,6 +125,25 @@ def _sp_leave(mesh: DeviceMesh, what: str) -> Callable[[Any], Any]:
         set_coords(seq_offset=0)
         return map_hidden_states(out, gather, what, "Megatron-SP")
     return leave
+
+
+def _replicated_enter(mesh: DeviceMesh) -> Callable:
+    """Pre-hook of a ``"replicated"`` submodule under Megatron-SP: chunk ``[b, s/P, h]`` -> full plain ``[b, s, h]``."""
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        set_coords(seq_offset=0)
+        return _redistribute_first_arg(args, mesh, Shard(1), Replicate(), use_local=True)
+    return hook
+
+
+def _replicated_leave(mesh: DeviceMesh) -> Callable:
+    """Forward hook of a ``"replicated"`` submodule under Megatron-SP: full ``[b, s, h]`` -> this rank's chunk."""
+    def hook(module: nn.Module, args: tuple, out: Any) -> Any:
+        if not isinstance(out, torch.Tensor) or out.dim() < 2:
+            raise TypeError(f"{type(module).__name__}: a 'replicated' submodule must return the [batch, seq, "
+                            f"hidden] tensor, got {type(out).__name__}. HINT: return the hidden states.")
+        set_coords(seq_offset=mesh.get_local_rank() * (out.shape[1] // mesh.size()))
+        return _redistribute_first_arg((out,), mesh, Replicate(), Shard(1), use_local=True)[0]
+    return hook
 
 
 def _replicate_grad_hook(param: torch.Tensor) -> None:
@@ -184,13 +210,14 @@ def apply_tp(block: nn.Module, mesh: DeviceMesh, strategy: LayerStrategy) -> Non
     for path, kind in tp_plan.items():
         if kind not in _KINDS:
             raise ValueError(f"block {name}: galv_tp_plan[{path!r}] = {kind!r}: must be one of {_KINDS}. "
-                             "HINT: mark projections 'colwise'/'rowwise' and norms 'norm'.")
+                             "HINT: mark projections 'colwise'/'rowwise', norms 'norm', and modules that must "
+                             "run whole on the full sequence (an MoE layer) 'replicated'.")
         try:
             mod = block.get_submodule(path)
         except AttributeError as exc:
             raise ValueError(f"block {name}: galv_tp_plan names {path!r}, which is not a submodule. HINT: use "
                              "dotted paths relative to the block, as in block.named_modules().") from exc
-        if kind != "norm":
+        if kind in ("colwise", "rowwise"):
             _check_linear(block, path, mod, kind, tp)
     mark_applied(block, strategy.short())
 
@@ -205,7 +232,7 @@ def apply_tp(block: nn.Module, mesh: DeviceMesh, strategy: LayerStrategy) -> Non
             styles[path] = ColwiseParallel(input_layouts=stream, use_local_output=True)
         elif kind == "rowwise":
             styles[path] = RowwiseParallel(output_layouts=stream, use_local_output=True)
-        elif sp:  # a norm under Megatron-SP runs on the sequence chunk with replicated weights
+        elif kind == "norm" and sp:  # a norm under Megatron-SP runs on the sequence chunk with replicated weights
             styles[path] = SequenceParallel(sequence_dim=1, use_local_output=True)
     parallelize_module(block, tp_mesh, styles)
 
@@ -218,6 +245,11 @@ def apply_tp(block: nn.Module, mesh: DeviceMesh, strategy: LayerStrategy) -> Non
             _first_arg_pre_hook(tp_mesh, stream, Replicate(), use_local=False))
 
     if sp:
+        for path, kind in tp_plan.items():
+            if kind == "replicated":  # whole-sequence island inside the chunked stream (see module docstring)
+                mod = block.get_submodule(path)
+                mod.register_forward_pre_hook(_replicated_enter(tp_mesh))
+                mod.register_forward_hook(_replicated_leave(tp_mesh))
         # Entry: full x -> this rank's chunk (backward: all-gather); exit: chunk -> full (backward: slice).
         what = f"block {name} (tp={tp}, sp='megatron')"
         wrap_block_forward(block, _sp_enter(tp_mesh, tp, what), _sp_leave(tp_mesh, what))
