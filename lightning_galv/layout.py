@@ -102,7 +102,7 @@ class MeshFactory:
     rank: int
     timeout: timedelta | None = None
     _cache: dict[tuple[int, int, bool], Any] = field(default_factory=dict)
-    _flat: dict[str, Any] = field(default_factory=dict)
+    _flat: dict[Any, Any] = field(default_factory=dict)  # flattened (Ulysses) and expert meshes
 
     def world_mesh(self, s: LayerStrategy) -> "DeviceMesh":
         import torch
@@ -139,6 +139,34 @@ class MeshFactory:
             self._flat[name] = flat
         return self._flat[name]
 
+    def expert_mesh(self, s: LayerStrategy) -> "DeviceMesh":
+        """This rank's ``("edp", "ep")`` mesh for an MoE layer under ``s`` (``s.ep > 1``).
+
+        The layer's data group (dp ranks of this rank's tp index; dp*tp ranks for Ulysses, in the
+        order of :meth:`data_mesh`) is cut into consecutive EP groups of ``ep`` ranks; ``edp`` joins
+        the ranks at the same position of every EP group, which hold the same experts.
+        """
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        key = ("ep", s.tp, s.dp, s.tp_consecutive, s.ulysses, s.ep)
+        if key not in self._flat:
+            k, pp = s.ep, self.layout.pp
+            grids = torch.tensor([self.layout.grid(s, stage) for stage in range(pp)], dtype=torch.int)  # [pp, dp, tp]
+            if s.ulysses:
+                ranks = grids.reshape(pp, s.dp * s.tp // k, k)  # data group = (dp, tp) flattened row-major
+                names: tuple[str, ...] = ("pp", "edp", "ep")
+            else:
+                ranks = grids.permute(0, 2, 1).reshape(pp, s.tp, s.dp // k, k)  # [pp, tp, edp, ep]
+                names = ("pp", "tpx", "edp", "ep")
+            built = DeviceMesh(self.device_type, ranks, mesh_dim_names=names)
+            if self.timeout is not None:
+                from .parallel.timeouts import set_mesh_timeout
+
+                set_mesh_timeout(built, self.timeout)
+            self._flat[key] = built
+        return self._flat[key]["edp", "ep"]
+
     def build_all(self, plan: ParallelPlan) -> None:
         seen: set[tuple[int, int, bool]] = set()
         for s in (self.layout.data_strategy(plan), *plan.all_strategies()):
@@ -148,3 +176,5 @@ class MeshFactory:
                 self.world_mesh(s)
             if s.ulysses:
                 self.data_mesh(s)
+            if s.ep > 1:
+                self.expert_mesh(s)

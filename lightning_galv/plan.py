@@ -54,11 +54,18 @@ class LayerStrategy:
     zero: int = 0
     checkpoint: bool = False
     tp_consecutive: bool = True
+    ep: int = 1  # expert parallelism of an MoE layer, carved out of its data group (parallel/expert.py)
 
     def __post_init__(self) -> None:
         _check_int("tp", self.tp)
         _check_int("dp", self.dp)
         _check_int("zero", self.zero, minimum=0)
+        _check_int("ep", self.ep)
+        if self.data_group % self.ep:
+            raise _err(f"ep={self.ep} with {self.short_dims()}",
+                       f"expert parallelism splits the layer's data group ({self.data_group} ranks: dp"
+                       f"{'*tp for Ulysses' if self.ulysses else ''}), so ep must divide it",
+                       f"pick ep from the divisors of {self.data_group}, or raise dp.")
         if self.sp not in SP_MODES:
             raise _err(f"sp={self.sp}", f"must be one of {SP_MODES}", "use 'megatron' for TP with "
                        "sequence-sharded norms or 'ulysses' for all-to-all sequence parallelism.")
@@ -90,6 +97,9 @@ class LayerStrategy:
         """Ranks over which gradients are reduced: dp, or dp*sp for Ulysses (weights replicated)."""
         return self.dp * self.tp if self.ulysses else self.dp
 
+    def short_dims(self) -> str:
+        return f"tp={self.tp}, dp={self.dp}, sp={self.sp!r}"
+
     def short(self) -> str:
         parts = []
         if self.tp > 1:
@@ -97,6 +107,8 @@ class LayerStrategy:
             parts.append(f"{kind}{self.tp}{'' if self.tp_consecutive or self.dp == 1 else '(strided)'}")
         if self.dp > 1 or not parts:
             parts.append(f"dp{self.dp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.zero:
             parts.append(f"zero{self.zero}")
         if self.checkpoint:

@@ -158,7 +158,8 @@ def random_strategy(rng: random.Random, width: int, *, edge: bool = False) -> La
 
 
 def random_plan(rng: random.Random, world_size: int, shape: ModelShape, *, pp_choices: tuple[int, ...] = (1, 2),
-                micro_batch_choices: tuple[int, ...] = (2, 4), max_tries: int = 1000) -> ParallelPlan:
+                micro_batch_choices: tuple[int, ...] = (2, 4), max_tries: int = 1000,
+                moe_layers: tuple[int, ...] = (), num_experts: int = 4) -> ParallelPlan:
     """A seeded random *valid* heterogeneous plan for a model of ``shape`` (rejection sampling).
 
     Draws every plan dimension the runtime supports: pp (with schedule, micro-batches and an uneven
@@ -166,8 +167,11 @@ def random_plan(rng: random.Random, world_size: int, shape: ModelShape, *, pp_ch
     embedding and head strategies; the global batch is the smallest multiple of the plan's batch unit
     that is at least ``2 * data_parallel_size`` (so every shard sees two samples or more); a vocab-parallel
     head computes its loss on vocab-sharded logits half of the time. Plans the
-    model cannot take (``ParallelPlan.check_model``) are redrawn.
+    model cannot take (``ParallelPlan.check_model``) are redrawn. The MoE layers ``moe_layers`` (of
+    ``num_experts`` experts) also draw an expert-parallel degree among those their data group allows.
     """
+    from dataclasses import replace
+
     for _ in range(max_tries):
         pp = rng.choice([p for p in pp_choices if world_size % p == 0 and shape.num_layers >= p])
         stage = world_size // pp
@@ -180,6 +184,8 @@ def random_plan(rng: random.Random, world_size: int, shape: ModelShape, *, pp_ch
             bounds = [0, *cuts, shape.num_layers]
             kwargs["pp_division"] = tuple(b - a for a, b in zip(bounds, bounds[1:]))
         layers = tuple(random_strategy(rng, stage) for _ in range(shape.num_layers))
+        layers = tuple(replace(s, ep=rng.choice([d for d in _divisors(s.data_group) if num_experts % d == 0]))
+                       if i in moe_layers else s for i, s in enumerate(layers))
         try:
             plan = ParallelPlan(world_size, layers, embed=random_strategy(rng, stage, edge=True),
                                 head=random_strategy(rng, stage, edge=True), **kwargs)

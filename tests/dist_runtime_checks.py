@@ -16,12 +16,17 @@ import torch.nn.functional as F
 
 from lightning_galv.layout import MeshFactory, RankLayout
 from lightning_galv.models.dropout import DropoutCoords, restore_coords, set_dropout_key
-from lightning_galv.models import GPT2, GPT2Config, Llama, LlamaConfig
+from lightning_galv.models import GPT2, GPT2Config, Llama, LlamaConfig, MoEConfig, MoEDecoder
 from lightning_galv.plan import ParallelPlan
 
 
 def make_model(kind: str, layers: int = 3, seed: int = 0, dropout: float = 0.0) -> torch.nn.Module:
     torch.manual_seed(seed)
+    if kind == "moe":  # MoE blocks 0, 2, ... (dense in between), 4 experts top-2 + a gated shared expert
+        return MoEDecoder(MoEConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=8, n_kv_heads=4, ffn_hidden=64,
+                                    max_seq_len=16, dropout=dropout, num_experts=4, top_k=2, expert_hidden=32,
+                                    shared_expert_hidden=16, moe_layers=tuple(range(0, layers, 2)),
+                                    aux_loss_weight=0.1, z_loss_weight=0.01))
     if kind == "llama":
         return Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=8, n_kv_heads=4,
                                  ffn_hidden=64, max_seq_len=16, dropout=dropout))
@@ -110,6 +115,8 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
             return _ce(logits, y, label_smoothing)
     rank = dist.get_rank()
     model = make_model(kind, layers, dropout=dropout)
+    if isinstance(model, MoEDecoder):  # the injected aux-loss gradient is scaled like the LM loss
+        model.set_aux_grad_scale(1.0 / accumulate)
     ref = copy.deepcopy(model)
     factory = MeshFactory(RankLayout(plan.world_size, plan.pp), "cpu", rank)
     from lightning_galv.parallel.parallelize import parallelize
@@ -174,7 +181,8 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
         ref_opt.step()
         ref_opt.zero_grad()
     got, want = full_state(model), dict(ref.named_parameters())
-    if plan.pp > 1:  # each stage holds its own layers: compare those, and check all were covered
+    if plan.pp > 1 or any(st.ep > 1 for st in plan.layers):
+        # each stage holds its own layers, each EP rank its own experts: compare those, and check all were covered
         held_keys = sorted(got)
         everywhere: list[list[str]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(everywhere, held_keys)
@@ -184,7 +192,11 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     worst = max(errs, key=errs.get)
     weight_err = errs[worst]
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    moe_layers = model.moe_layers if isinstance(model, MoEDecoder) else []
+    experts_held = [sum(1 for e in m.experts if any(True for _ in e.parameters())) for m in moe_layers]
+    all_to_all = [m.last_stats is not None and m.last_stats.send_splits is not None for m in moe_layers]
     return {"loss_err": loss_err, "weight_err": weight_err, "losses": losses, "ref_losses": ref_losses,
+            "experts_held": experts_held, "all_to_all": all_to_all,
             "keys_equal": sorted(got) == sorted(want), "worst": worst, "grad_err": grad_err, "pp": plan.pp,
             "norm_err": max(norm_errs, default=0.0), "clipped": clipped, "sharded_seen": sharded_seen}
 

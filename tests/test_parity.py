@@ -83,6 +83,28 @@ def _cases4() -> list[tuple[str, dict, dict]]:
     ]
 
 
+def _cases_moe() -> list[tuple[str, dict, dict]]:
+    """MoE (issue 11): blocks 0 and 2 are MoE (4 experts, top-2, shared expert; aux and z-loss on), block 1
+    dense. Expert parallelism over 2 and 4 ranks, under attention tp / Megatron-SP / Ulysses, ZeRO-1/2/3 on
+    the experts (ZeRO over a one-rank expert-data group too), accumulation and clipping; plain DP checks the
+    global aux loss alone."""
+    def moe(s: L, dense: L = L(dp=4), edge: L = L(dp=4)) -> dict:
+        return ParallelPlan(4, (s, dense, s), embed=edge, head=edge).to_dict()
+
+    kw = {"kind": "moe"}
+    return [
+        ("moe_dp4", moe(L(dp=4)), kw),
+        ("moe_ep2", moe(L(dp=4, ep=2)), kw),
+        ("moe_ep4_zero3", moe(L(dp=4, ep=4, zero=3)), kw),
+        ("moe_ep2_zero1", moe(L(dp=4, ep=2, zero=1), dense=L(tp=2, dp=2)), kw),
+        ("moe_ep2_zero2_accum_clip", moe(L(dp=4, ep=2, zero=2)), {**kw, "accumulate": 2, "clip": 0.05}),
+        ("moe_ep2_attn_tp2", moe(L(tp=2, dp=2, ep=2), edge=L(tp=2, dp=2)), kw),
+        ("moe_ep2_megatron_ckpt", moe(L(tp=2, dp=2, sp="megatron", ep=2, checkpoint=True)), kw),
+        ("moe_ep4_ulysses_value_clip", moe(L(tp=2, dp=2, sp="ulysses", ep=4)),
+         {**kw, "clip": 0.01, "clip_algorithm": "value"}),
+    ]
+
+
 def _cases8() -> list[tuple[str, dict, dict]]:
     plan = ParallelPlan(
         8,
@@ -92,7 +114,9 @@ def _cases8() -> list[tuple[str, dict, dict]]:
         head=L(tp=4, dp=2),
     )
     pp_tp_dp = ParallelPlan.uniform(8, 4, L(tp=2, dp=2), pp=2, micro_batches=2)
+    moe8 = ParallelPlan(8, (L(dp=8, ep=4), L(tp=2, dp=4), L(dp=8, ep=4, zero=2)), embed=L(dp=8), head=L(tp=2, dp=4))
     return [("hybrid8", plan.to_dict(), {"layers": 4, "global_batch": 16}),
+            ("moe_ep4_x_dp2", moe8.to_dict(), {"kind": "moe", "global_batch": 16, "clip": 0.05}),
             ("pp2_tp2_dp2", pp_tp_dp.to_dict(), {"layers": 4, "global_batch": 8})]
 
 
@@ -116,7 +140,8 @@ def _cases_vocab_loss() -> list[tuple[str, dict, dict]]:
 
 
 # the reference models of dist_runtime_checks.make_model, as the plan generator sees them
-SHAPES = {"llama": lambda n: ModelShape(n, 32, 8, 4, 64, 64, 16), "gpt2": lambda n: ModelShape(n, 32, 4, 4, 128, 64, 16)}
+SHAPES = {"llama": lambda n: ModelShape(n, 32, 8, 4, 64, 64, 16), "gpt2": lambda n: ModelShape(n, 32, 4, 4, 128, 64, 16),
+          "moe": lambda n: ModelShape(n, 32, 8, 4, 64, 64, 16)}
 CLIPS = [{}, {"clip": 0.05}, {"clip": 0.02, "norm_type": float("inf")}, {"clip": 0.01, "clip_algorithm": "value"}]
 
 
@@ -127,7 +152,10 @@ def random_cases(seed: int, world: int, n: int) -> list[tuple[str, dict, dict]]:
     for i in range(n):
         kind = rng.choice(sorted(SHAPES))
         layers = rng.choice((3, 4))
-        plan = random_plan(rng, world, SHAPES[kind](layers))
+        # MoE blocks 0, 2, ...: a random ep each. pp = 1 only: the aux loss is per micro-batch, and the
+        # single-process reference runs the global batch in one forward
+        moe = tuple(range(0, layers, 2)) if kind == "moe" else ()
+        plan = random_plan(rng, world, SHAPES[kind](layers), moe_layers=moe, pp_choices=(1,) if moe else (1, 2))
         kw = {"kind": kind, "layers": layers, "steps": 4, "global_batch": plan.global_batch,
               "accumulate": rng.choice((1, 2)), "dropout": rng.choice((0.0, 0.1)), **rng.choice(CLIPS),
               # the package's loss is required by a vocab-parallel loss and must equal F.cross_entropy otherwise
@@ -162,8 +190,14 @@ def _check(results: list[dict]) -> None:
 @pytest.mark.distributed
 def test_parity_4_ranks() -> None:
     """Every plan kind, plus the vocab-parallel-loss plans (one launch: start-up dominates on CPU)."""
-    results = run_distributed(CHECKS, 4, (_cases4() + _cases_vocab_loss(),), timeout=1200)
+    results = run_distributed(CHECKS, 4, (_cases4() + _cases_vocab_loss() + _cases_moe(),), timeout=1200)
     _check(results)
+    for name, plan, _ in _cases_moe():
+        # expert parallelism really ran: each rank holds E/ep experts per MoE layer and used the all-to-all
+        ep = ParallelPlan.from_dict(plan).layers[0].ep
+        for r in results:
+            assert r[name]["experts_held"] == [4 // ep, 4 // ep], (name, r[name]["experts_held"])
+            assert r[name]["all_to_all"] == [ep > 1, ep > 1], name
     for name, _, _ in _cases_vocab_loss():
         # the loss really got vocab-sharded logits (every step; under pp only on the last stage's ranks)
         seen = [r[name]["sharded_seen"] for r in results]
@@ -205,7 +239,8 @@ def test_random_cases_are_valid_and_varied() -> None:
     assert any(s.zero >= 2 and s.dp == 1 and not s.ulysses for s in strategies)  # ZeRO over a one-rank data group
     assert {kw["accumulate"] for _, _, kw in cases} == {1, 2}
     assert {kw.get("clip_algorithm", "norm") for _, _, kw in cases if "clip" in kw} == {"norm", "value"}
-    assert {kw["kind"] for _, _, kw in cases} == {"llama", "gpt2"}
+    assert {kw["kind"] for _, _, kw in cases} == {"llama", "gpt2", "moe"}
+    assert {s.ep for s in strategies} >= {1, 2, 4}
     assert {kw["dropout"] for _, _, kw in cases} == {0.0, 0.1}
     assert any(p.vocab_parallel_loss for p in plans) and any(p.head.tp > 1 and not p.vocab_parallel_loss for p in plans)
     assert len({n for n, _, _ in cases}) == len(cases)

@@ -9,7 +9,8 @@ the global norm exact whatever the layout:
   gradient is reduced to ``Replicate`` before it is measured or clamped.
 * **Count every element once**: every rank of a pipeline stage holds one piece of every parameter of
   that stage. A piece is replicated on ``stage_size / pieces`` ranks, where ``pieces`` is the product of
-  the mesh sizes of the *sharded* dims (``Shard`` and ``_StridedShard`` alike). Each rank adds its local
+  the mesh sizes of the *sharded* dims (``Shard`` and ``_StridedShard`` alike), times the expert-parallel
+  degree for expert parameters (an expert lives on 1/ep of its layer's ranks). Each rank adds its local
   ``sum |g|^p`` divided by that replica count; one all-reduce over the world adds the stages.
 
 Value clipping is element-wise, so it only needs the first rule.
@@ -25,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .data_parallel import local
+
+EP_ATTR = "_galv_expert_parallel"  # set by parallel/expert.py on expert parameters: the layer's ep degree
 
 
 def is_sharded(placement: object) -> bool:
@@ -87,8 +90,8 @@ def grad_norm(params: list[nn.Parameter], stage_size: int, norm_type: float = 2.
     if norm_type <= 0 or math.isnan(norm_type):
         raise ValueError(f"norm_type={norm_type}: must be > 0 (or inf). HINT: use 2.0 for the usual L2 norm.")
     total = torch.zeros((), dtype=torch.float64)
-    for _, g in _resolved_grads(params):
-        copies = stage_size // shard_count(g)
+    for p, g in _resolved_grads(params):
+        copies = stage_size // (shard_count(g) * getattr(p, EP_ATTR, 1))
         t = local(g).detach().to(torch.float64)
         if not t.numel():
             continue

@@ -89,6 +89,41 @@ def check_plan_for_model(plan: ParallelPlan, parts: ModelParts) -> None:
                              "(see lightning_galv.models.protocol).")
     elif parts.shape is not None:
         plan.check_model(parts.shape)
+    from .expert import check_ep
+
+    for name, s in (("embed", plan.embed), ("head", plan.head)):
+        if s.ep > 1:
+            raise ValueError(f"{name} strategy ep={s.ep}: expert parallelism applies to MoE layers only. "
+                             f"HINT: keep ep=1 for the {name}.")
+    for i, s in enumerate(plan.layers):
+        check_ep(parts.blocks[i], s, f"layers.{i}")  # ep on a dense block, or not dividing the experts
+
+
+def _apply_expert_data_parallel(unit: Unit, factory: MeshFactory, runtime: ParallelRuntime, plan: ParallelPlan,
+                                mp_policy: Any | None) -> list[nn.Parameter]:
+    """DP / ZeRO of a unit's local experts over their expert-data group; returns the unit's other parameters.
+
+    Under ZeRO-2/3 each expert gets its own FSDP2 state on the expert-data mesh *before* the block's
+    (a nested ``fully_shard`` keeps its parameters out of the outer one, which would otherwise shard
+    experts that differ between EP ranks as if they were replicas)."""
+    from .expert import mark_expert_params
+
+    s = unit.strategy
+    edp = factory.expert_mesh(s)["edp"]
+    expert_ids = {id(p) for m in unit.experts for p in m.parameters()}
+    others = [p for p in unit.parameters() if id(p) not in expert_ids]
+    if s.zero >= 2:
+        for m in unit.experts:
+            apply_fsdp(m, edp, s, plan.data_parallel_size, mp_policy)
+        runtime.fsdp_roots += unit.experts
+    else:
+        expert_params = [p for m in unit.experts for p in m.parameters()]
+        edp_ranks = edp.mesh.flatten().tolist()
+        runtime.grad_sync.add(expert_params, edp.get_group(), len(edp_ranks))
+        if s.zero == 1:
+            runtime.zero1.add([p for p in expert_params if p.requires_grad], edp_ranks, edp.get_group())
+    mark_expert_params(unit.experts, s.ep)
+    return others
 
 
 @torch.no_grad()
@@ -145,6 +180,20 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
         else:
             apply_block(unit.modules[0], mesh, s)
 
+    # 2b. MoE layers: router statistics over the layer's data group (plan-independent aux losses), and
+    #     expert parallelism (this rank's experts, all-to-all dispatch)
+    from .expert import GlobalRouterStats, apply_ep, moe_layers
+
+    for unit in units:
+        if not unit.name.startswith("layers.") or not moe_layers(unit.modules[0]):
+            continue
+        s = unit.strategy
+        data_mesh = factory.data_mesh(s)
+        for layer in moe_layers(unit.modules[0]):
+            layer.stats_reducer = GlobalRouterStats(data_mesh.get_group(), data_mesh.size(), plan.data_parallel_size)
+        if s.ep > 1:
+            unit.experts = apply_ep(unit.modules[0], factory.expert_mesh(s), s, unit.name)
+
     # 3. activation checkpointing
     for unit in units:
         if unit.strategy.checkpoint and unit.name.startswith("layers."):
@@ -181,6 +230,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
         s = unit.strategy
         data_mesh = factory.data_mesh(s)
         params = unit.parameters()
+        if unit.experts:  # expert parameters: their own (expert-data) group, sharded there first under ZeRO-2/3
+            params = _apply_expert_data_parallel(unit, factory, runtime, plan, mp_policy)
         fsdp_mods = [m for m in unit.modules if any(True for _ in m.parameters())] if s.zero >= 2 else []
         if fsdp_mods:
             for m in fsdp_mods:  # one FSDP state each: siblings cannot share a root

@@ -67,6 +67,7 @@ class Unit:
     strategy: LayerStrategy
     extra: list[nn.Parameter] = field(default_factory=list)  # loose parameters, always replicated
     chunk: int = 0  # pipeline chunk the unit belongs to
+    experts: list[nn.Module] = field(default_factory=list)  # this rank's experts (MoE layer with ep > 1)
 
     def parameters(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
