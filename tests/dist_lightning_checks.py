@@ -283,10 +283,11 @@ class ScheduledLM(CausalLM):
                                                    "interval": "step"}}
 
 
-def _sched_module(seed: int, dropout: float = 0.0) -> ScheduledLM:
+def _sched_module(seed: int, dropout: float = 0.0, kind: str = "llama") -> ScheduledLM:
     torch.manual_seed(seed)
-    return ScheduledLM(kind="llama", optimizer="sgd", lr=0.2, momentum=0.9, n_kv_heads=4, ffn_hidden=64,
-                       dropout=dropout, **SMALL)
+    moe = dict(num_experts=4, top_k=2, expert_hidden=32, moe_layers=(0, 2)) if kind == "moe" else {}
+    return ScheduledLM(kind=kind, optimizer="sgd", lr=0.2, momentum=0.9, n_kv_heads=4, ffn_hidden=64,
+                       dropout=dropout, **SMALL, **moe)
 
 
 def fit_resume(plan: dict, tmpdir: str, full: bool, kill: int = 2, steps: int = 6, global_batch: int = 8,
@@ -458,24 +459,25 @@ def unseeded_init(plan: dict) -> dict[str, Any]:
     return {"err": max(float((got[k] - want[k].detach()).abs().max()) for k in want)}
 
 
-def save_under(plan: dict, tmpdir: str, full: bool, steps: int = 2, global_batch: int = 8) -> dict[str, Any]:
+def save_under(plan: dict, tmpdir: str, full: bool, steps: int = 2, global_batch: int = 8, kind: str = "llama",
+               name: str = "") -> dict[str, Any]:
     """Train a little under plan A and save (sharded or full); return full weights + optimizer state."""
-    module = _sched_module(0)
+    module = _sched_module(0, kind=kind)
     shards = ParallelPlan.from_dict(plan).data_parallel_size
     trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan, save_distributed_checkpoint=not full), max_steps=steps,
                         **trainer_kwargs())
     trainer.fit(module, DataLoader(Windows(steps * global_batch), batch_size=global_batch // shards))
-    path = os.path.join(tmpdir, "ckpt_full.ckpt" if full else "ckpt_sharded")
+    path = os.path.join(tmpdir, f"ckpt{name}_full.ckpt" if full else f"ckpt{name}_sharded")
     trainer.save_checkpoint(path)
     return _gathered_state(trainer)
 
 
-def load_under(plan: dict, tmpdir: str, full: bool) -> dict[str, Any]:
-    """Load the checkpoint written under another plan (other pp/tp/dp/ZeRO/world size)."""
-    module = _sched_module(1)
+def load_under(plan: dict, tmpdir: str, full: bool, kind: str = "llama", name: str = "") -> dict[str, Any]:
+    """Load the checkpoint written under another plan (other pp/tp/dp/ZeRO/ep/world size)."""
+    module = _sched_module(1, kind=kind)
     shards = ParallelPlan.from_dict(plan).data_parallel_size
     trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan), max_steps=0, **trainer_kwargs())
-    path = os.path.join(tmpdir, "ckpt_full.ckpt" if full else "ckpt_sharded")
+    path = os.path.join(tmpdir, f"ckpt{name}_full.ckpt" if full else f"ckpt{name}_sharded")
     # max_steps=0 restores and stops: weights and optimizer state are then those of the checkpoint
     trainer.fit(module, DataLoader(Windows(8), batch_size=max(1, 8 // shards)), ckpt_path=path)
     return _gathered_state(trainer)

@@ -26,6 +26,16 @@ C = ParallelPlan(4, embed=L(tp=2, dp=2), layers=(L(tp=4, sp="megatron"), L(tp=2,
 D = ParallelPlan.uniform(4, SMALL_LAYERS, L(tp=2), pp=2, micro_batches=2, pp_division=(1, 2))      # pp2 x tp2, uneven
 E = ParallelPlan.uniform(2, SMALL_LAYERS, L(dp=1), pp=2, micro_batches=2, pp_division=(1, 2))      # 2 ranks, pp2
 F = ParallelPlan.uniform(2, SMALL_LAYERS, L(dp=2, zero=1))                                         # 2 ranks, ZeRO-1
+# MoE (blocks 0 and 2, 4 experts): experts saved under one ep load under another, under dense DP, in one process
+G = ParallelPlan(4, (L(dp=4, ep=2), L(dp=4), L(dp=4, ep=2)))                                         # ep2
+H = ParallelPlan(4, (L(dp=4, ep=4, zero=3), L(tp=2, dp=2), L(dp=4, ep=4, zero=3)))                   # ep4 x zero3
+J = ParallelPlan(4, (L(tp=2, dp=2, ep=2, zero=1), L(dp=4), L(tp=2, dp=2, ep=2, zero=1)),
+                 embed=L(tp=2, dp=2), head=L(tp=2, dp=2))                                             # ep2, attn tp2
+K = ParallelPlan(4, (L(dp=4, ep=4), L(dp=4, zero=2), L(dp=4, ep=4)))                                 # ep4
+M = ParallelPlan.uniform(2, SMALL_LAYERS, L(dp=2, zero=2))                                         # 2 ranks, dense DP
+N = ParallelPlan(2, (L(dp=2, ep=2), L(dp=2), L(dp=2, ep=2)))                                         # 2 ranks, ep2
+P = ParallelPlan.uniform(1, SMALL_LAYERS, L(dp=1))                                                 # one process
+MOE = {"kind": "moe", "name": "_moe"}
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +47,28 @@ def states(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("save_C", "save_under", dict(plan=C.to_dict(), tmpdir=full, full=True)),
         ("A_to_B", "load_under", dict(plan=B.to_dict(), tmpdir=sharded, full=False)),
         ("C_to_D", "load_under", dict(plan=D.to_dict(), tmpdir=full, full=True)),
+        ("save_G", "save_under", dict(plan=G.to_dict(), tmpdir=sharded, full=False, **MOE)),
+        ("save_J", "save_under", dict(plan=J.to_dict(), tmpdir=full, full=True, **MOE)),
+        ("G_to_H", "load_under", dict(plan=H.to_dict(), tmpdir=sharded, full=False, **MOE)),
+        ("J_to_K", "load_under", dict(plan=K.to_dict(), tmpdir=full, full=True, **MOE)),
     ],), init_process_group=False, timeout=900)[0]
     two = run_distributed(CHECKS, 2, ([
         ("A_to_E", "load_under", dict(plan=E.to_dict(), tmpdir=sharded, full=False)),
         ("C_to_F", "load_under", dict(plan=F.to_dict(), tmpdir=full, full=True)),
+        ("G_to_M", "load_under", dict(plan=M.to_dict(), tmpdir=sharded, full=False, **MOE)),
+        ("J_to_N", "load_under", dict(plan=N.to_dict(), tmpdir=full, full=True, **MOE)),
     ],), init_process_group=False, timeout=900)[0]
-    return {**four, **two}
+    one = run_distributed(CHECKS, 1, ([
+        ("G_to_P", "load_under", dict(plan=P.to_dict(), tmpdir=sharded, full=False, **MOE)),
+        ("J_to_P", "load_under", dict(plan=P.to_dict(), tmpdir=full, full=True, **MOE)),
+    ],), init_process_group=False, timeout=900)[0]
+    return {**four, **two, **one}
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("pair", ["A_to_B", "A_to_E", "C_to_D", "C_to_F"])
+@pytest.mark.parametrize("pair", ["A_to_B", "A_to_E", "C_to_D", "C_to_F", "G_to_H", "G_to_M", "G_to_P", "J_to_K",
+                                  "J_to_N", "J_to_P"])
 def test_reshard_on_load(states: dict, pair: str) -> None:
     saved, loaded = states[f"save_{pair[0]}"], states[pair]
     assert saved["weights"].keys() == loaded["weights"].keys()
@@ -57,4 +78,6 @@ def test_reshard_on_load(states: dict, pair: str) -> None:
     for k, v in saved["momentum"].items():
         assert torch.equal(v, loaded["momentum"][k]), k
     assert loaded["step"] == saved["step"] == 2
+    if pair[0] in "GJ":  # every expert of both MoE blocks was saved and came back
+        assert sum(".experts." in k and k.endswith("w1.weight") for k in saved["weights"]) == 8
     assert loaded["lr"] == saved["lr"]

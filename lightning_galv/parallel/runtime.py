@@ -216,11 +216,17 @@ class ParallelRuntime:
         return step(optimizer)
 
     # -- checkpoints -------------------------------------------------------------------------------
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether ranks of one stage hold different experts (full checkpoints must then gather them)."""
+        return any(u.experts for u in self.units)
+
     def module_state(self, model: nn.Module, full: bool) -> dict[str, Any]:
-        return ckpt.model_state(model, full=full, pipeline=self.pipeline)
+        return ckpt.model_state(model, full=full, pipeline=self.pipeline, experts=self.expert_parallel)
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, full: bool) -> dict[str, Any]:
-        return ckpt.optimizer_state(model, optimizer, self.zero1, full=full, pipeline=self.pipeline)
+        return ckpt.optimizer_state(model, optimizer, self.zero1, full=full, pipeline=self.pipeline,
+                                    experts=self.expert_parallel)
 
     def save(self, checkpoint: dict[str, Any], path: Path, *, sharded: bool, is_rank_zero: bool,
              write_full: Callable[[dict[str, Any], Path], None]) -> None:

@@ -31,26 +31,27 @@ def _options(full: bool, **kw: Any) -> Any:
     return StateDictOptions(full_state_dict=full, **kw)
 
 
-def model_state(model: nn.Module, full: bool, pipeline: Any = None) -> dict[str, Any]:
+def model_state(model: nn.Module, full: bool, pipeline: Any = None, experts: bool = False) -> dict[str, Any]:
+    """``experts``: expert-parallel layers hold different experts on different ranks (gathered for ``full``)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    if full and pipeline is not None:
-        # every stage holds other keys: gather each stage's full tensors to global rank 0
+    if full and (pipeline is not None or experts):
+        # every stage (every EP rank) holds other keys: gather their full tensors to global rank 0
         local_sd = get_model_state_dict(model, options=_options(True, cpu_offload=False))
-        parts = _gather_stages({k: v.detach().cpu() for k, v in local_sd.items()}, pipeline)
+        parts = _gather_parts({k: v.detach().cpu() for k, v in local_sd.items()}, pipeline, experts)
         return {k: v for part in parts for k, v in part.items()} if parts else {}
     return get_model_state_dict(model, options=_options(full))
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, zero1: "OptimizerStateSharding",
-                    full: bool, pipeline: Any = None) -> dict[str, Any]:
+                    full: bool, pipeline: Any = None, experts: bool = False) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     zero1.consolidate(optimizer)
     try:
-        if full and pipeline is not None:
+        if full and (pipeline is not None or experts):
             osd = _to_cpu(get_optimizer_state_dict(model, optimizer, options=_options(True, cpu_offload=False)))
-            parts = _gather_stages(osd, pipeline)
+            parts = _gather_parts(osd, pipeline, experts)
             if not parts:
                 return {}
             merged: dict[str, Any] = {"state": {}, "param_groups": [dict(g) for g in parts[0]["param_groups"]]}
@@ -59,7 +60,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, zero1: "
             for part in parts:
                 merged["state"].update(part["state"])
                 for g, pg in zip(merged["param_groups"], part["param_groups"]):
-                    g["params"] += list(pg["params"])
+                    g["params"] += [p for p in pg["params"] if p not in g["params"]]  # replicas repeat keys
             return merged
         # sharded: flattened keys ("param_groups.<fqn>.lr") so each stage's groups survive DCP's
         # de-duplication of equal keys and re-map onto any other plan's parameters
@@ -78,11 +79,16 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _gather_stages(obj: Any, pipeline: Any) -> list[Any] | None:
-    """Collect one object per pipeline stage on global rank 0 (None elsewhere)."""
+def _gather_parts(obj: Any, pipeline: Any, experts: bool) -> list[Any] | None:
+    """Collect every piece of the model on global rank 0 (None elsewhere): one object per pipeline stage,
+    or -- with expert parallelism, where ranks of one stage hold different experts -- one per rank."""
+    if experts:
+        out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
     ranks = pipeline.group_ranks
     dst = ranks[0]
-    out: list[Any] | None = [None] * len(ranks) if dist.get_rank() == dst else None
+    out = [None] * len(ranks) if dist.get_rank() == dst else None
     dist.gather_object(obj, out, dst=dst, group=pipeline.group)
     return out if dist.get_rank() == 0 else None
 
