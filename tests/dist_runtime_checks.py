@@ -115,9 +115,17 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
             return _ce(logits, y, label_smoothing)
     rank = dist.get_rank()
     model = make_model(kind, layers, dropout=dropout)
+    # MoE under a pipeline: the aux loss belongs to each micro-batch, so the reference runs the same global
+    # micro-batches (micro-batch j = the j-th slice of every loader shard) one after another
+    ref_micro = plan.micro_batches if isinstance(model, MoEDecoder) and plan.pp > 1 else 1
+    if ref_micro > 1 and dropout:
+        raise ValueError("MoE under pp with dropout: the micro-batched reference would draw other masks. "
+                         "HINT: use dropout=0 for this check.")
     if isinstance(model, MoEDecoder):  # the injected aux-loss gradient is scaled like the LM loss
-        model.set_aux_grad_scale(1.0 / accumulate)
+        model.set_aux_grad_scale(1.0 / accumulate)  # (a pipeline schedule divides by its micro-batches itself)
     ref = copy.deepcopy(model)
+    if ref_micro > 1:
+        ref.set_aux_grad_scale(1.0 / (accumulate * ref_micro))
     factory = MeshFactory(RankLayout(plan.world_size, plan.pp), "cpu", rank)
     from lightning_galv.parallel.parallelize import parallelize
 
@@ -158,8 +166,18 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
                 (loss / accumulate).backward()
             total += loss.detach()
             with restore_coords(DropoutCoords(key=key)):  # one process: rows 0..B-1, full sequence
-                rloss = _ce(ref(x), y, label_smoothing)
-                (rloss / accumulate).backward()
+                if ref_micro > 1:
+                    mb = b // ref_micro
+                    parts = []
+                    for j in range(ref_micro):
+                        rows = [r * b + j * mb + i for r in range(nshards) for i in range(mb)]
+                        lj = _ce(ref(x[rows]), y[rows], label_smoothing)
+                        (lj / (accumulate * ref_micro)).backward()
+                        parts.append(lj.detach())
+                    rloss = torch.stack(parts).mean()
+                else:
+                    rloss = _ce(ref(x), y, label_smoothing)
+                    (rloss / accumulate).backward()
             ref_losses.append(float(rloss))
             g = loss.detach().clone()
             dist.all_reduce(g)

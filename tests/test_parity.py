@@ -105,6 +105,19 @@ def _cases_moe() -> list[tuple[str, dict, dict]]:
     ]
 
 
+def _cases_moe_pp() -> list[tuple[str, dict, dict]]:
+    """MoE inside pipeline stages: ep in a stage, ZeRO-2 experts, accumulation over 4 micro-batches, an MoE
+    block under Megatron-SP on the last stage (the reference runs the same global micro-batches)."""
+    moe = {"kind": "moe", "layers": 4}
+    return [
+        ("moe_pp2_ep2", ParallelPlan(4, (L(dp=2, ep=2), L(tp=2), L(dp=2, ep=2, zero=2), L(dp=2)), pp=2,
+                                     micro_batches=2, embed=L(dp=2), head=L(dp=2)).to_dict(), moe),
+        ("moe_pp2_1f1b_accum", ParallelPlan(4, (L(tp=2), L(dp=2), L(dp=2, ep=2), L(tp=2, sp="megatron")), pp=2,
+                                            micro_batches=4, embed=L(dp=2), head=L(dp=2)).to_dict(),
+         {**moe, "accumulate": 2, "global_batch": 16}),
+    ]
+
+
 def _cases8() -> list[tuple[str, dict, dict]]:
     plan = ParallelPlan(
         8,
@@ -190,7 +203,8 @@ def _check(results: list[dict]) -> None:
 @pytest.mark.distributed
 def test_parity_4_ranks() -> None:
     """Every plan kind, plus the vocab-parallel-loss plans (one launch: start-up dominates on CPU)."""
-    results = run_distributed(CHECKS, 4, (_cases4() + _cases_vocab_loss() + _cases_moe(),), timeout=1200)
+    results = run_distributed(CHECKS, 4, (_cases4() + _cases_vocab_loss() + _cases_moe() + _cases_moe_pp(),),
+                              timeout=1200)
     _check(results)
     for name, plan, _ in _cases_moe():
         # expert parallelism really ran: each rank holds E/ep experts per MoE layer and used the all-to-all
