@@ -137,6 +137,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     gen = torch.Generator().manual_seed(123)
     losses, ref_losses, norm_errs, clipped = [], [], [], []
     grad_err: dict[str, float] = {}
+    routing: list[dict[str, bool]] = []
     params = [p for p in model.parameters() if p.requires_grad]
 
     def scaled_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -179,6 +180,8 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
                     rloss = _ce(ref(x), y, label_smoothing)
                     (rloss / accumulate).backward()
             ref_losses.append(float(rloss))
+            if step == 0 and k == 0 and plan.pp == 1 and isinstance(model, MoEDecoder):
+                routing = _routing_checks(model, ref, plan)
             g = loss.detach().clone()
             dist.all_reduce(g)
             losses.append(float(g) / dist.get_world_size())
@@ -214,9 +217,37 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     experts_held = [sum(1 for e in m.experts if any(True for _ in e.parameters())) for m in moe_layers]
     all_to_all = [m.last_stats is not None and m.last_stats.send_splits is not None for m in moe_layers]
     return {"loss_err": loss_err, "weight_err": weight_err, "losses": losses, "ref_losses": ref_losses,
-            "experts_held": experts_held, "all_to_all": all_to_all,
+            "experts_held": experts_held, "all_to_all": all_to_all, "routing": routing,
             "keys_equal": sorted(got) == sorted(want), "worst": worst, "grad_err": grad_err, "pp": plan.pp,
             "norm_err": max(norm_errs, default=0.0), "clipped": clipped, "sharded_seen": sharded_seen}
+
+
+def _routing_checks(model: MoEDecoder, ref: MoEDecoder, plan: ParallelPlan) -> list[dict[str, bool]]:
+    """Routing statistics of the first forward against the single process's (issue 11 item 3).
+
+    ``total``: this rank's processed assignments are tokens * k. ``global``: summed over the ranks (each tp
+    group holds the same tokens: divide by its size), the per-expert counts are those one process routes for
+    the global batch. ``splits``: the all-to-all sent every assignment, received what the experts ran on, and
+    this rank's row of the (source x expert) matrix is its own counts; the rows it received from equal the
+    received split sizes."""
+    out = []
+    world = dist.get_world_size()
+    for layer, rlayer in zip(model.moe_layers, ref.moe_layers):
+        st, want = layer.last_stats, rlayer.last_stats
+        s = plan.layers[layer.layer_idx]
+        counts = torch.tensor(st.tokens_per_expert)
+        dist.all_reduce(counts)
+        glob = (counts // (world // s.data_group)).tolist() == list(want.tokens_per_expert)
+        splits = True
+        if st.send_splits is not None:
+            table = st.source_expert_counts  # [EP sources][E]
+            per = st.num_experts // len(table)
+            mine = [row for row in table if list(row) == list(st.tokens_per_expert)]  # this rank's own row
+            splits = (bool(mine) and sum(st.send_splits) == st.tokens * st.top_k
+                      and sum(st.recv_splits) == sum(st.expert_splits)
+                      and list(st.send_splits) == [sum(mine[0][r * per:(r + 1) * per]) for r in range(len(table))])
+        out.append({"total": sum(st.tokens_per_expert) == st.tokens * st.top_k, "global": glob, "splits": splits})
+    return out
 
 
 def run_many(cases: list[tuple[str, dict, dict]]) -> dict[str, Any]:

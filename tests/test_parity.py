@@ -212,6 +212,7 @@ def test_parity_4_ranks() -> None:
         for r in results:
             assert r[name]["experts_held"] == [4 // ep, 4 // ep], (name, r[name]["experts_held"])
             assert r[name]["all_to_all"] == [ep > 1, ep > 1], name
+            assert r[name]["routing"] and all(all(c.values()) for c in r[name]["routing"]), (name, r[name]["routing"])
     for name, _, _ in _cases_vocab_loss():
         # the loss really got vocab-sharded logits (every step; under pp only on the last stage's ranks)
         seen = [r[name]["sharded_seen"] for r in results]
