@@ -492,3 +492,33 @@ def test_module_types() -> None:
     model = MoEDecoder(MoEConfig(**SMALL))
     assert all(isinstance(m, MoELayer) for m in model.moe_layers) and len(model.moe_layers) == 2
     assert isinstance(model.layers[0].moe.experts, nn.ModuleList)
+
+
+def test_expert_parallel_plans_are_validated_at_creation_and_against_the_model() -> None:
+    """Issue 11: ep must divide the layer's data group (plan creation), the layer's experts, and may only sit
+    on MoE layers (checked against the model before any collective)."""
+    from lightning_galv.models.protocol import find_parts
+    from lightning_galv.parallel.parallelize import check_plan_for_model
+    from lightning_galv.plan import LayerStrategy, ParallelPlan
+
+    with pytest.raises(ValueError, match=r"ep=3 with tp=1, dp=4.*must divide it.*HINT: pick ep from the divisors of 4"):
+        LayerStrategy(dp=4, ep=3)
+    with pytest.raises(ValueError, match=r"ep=4 with tp=2, dp=2.*HINT"):
+        LayerStrategy(tp=2, dp=2, ep=4)  # TP ranks hold the same tokens: the data group is dp=2
+    assert LayerStrategy(tp=2, dp=2, sp="ulysses", ep=4).ep == 4  # Ulysses: the data group is dp*tp=4
+    assert LayerStrategy.from_dict(LayerStrategy(dp=4, ep=2).to_dict()) == LayerStrategy(dp=4, ep=2)
+    assert "ep2" in LayerStrategy(dp=4, ep=2).short()
+
+    model = MoEDecoder(MoEConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                                 max_seq_len=16, num_experts=6, moe_layers=(0, 2)))
+    parts = find_parts(model)
+    ok = ParallelPlan(4, (LayerStrategy(dp=4, ep=2), LayerStrategy(dp=4), LayerStrategy(dp=4, ep=2)))
+    check_plan_for_model(ok, parts)
+    with pytest.raises(ValueError, match=r"block layers.1: ep=2 but the block has no MoE layer.*HINT"):
+        check_plan_for_model(ParallelPlan(4, (LayerStrategy(dp=4), LayerStrategy(dp=4, ep=2), LayerStrategy(dp=4))),
+                             parts)
+    with pytest.raises(ValueError, match=r"block layers.0: ep=4 does not divide its 6 experts.*HINT"):
+        check_plan_for_model(ParallelPlan(4, (LayerStrategy(dp=4, ep=4), LayerStrategy(dp=4), LayerStrategy(dp=4))),
+                             parts)
+    with pytest.raises(ValueError, match=r"head strategy ep=2: expert parallelism applies to MoE layers only"):
+        check_plan_for_model(ParallelPlan(4, (LayerStrategy(dp=4),) * 3, head=LayerStrategy(dp=4, ep=2)), parts)
