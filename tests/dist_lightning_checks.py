@@ -56,6 +56,9 @@ def make_module(kind: str = "llama", seed: int = 0, **extra: Any) -> CausalLM:
     cfg = dict(SMALL)
     if kind == "llama":
         cfg.update(n_kv_heads=4, ffn_hidden=64)
+    if kind == "moe":  # MoE blocks 0 and 2 (4 experts, top-2), block 1 dense; aux losses weighted to matter
+        cfg.update(n_kv_heads=4, ffn_hidden=64, num_experts=4, top_k=2, expert_hidden=32, moe_layers=(0, 2),
+                   aux_loss_weight=0.1, z_loss_weight=0.01)
     cfg.update(extra)
     return CausalLM(kind=kind, optimizer="sgd", lr=0.2, momentum=0.9, **cfg)
 
@@ -89,6 +92,9 @@ def reference(module: CausalLM, data: torch.Tensor, steps: int, global_batch: in
     from lightning_galv.models.dropout import DropoutCoords, restore_coords
 
     opt = module.configure_optimizers()
+    set_scale = getattr(module.model, "set_aux_grad_scale", None)
+    if callable(set_scale):  # what CausalLM.on_train_batch_start does under the Trainer
+        set_scale(1.0 / accumulate)
     losses = []
     for step in range(steps):
         total = 0.0

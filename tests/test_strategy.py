@@ -26,6 +26,9 @@ TP_ZERO3 = ParallelPlan.uniform(4, 3, L(tp=2, dp=2, zero=3)).to_dict()  # the RE
 ULYSSES_ZERO2 = ParallelPlan.uniform(4, 3, L(tp=2, dp=2, sp="ulysses", zero=2)).to_dict()
 # the user report of issue 9: one layer each of tp x dp, ZeRO-3 over all ranks, Megatron-SP over all ranks
 MIXED = ParallelPlan(4, (L(tp=2, dp=2), L(dp=4, zero=3), L(tp=4, sp="megatron")), embed=L(tp=2, dp=2)).to_dict()
+# MoE (issue 11): expert parallelism with ZeRO-2 experts, and an MoE block under Megatron-SP with ep=2
+MOE_EP = ParallelPlan(4, (L(dp=4, ep=2, zero=2), L(tp=2, dp=2), L(tp=2, dp=2, sp="megatron", ep=2)),
+                      head=L(tp=2, dp=2)).to_dict()
 PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=2),
                    layers=(L(tp=2), L(dp=2, zero=3), L(dp=2, zero=1)), head=L(dp=2)).to_dict()
 
@@ -101,6 +104,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("bf16_true", "fit_precision", dict(plan=TP_ZERO1, precision="bf16-true")),
         ("unseeded_init", "unseeded_init", dict(plan=HETERO)),
         ("pp2_accum_clip", "fit_compare", dict(plan=PP2, accumulate=2, clip=0.05)),
+        ("moe_ep_accum_clip", "fit_compare", dict(plan=MOE_EP, kind="moe", accumulate=2, clip=0.05)),
         ("pp2_resume", "fit_resume", dict(plan=PP2, tmpdir=tmp + "/pp", full=False)),
         ("pp2_eval_reuse", "fit_then_eval", dict(plan=PP2)),
         ("pp2_partial_batch", "pp_partial_batch", dict(plan=PP2)),
@@ -113,7 +117,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["hetero_accum_clip", "tp_zero1", "tp_zero3_value_clip", "tp_zero3_norm_clip",
-                                  "hetero_dropout_accum", "pp2_dropout", "pp2_accum_clip"])
+                                  "hetero_dropout_accum", "pp2_dropout", "pp2_accum_clip", "moe_ep_accum_clip"])
 def test_fit_parity(results: dict, name: str) -> None:
     r = results[name]
     assert r["keys_equal"]
