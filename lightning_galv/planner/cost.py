@@ -17,12 +17,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from ..errors import bad_value
 from ..plan import LayerStrategy, ModelShape, ParallelPlan
 from .profiles import HardwareProfile, LayerTypeProfile, ModelProfile
-
-
-def _bad(value: object, rule: str, hint: str) -> ValueError:
-    return ValueError(f"{value!r}: {rule}. HINT: {hint}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -247,7 +244,8 @@ class GalvatronCostModel(CostModel):
         ZeRO-3 holds the gathered current and prefetched layer; ZeRO-1 owners broadcast the updated
         parameters after the step (an all-gather's volume) instead of a reduce-scatter + all-gather."""
         if runtime not in ("ideal", "native"):
-            raise _bad(f"runtime={runtime}", "must be 'ideal' or 'native'", "use 'native' for lightning_galv's runtime.")
+            raise bad_value(f"runtime={runtime}", "must be 'ideal' or 'native'",
+                            "use 'native' for lightning_galv's runtime.")
         self.runtime = runtime
         if not isinstance(model, ModelProfile):
             raise TypeError(f"model={type(model).__name__}: expected ModelProfile. HINT: build one with "
@@ -430,11 +428,11 @@ class GalvatronCostModel(CostModel):
     # -- whole plan -----------------------------------------------------------------------------------
     def evaluate(self, plan: ParallelPlan) -> PlanCost:
         if plan.global_batch is None:
-            raise _bad("global_batch=None", "the cost of a plan depends on its global batch",
-                       "set plan.global_batch (e.g. plan.with_(global_batch=64)).")
+            raise bad_value("global_batch=None", "the cost of a plan depends on its global batch",
+                            "set plan.global_batch (e.g. plan.with_(global_batch=64)).")
         if len(plan.layers) != self.model.num_layers:
-            raise _bad(f"{len(plan.layers)} layers in plan", f"the profile has {self.model.num_layers}",
-                       "evaluate the plan against the profile of the same model.")
+            raise bad_value(f"{len(plan.layers)} layers in plan", f"the profile has {self.model.num_layers}",
+                            "evaluate the plan against the profile of the same model.")
         m = plan.micro_batches
         mb = plan.global_batch // m
         v = plan.virtual_stages

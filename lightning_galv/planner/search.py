@@ -42,21 +42,15 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..plan import SCHEDULES, SP_MODES, LayerStrategy, ModelShape, ParallelPlan, Prediction, even_division
+from ..errors import bad_value
+from ..plan import (SCHEDULES, SP_MODES, LayerStrategy, ModelShape, ParallelPlan, Prediction, divisors,
+                    even_division)
 from .cost import CostModel, GalvatronCostModel, LayerCost, PlanCost, StageContext
 from .profiles import HardwareProfile, ModelProfile
 
 GiB = float(2**30)
 DEFAULT_MEMORY_MARGIN = 0.02  # fraction of the budget kept free for what the cost model does not itemize
 Edge = tuple[LayerStrategy, LayerStrategy]  # (embedding, head) strategies as one stage sees them
-
-
-def _bad(value: object, rule: str, hint: str) -> ValueError:
-    return ValueError(f"{value!r}: {rule}. HINT: {hint}")
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
@@ -86,18 +80,18 @@ class SearchSpace:
     def __post_init__(self) -> None:
         for s in self.schedules:
             if s not in SCHEDULES:
-                raise _bad(f"schedule={s}", f"must be one of {SCHEDULES}", "e.g. schedules=('1f1b',).")
+                raise bad_value(f"schedule={s}", f"must be one of {SCHEDULES}", "e.g. schedules=('1f1b',).")
         for s in self.sp_modes:
             if s not in SP_MODES:
-                raise _bad(f"sp_mode={s}", f"must be one of {SP_MODES}", "e.g. sp_modes=('none', 'megatron').")
+                raise bad_value(f"sp_mode={s}", f"must be one of {SP_MODES}", "e.g. sp_modes=('none', 'megatron').")
         for z in self.zero_stages:
             if z not in (0, 1, 2, 3):
-                raise _bad(f"zero={z}", "ZeRO stages are 0..3", "e.g. zero_stages=(0, 2, 3).")
+                raise bad_value(f"zero={z}", "ZeRO stages are 0..3", "e.g. zero_stages=(0, 2, 3).")
         if not self.zero_stages or not self.schedules or not self.checkpoint or not self.tp_consecutive:
-            raise _bad(self, "zero_stages, schedules, checkpoint and tp_consecutive need >= 1 choice",
-                       "leave a field at its default to search it.")
+            raise bad_value(self, "zero_stages, schedules, checkpoint and tp_consecutive need >= 1 choice",
+                            "leave a field at its default to search it.")
         if self.memory_bins < 16:
-            raise _bad(f"memory_bins={self.memory_bins}", "must be >= 16", "use 2048 (default) or more.")
+            raise bad_value(f"memory_bins={self.memory_bins}", "must be >= 16", "use 2048 (default) or more.")
 
     @property
     def default_embed_zero(self) -> int:
@@ -856,8 +850,8 @@ def _batches(global_batch: int | Sequence[int] | range) -> list[int]:
         raise TypeError(f"global_batch={global_batch!r}: must be an int or a sequence of ints. HINT: global_batch=64.")
     values = [global_batch] if isinstance(global_batch, int) else list(global_batch)
     if not values or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in values):
-        raise _bad(f"global_batch={global_batch}", "must be a positive int or a non-empty sequence of them",
-                   "global_batch=64 or global_batch=range(8, 129, 8).")
+        raise bad_value(f"global_batch={global_batch}", "must be a positive int or a non-empty sequence of them",
+                        "global_batch=64 or global_batch=range(8, 129, 8).")
     return sorted(set(values))
 
 
@@ -880,17 +874,17 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
         raise TypeError(f"hw={type(hw).__name__}: expected HardwareProfile. HINT: HardwareProfile.uniform(...).")
     world = hw.world_size if world_size is None else world_size
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise _bad(f"world_size={world_size}", "must be a positive int", "e.g. world_size=8.")
+        raise bad_value(f"world_size={world_size}", "must be a positive int", "e.g. world_size=8.")
     budget = hw.device_memory_bytes if memory_budget_bytes is None else float(memory_budget_bytes)
     if not budget > 0:
-        raise _bad(f"memory_budget_bytes={memory_budget_bytes}", "must be > 0", "e.g. 40 * 2**30 for 40 GiB.")
+        raise bad_value(f"memory_budget_bytes={memory_budget_bytes}", "must be > 0", "e.g. 40 * 2**30 for 40 GiB.")
     if isinstance(memory_margin, bool) or not isinstance(memory_margin, (int, float)) or not 0 <= memory_margin < 1:
-        raise _bad(f"memory_margin={memory_margin}", "must be a fraction in [0, 1)",
-                   f"e.g. memory_margin={DEFAULT_MEMORY_MARGIN} keeps 2 % of the budget free; 0 uses all of it.")
+        raise bad_value(f"memory_margin={memory_margin}", "must be a fraction in [0, 1)",
+                        f"e.g. memory_margin={DEFAULT_MEMORY_MARGIN} keeps 2 % of the budget free; 0 uses all of it.")
     given = budget
     budget = given * (1.0 - memory_margin)  # what plans may use
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise _bad(f"top_k={top_k}", "must be a positive int", "top_k=5.")
+        raise bad_value(f"top_k={top_k}", "must be a positive int", "top_k=5.")
     space = space or SearchSpace()
     cost = cost_model or GalvatronCostModel(profile, hw, space.default_embed_zero)
     batches = _batches(global_batch)
@@ -915,8 +909,8 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
                             continue
                         configs.append(_Config(G, pp, sched, v, m))
     if not configs:
-        raise _bad(f"world_size={world}, global_batch={batches}", "no pipeline configuration is possible",
-                   "check that the global batch is divisible by the micro-batch counts and pp <= layers.")
+        raise bad_value(f"world_size={world}, global_batch={batches}", "no pipeline configuration is possible",
+                        "check that the global batch is divisible by the micro-batch counts and pp <= layers.")
 
     # optimistic bound per unit of work: a configuration, or in the uniform space a (configuration,
     # strategy) pair -- the 3-D space then prunes strategies, not just pipeline shapes
