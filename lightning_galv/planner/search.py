@@ -368,7 +368,7 @@ class _Searcher:
     def edge_front(self, S: int, mb: int, first: bool, uniform: LayerStrategy | None) -> list[LayerStrategy]:
         """Options of one end (embedding or head) that no other option beats in time, extra and memory.
 
-        Dominance is checked on the end's own cost (``other_cost``), which is exact whenever embedding
+        Dominance is checked on the end's own cost (``end_cost``), which is exact whenever embedding
         and head are priced separately (different stages, or different strategies on one stage). In the
         uniform (3-D) space the ends take the layers' tensor-parallel degree, as Galvatron's 3-D plans do.
         """
@@ -380,9 +380,8 @@ class _Searcher:
         hit = self.edge_cache.get(key)
         if hit is not None:
             return hit
-        assert isinstance(self.cost, GalvatronCostModel)
         ctx = StageContext(S, mb, 1)
-        cs = [self.cost.other_cost(e, ctx, first, not first, self.space.vocab_parallel_loss) for e in opts]
+        cs = [self.cost.end_cost(e, ctx, first, not first, self.space.vocab_parallel_loss) for e in opts]
         vec = np.array([[c.fwd + c.bwd, c.step_extra, c.states, c.act] for c in cs]).reshape(len(cs), 4)
         keep = []
         for i in range(len(opts)):
@@ -400,7 +399,6 @@ class _Searcher:
         embedding / head strategies ``edge``."""
         S = self.world // cfg.pp
         ctx = StageContext(S, cfg.global_batch // cfg.m, cfg.m, cfg.pp, stage, cfg.schedule, cfg.v)
-        assert isinstance(self.cost, GalvatronCostModel)
         fixed_t, fixed_e, fixed_mem = self.fixed(edge[0], edge[1], ctx)
         k = ctx.inflight
         types = np.array(self.p.layer_type_of[start:start + n_hi]) if not self.p.homogeneous else None
@@ -559,7 +557,6 @@ class _Searcher:
         key = (emb, head, ctx)
         hit = self.fixed_cache.get(key)
         if hit is None:
-            assert isinstance(self.cost, GalvatronCostModel)
             hit = self.fixed_cache[key] = self.cost.stage_fixed(emb, head, ctx, self.space.vocab_parallel_loss)
         return hit
 
