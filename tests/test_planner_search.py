@@ -11,7 +11,8 @@ import pytest
 from lightning_galv.plan import LayerStrategy, ModelShape, ParallelPlan
 from lightning_galv.planner.cost import GalvatronCostModel, StageContext
 from lightning_galv.planner.profiles import HardwareProfile, LayerTypeProfile, ModelProfile, TimeFit, act_key
-from lightning_galv.planner.search import DEFAULT_MEMORY_MARGIN, SearchSpace, candidate_strategies, search
+from lightning_galv.planner.search import DEFAULT_MEMORY_MARGIN, search
+from lightning_galv.planner.space import SearchSpace, candidate_strategies
 
 MS = 1e-3
 
