@@ -111,8 +111,10 @@ class CostModel(ABC):
       micro-batch count); ``end_cost`` depends on ``ctx`` the same way;
     * ``transition_time`` depends on its strategies only through :func:`batch_layout` and is 0 when
       the layouts are equal (the search prices one transition per pair of layouts);
-    * ``stage_fixed`` does not get better when an end's ``end_cost`` gets worse (dominated end
-      strategies can be dropped);
+    * ``stage_fixed`` does not get better when an end's ``end_cost`` gets worse at the same dp
+      (dominated end strategies can be dropped), and with a pipeline it sees only the ends on its
+      stage -- a middle stage only the embedding's dp, which sizes its boundary sends;
+    * ``backward_freed`` is 0 without the head and at most the head's activations;
     * ``evaluate`` of a plan equals the sums of its parts per stage, and its step time is never
       below the pipeline formula (:func:`pipeline_time`) of those stages -- the search's bounds
       and partition assume it.

@@ -164,8 +164,12 @@ class Searcher:
         """Options of one end (embedding or head) that no other option beats in time, extra and memory.
 
         Dominance is checked on the end's own cost (``end_cost``), which is exact whenever embedding
-        and head are priced separately (different stages, or different strategies on one stage). In the
-        uniform (3-D) space the ends take the layers' tensor-parallel degree, as Galvatron's 3-D plans do.
+        and head are priced separately (different stages, or different strategies on one stage) and the
+        options share a dp degree. Across dp degrees it is not, with a pipeline: the stage's boundary
+        sends are sized by the embedding's (head's) dp and are not part of ``end_cost``, so an option
+        dominated here can still have the faster stage (the contract checks the same-dp case only).
+        In the uniform (3-D) space the ends take the layers' tensor-parallel degree, as Galvatron's
+        3-D plans do.
         """
         opts = self.edge_options(S, mb)
         if uniform is not None:
