@@ -10,7 +10,7 @@ from typing import Callable
 import pytest
 
 from lightning_galv.compat.galvatron import read_hardware_profile, read_model_profile
-from lightning_galv.plan import LayerStrategy, ModelShape, ParallelPlan, Prediction
+from lightning_galv.plan import LayerStrategy, ModelShape, ParallelPlan
 from lightning_galv.planner import CostModel, GalvatronCostModel, SearchSpace, search
 from lightning_galv.planner.contract import RULES, check_cost_model, contract_violations
 from lightning_galv.planner.cost import LayerCost, PlanCost, StageContext
@@ -194,30 +194,37 @@ class Broken(ScaledCostModel):
         return self.parts["predict"](got) if "predict" in self.parts else got
 
 
-BREAKS: dict[str, tuple[str, dict[str, Callable]]] = {
-    "negative recompute time": ("finite_and_non_negative",
-                                dict(layer=lambda i, s, ctx, c: replace(c, bwd=-c.bwd) if s.checkpoint else c)),
-    "time depends on the stage": ("layer_cost_depends_on_type_and_stage_shape_only",
-                                  dict(layer=lambda i, s, ctx, c: replace(c, fwd=c.fwd * (1 + ctx.stage)))),
-    "time depends on the layer index": ("layer_cost_depends_on_type_and_stage_shape_only",
-                                        dict(layer=lambda i, s, ctx, c: replace(c, fwd=c.fwd * (1 + i)))),
-    "ZeRO-3 keeps more states": ("model_states_shrink_with_zero",
-                                 dict(layer=lambda i, s, ctx, c: replace(c, states=c.states * (4 if s.zero == 3 else 1)))),
-    "ZeRO changes activations": ("model_states_shrink_with_zero",
-                                 dict(end=lambda s, ctx, c: replace(c, act=c.act * (1 + s.zero)))),
-    "a transition inside one layout": ("transitions_follow_batch_layout",
-                                       dict(transition=lambda a, b, t: t + (1e-3 if a.checkpoint != b.checkpoint else 0))),
-    "first stage pays for the head": ("stage_fixed_sees_only_its_ends",
-                                      dict(fixed=lambda e, h, ctx, f: (f[0] + 1e-3 * h.zero, f[1], f[2]))),
-    "end cost hides the differences": ("dominated_ends_stay_dominated",
-                                       dict(end=lambda s, ctx, c: LayerCost(0.0, 0.0, 0.0, 0.0, 0.0))),
-    "frees memory it does not hold": ("backward_freed_is_the_heads", dict(freed=lambda ctx, freed: freed + 1e9)),
-    "evaluate undercuts its parts": ("evaluate_is_the_sum_of_its_parts",
-                                     dict(evaluate=lambda c: replace(c, step_time_s=0.9 * c.step_time_s))),
-    "evaluate forgets a stage's memory": ("evaluate_is_the_sum_of_its_parts",
-                                          dict(evaluate=lambda c: replace(c, stage_memory_bytes=c.stage_memory_bytes[:1]))),
-    "predict misreports throughput": ("predict_fills_the_prediction", dict(
-        predict=lambda p: p.with_(prediction=Prediction(p.prediction.step_time_s, 1.0, p.prediction.stage_memory_bytes)))),
+BREAKS: dict[str, tuple[str, dict[str, Callable]]] = {  # what breaks -> (the rule that must catch it, the part)
+    "negative recompute time": (
+        "finite_and_non_negative", dict(layer=lambda i, s, ctx, c: replace(c, bwd=-c.bwd) if s.checkpoint else c)),
+    "time depends on the stage": (
+        "layer_cost_depends_on_type_and_stage_shape_only",
+        dict(layer=lambda i, s, ctx, c: replace(c, fwd=c.fwd * (1 + ctx.stage)))),
+    "time depends on the layer index": (
+        "layer_cost_depends_on_type_and_stage_shape_only",
+        dict(layer=lambda i, s, ctx, c: replace(c, fwd=c.fwd * (1 + i)))),
+    "ZeRO-3 keeps more states": (
+        "model_states_shrink_with_zero",
+        dict(layer=lambda i, s, ctx, c: replace(c, states=c.states * (4 if s.zero == 3 else 1)))),
+    "ZeRO changes activations": (
+        "model_states_shrink_with_zero", dict(end=lambda s, ctx, c: replace(c, act=c.act * (1 + s.zero)))),
+    "a transition inside one layout": (
+        "transitions_follow_batch_layout",
+        dict(transition=lambda a, b, t: t + (1e-3 if a.checkpoint != b.checkpoint else 0.0))),
+    "first stage pays for the head": (
+        "stage_fixed_sees_only_its_ends", dict(fixed=lambda e, h, ctx, f: (f[0] + 1e-3 * h.zero, f[1], f[2]))),
+    "end cost hides the differences": (
+        "dominated_ends_stay_dominated", dict(end=lambda s, ctx, c: LayerCost(0.0, 0.0, 0.0, 0.0, 0.0))),
+    "frees memory it does not hold": (
+        "backward_freed_is_the_heads", dict(freed=lambda ctx, freed: freed + 1e9)),
+    "evaluate undercuts its parts": (
+        "evaluate_is_the_sum_of_its_parts", dict(evaluate=lambda c: replace(c, step_time_s=0.9 * c.step_time_s))),
+    "evaluate forgets a stage's memory": (
+        "evaluate_is_the_sum_of_its_parts",
+        dict(evaluate=lambda c: replace(c, stage_memory_bytes=c.stage_memory_bytes[:1]))),
+    "predict misreports throughput": (
+        "predict_fills_the_prediction",
+        dict(predict=lambda p: p.with_(prediction=replace(p.prediction, throughput=1.0)))),
 }
 
 

@@ -274,9 +274,10 @@ def predict_fills_the_prediction(p: Probe) -> Iterator[str]:
             yield f"predict({_name(plan)}) changed the plan or attached no prediction"
             continue
         assert plan.global_batch is not None
-        if not (_close(pred.step_time_s, cost.step_time_s) and _close(pred.throughput, plan.global_batch / cost.step_time_s)
-                and len(pred.stage_memory_bytes) == plan.pp
-                and all(_close(x, y) for x, y in zip(pred.stage_memory_bytes, cost.stage_memory_bytes))):
+        same_memory = len(pred.stage_memory_bytes) == plan.pp and all(
+            _close(x, y) for x, y in zip(pred.stage_memory_bytes, cost.stage_memory_bytes))
+        if not (_close(pred.step_time_s, cost.step_time_s) and same_memory
+                and _close(pred.throughput, plan.global_batch / cost.step_time_s)):
             yield f"predict({_name(plan)}).prediction = {pred} disagrees with evaluate: {cost}"
     plan = _probe_plans(p)[0].with_(global_batch=None)
     try:
@@ -381,7 +382,7 @@ def make_probe(cost: CostModel, profile: ModelProfile, world_size: int = 4, micr
 
 def contract_violations(cost: CostModel, profile: ModelProfile, world_size: int = 4, micro_batch: int | None = None,
                         micro_batches: int = 2) -> list[str]:
-    """Every broken rule, one line each, ``rule: detail`` (at most 5 lines per rule); empty when ``cost`` keeps the contract."""
+    """Every broken rule as ``rule: detail`` lines (at most 5 per rule); empty when ``cost`` keeps the contract."""
     probe = make_probe(cost, profile, world_size, micro_batch, micro_batches)
     out: list[str] = []
     for rule in RULES:
