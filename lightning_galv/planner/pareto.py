@@ -8,26 +8,35 @@ losing an optimum, because every later step of the search only adds to or compar
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from ..errors import bad_value
 
 
-def pareto_keep(costs: np.ndarray, groups: np.ndarray | None = None) -> np.ndarray:
-    """Boolean mask over the rows of ``costs`` ``[n, d]``: True where no other row dominates.
+def pareto_keep(columns: Sequence[np.ndarray], groups: np.ndarray | None = None) -> np.ndarray:
+    """Mask over ``n`` options with one cost array ``[n]`` per column: True where no other option dominates.
 
-    Row ``j`` dominates row ``i`` when it is ``<=`` in every column and ``<`` in one, or equal in all
+    Option ``j`` dominates option ``i`` when it is ``<=`` in every column and ``<`` in one, or equal in all
     columns and earlier (of identical options the first is kept, so ties resolve to the lowest index,
-    deterministically). With ``groups`` ``[n]``, rows only compete within their group -- strategies with
+    deterministically). With ``groups`` ``[n]``, options only compete within their group -- strategies with
     different activation layouts are not interchangeable, since their transitions to the neighbouring
-    layers differ.
+    layers differ. Column by column, so the search's hot path (before every layer DP) builds [n, n] masks only.
     """
-    costs = np.asarray(costs, dtype=float)
-    if costs.ndim != 2:
-        raise bad_value(f"costs of shape {costs.shape}", "must be 2-D: [options, columns]", "stack one row per option.")
-    n = len(costs)
-    no_worse = (costs[None, :, :] <= costs[:, None, :]).all(axis=2)  # [i, j]: row j <= row i everywhere
-    better = (costs[None, :, :] < costs[:, None, :]).any(axis=2)  # [i, j]: row j < row i somewhere
+    if not len(columns):
+        raise bad_value("no cost columns", "an option needs at least one cost to be compared on",
+                        "pass e.g. (time, memory) arrays, one entry per option.")
+    n = len(columns[0])
+    no_worse = np.ones((n, n), dtype=bool)  # [i, j]: option j <= option i in every column so far
+    better = np.zeros((n, n), dtype=bool)  # [i, j]: option j < option i in some column
+    for col in columns:
+        col = np.asarray(col)
+        if col.shape != (n,):
+            raise bad_value(f"cost column of shape {col.shape}", f"every column needs one entry per option ({n})",
+                            "pass one 1-D array per cost, all of the same length.")
+        no_worse &= col[None, :] <= col[:, None]
+        better |= col[None, :] < col[:, None]
     idx = np.arange(n)
     beats = no_worse & (better | (idx[None, :] < idx[:, None]))
     if groups is not None:

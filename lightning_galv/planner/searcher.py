@@ -182,7 +182,7 @@ class Searcher:
         ctx = StageContext(S, mb, 1)
         cs = [self.cost.end_cost(e, ctx, first, not first, self.space.vocab_parallel_loss) for e in opts]
         vec = np.array([[c.fwd + c.bwd, c.step_extra, c.states, c.act] for c in cs]).reshape(len(cs), 4)
-        keep = [e for e, kept in zip(opts, pareto_keep(vec)) if kept]
+        keep = [e for e, kept in zip(opts, pareto_keep(vec.T)) if kept]
         self.edge_cache[key] = keep
         return keep
 
@@ -216,7 +216,7 @@ class Searcher:
     def _front(self, edges: list[Edge], ctx: StageContext) -> list[Edge]:
         """Edges of one stage not beaten by another in mb time, step extra and memory (all of stage_fixed)."""
         vec = np.array([self.fixed(e, h, ctx) for e, h in edges]).reshape(len(edges), 3)
-        return [edge for edge, kept in zip(edges, pareto_keep(vec)) if kept]
+        return [edge for edge, kept in zip(edges, pareto_keep(vec.T)) if kept]
 
     def fixed(self, emb: LayerStrategy, head: LayerStrategy, ctx: StageContext) -> tuple[float, float, float]:
         """``stage_fixed`` memoized: the same (stage, micro-batch) recurs for every strategy of the 3-D space."""
@@ -275,7 +275,7 @@ class Searcher:
             q = q_all[layer_types][:, allowed]
             cl = tab.cls[allowed]
             if types is None:  # drop dominated strategies (exact: same class, no better anywhere)
-                keep = pareto_keep(np.stack([c[0], q[0], r_all[layer_types[0], allowed]], axis=1), cl)
+                keep = pareto_keep((c[0], q[0], r_all[layer_types[0], allowed]), cl)
                 allowed, c, q, cl = allowed[keep], c[:, keep], q[:, keep], cl[keep]
                 j0 = int(np.argmin(c[0]))
                 n_fit = capacity // max(1, q[0, j0])
