@@ -226,6 +226,8 @@ def test_bad_arguments() -> None:
         search(prof, hw, 4, -1.0)
     with pytest.raises(TypeError, match="HINT:"):
         search("gpt", hw, 4, 1e9)
+    with pytest.raises(TypeError, match="cost_model=.*HINT:"):
+        search(prof, hw, 4, 1e9, cost_model=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="HINT:"):
         SearchSpace(schedules=("zigzag",))
 

@@ -107,6 +107,9 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise bad_value(f"top_k={top_k}", "must be a positive int", "top_k=5.")
     space = space or SearchSpace()
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model={type(cost_model).__name__}: expected a CostModel. HINT: subclass "
+                        "lightning_galv.planner.CostModel (and run it through planner.contract.check_cost_model).")
     cost = cost_model or GalvatronCostModel(profile, hw, space.default_embed_zero)
     batches = _batches(global_batch)
     s = Searcher(profile, hw, world, budget, space, cost)
