@@ -24,7 +24,7 @@ from lightning_galv.compat.galvatron import read_hardware_profile, read_model_pr
 from lightning_galv.plan import LayerStrategy, ModelShape, ParallelPlan  # noqa: E402
 from lightning_galv.planner.cost import GalvatronCostModel  # noqa: E402
 from lightning_galv.planner.profiles import HardwareProfile  # noqa: E402
-from lightning_galv.planner.search import SearchSpace, search  # noqa: E402
+from lightning_galv.planner import SearchSpace, search  # noqa: E402
 
 GiB = 2**30
 # model, nodes, memory GB, global batch, Galvatron's plan (pp, tp, micro-batches), its prediction s, its wall s, 3-D only

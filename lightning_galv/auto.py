@@ -122,7 +122,7 @@ class AutoSearch:
     def cost_model(self) -> "GalvatronCostModel":
         """The cost model the search priced plans with (to predict other plans the same way)."""
         from .planner import GalvatronCostModel
-        from .planner.search import SearchSpace
+        from .planner.space import SearchSpace
 
         if self.model is None or self.hardware is None:
             raise ValueError("AutoSearch.model=None: the model has no block protocol, so nothing was priced. "
@@ -141,7 +141,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
     vocab-sharded logits (priced, and set on the plan). Models without the block protocol get a plain
     data-parallel plan (no profile, no search)."""
     from .planner import GalvatronCostModel, HardwareProfile, ProfileCache, SearchSpace, search
-    from .planner.search import DEFAULT_MEMORY_MARGIN, _rank_key
+    from .planner.search import DEFAULT_MEMORY_MARGIN, rank_key
     from .profiling import HardwareProfiler
 
     budget = parse_bytes(memory_budget) if memory_budget is not None else device_memory(device)
@@ -183,7 +183,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
                 raise ValueError(f"memory_budget={budget:.0f} bytes: no plan fits this run. "
                                  + " | ".join(failures) + " HINT: raise memory_budget, lower the batch size, or "
                                  "give the LightningModule the pipeline hooks so pipeline stages can be searched.")
-            found.sort(key=_rank_key)
+            found.sort(key=rank_key)
             best = found[0]
             if loader_batch is None:
                 notes.append(f"loader batch unknown: assumed {_ASSUMED_LOADER_BATCH} per shard, pipelines not searched")

@@ -27,21 +27,18 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from .errors import bad_value
+
 SP_MODES = ("none", "megatron", "ulysses")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 BACKENDS = ("native", "deepspeed")
-
-
-def _err(value: object, rule: str, hint: str) -> ValueError:
-    """One format for every plan error: the value, the rule it breaks, and what to do."""
-    return ValueError(f"{value!r}: {rule}. HINT: {hint}")
 
 
 def _check_int(name: str, value: object, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}={value!r}: must be an int. HINT: write {name}: 2, not {name}: '2'.")
     if value < minimum:
-        raise _err(f"{name}={value}", f"must be >= {minimum}", f"use a positive degree for {name}.")
+        raise bad_value(f"{name}={value}", f"must be >= {minimum}", f"use a positive degree for {name}.")
 
 
 @dataclass(frozen=True)
@@ -67,13 +64,13 @@ class LayerStrategy:
                        f"{'*tp for Ulysses' if self.ulysses else ''}), so ep must divide it",
                        f"pick ep from the divisors of {self.data_group}, or raise dp.")
         if self.sp not in SP_MODES:
-            raise _err(f"sp={self.sp}", f"must be one of {SP_MODES}", "use 'megatron' for TP with "
-                       "sequence-sharded norms or 'ulysses' for all-to-all sequence parallelism.")
+            raise bad_value(f"sp={self.sp}", f"must be one of {SP_MODES}", "use 'megatron' for TP with "
+                            "sequence-sharded norms or 'ulysses' for all-to-all sequence parallelism.")
         if self.zero > 3:
-            raise _err(f"zero={self.zero}", "ZeRO stage must be 0, 1, 2 or 3", "pick zero: 3 for full sharding.")
+            raise bad_value(f"zero={self.zero}", "ZeRO stage must be 0, 1, 2 or 3", "pick zero: 3 for full sharding.")
         if self.sp != "none" and self.tp == 1:
-            raise _err(f"sp={self.sp} with tp=1", "sequence parallelism needs a group of size > 1",
-                       "set tp to the sequence-parallel degree, or sp='none'.")
+            raise bad_value(f"sp={self.sp} with tp=1", "sequence parallelism needs a group of size > 1",
+                            "set tp to the sequence-parallel degree, or sp='none'.")
         for name in ("checkpoint", "tp_consecutive"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r}: must be a bool. HINT: write true/false.")
@@ -127,8 +124,8 @@ class LayerStrategy:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise _err(sorted(unknown), f"unknown LayerStrategy keys (known: {sorted(known)})",
-                       "check the spelling of the plan file.")
+            raise bad_value(sorted(unknown), f"unknown LayerStrategy keys (known: {sorted(known)})",
+                            "check the spelling of the plan file.")
         return cls(**dict(data))
 
 
@@ -184,10 +181,10 @@ class ParallelPlan:
         if not isinstance(self.layers, tuple):
             object.__setattr__(self, "layers", tuple(LayerStrategy.from_dict(s) for s in self.layers))
         if not self.layers:
-            raise _err("layers=()", "a plan needs one strategy per layer", "list at least one layer.")
+            raise bad_value("layers=()", "a plan needs one strategy per layer", "list at least one layer.")
         if self.world_size % self.pp:
-            raise _err(f"world_size={self.world_size}, pp={self.pp}", "pp must divide the world size",
-                       f"pick pp from the divisors of {self.world_size}: {_divisors(self.world_size)}.")
+            raise bad_value(f"world_size={self.world_size}, pp={self.pp}", "pp must divide the world size",
+                            f"pick pp from the divisors of {self.world_size}: {divisors(self.world_size)}.")
         stage = self.world_size // self.pp
         default = LayerStrategy(dp=stage)
         for name in ("embed", "head"):
@@ -196,63 +193,63 @@ class ParallelPlan:
         for i, s in enumerate(self.all_strategies()):
             label = {0: "embed", len(self.layers) + 1: "head"}.get(i, f"layers[{i - 1}]")
             if s.width != stage:
-                raise _err(f"{label}: tp={s.tp} x dp={s.dp} = {s.width}",
-                           f"each layer's tp*dp must equal world_size/pp = {self.world_size}/{self.pp} = {stage}",
-                           f"factor {stage} as tp*dp, e.g. tp={_divisors(stage)[-1]} dp=1 or tp=1 dp={stage}.")
+                raise bad_value(f"{label}: tp={s.tp} x dp={s.dp} = {s.width}",
+                                f"each layer's tp*dp must equal world_size/pp = {self.world_size}/{self.pp} = {stage}",
+                                f"factor {stage} as tp*dp, e.g. tp={divisors(stage)[-1]} dp=1 or tp=1 dp={stage}.")
         if self.pipeline_schedule not in SCHEDULES:
-            raise _err(f"pipeline_schedule={self.pipeline_schedule}", f"must be one of {SCHEDULES}",
-                       "use '1f1b' unless you know you need another schedule.")
+            raise bad_value(f"pipeline_schedule={self.pipeline_schedule}", f"must be one of {SCHEDULES}",
+                            "use '1f1b' unless you know you need another schedule.")
         if not isinstance(self.vocab_parallel_loss, bool):
             raise TypeError(f"vocab_parallel_loss={self.vocab_parallel_loss!r}: must be a bool. HINT: true only when "
                             "the training loss uses lightning_galv.loss.cross_entropy on the head's output.")
         if self.backend not in BACKENDS:
-            raise _err(f"backend={self.backend}", f"must be one of {BACKENDS}", "use 'native'.")
+            raise bad_value(f"backend={self.backend}", f"must be one of {BACKENDS}", "use 'native'.")
         if self.backend == "deepspeed":
             bad = [s.short() for s in self.all_strategies() if s.tp > 1]
             if bad or self.pp > 1:
-                raise _err(f"backend=deepspeed with {bad or f'pp={self.pp}'}",
-                           "the DeepSpeed backend runs pure data-parallel ZeRO plans only",
-                           "use backend='native' for TP/SP/PP plans.")
+                raise bad_value(f"backend=deepspeed with {bad or f'pp={self.pp}'}",
+                                "the DeepSpeed backend runs pure data-parallel ZeRO plans only",
+                                "use backend='native' for TP/SP/PP plans.")
             if len({s.zero for s in self.all_strategies()}) > 1:
-                raise _err("backend=deepspeed with mixed ZeRO stages", "DeepSpeed applies one ZeRO stage "
-                           "to the whole model", "give every layer the same zero stage.")
+                raise bad_value("backend=deepspeed with mixed ZeRO stages", "DeepSpeed applies one ZeRO stage "
+                                "to the whole model", "give every layer the same zero stage.")
         if self.virtual_stages > 1 and self.pipeline_schedule != "interleaved_1f1b":
-            raise _err(f"virtual_stages={self.virtual_stages} with {self.pipeline_schedule}",
-                       "virtual stages exist only in the interleaved 1F1B schedule",
-                       "set pipeline_schedule='interleaved_1f1b' or virtual_stages=1.")
+            raise bad_value(f"virtual_stages={self.virtual_stages} with {self.pipeline_schedule}",
+                            "virtual stages exist only in the interleaved 1F1B schedule",
+                            "set pipeline_schedule='interleaved_1f1b' or virtual_stages=1.")
         n_chunks = self.pp * self.virtual_stages
         if self.pp_division is None:
             if len(self.layers) < n_chunks:
-                raise _err(f"{len(self.layers)} layers", f"fewer layers than pipeline chunks ({n_chunks})",
-                           "lower pp or virtual_stages.")
+                raise bad_value(f"{len(self.layers)} layers", f"fewer layers than pipeline chunks ({n_chunks})",
+                                "lower pp or virtual_stages.")
             object.__setattr__(self, "pp_division", even_division(len(self.layers), n_chunks))
         else:
             division = tuple(self.pp_division)
             object.__setattr__(self, "pp_division", division)
             if len(division) != n_chunks or any((not isinstance(d, int)) or d < 1 for d in division):
-                raise _err(f"pp_division={list(division)}", f"needs {n_chunks} positive layer counts "
-                           f"(pp={self.pp} x virtual_stages={self.virtual_stages})",
-                           f"e.g. {list(even_division(len(self.layers), n_chunks))}.")
+                raise bad_value(f"pp_division={list(division)}", f"needs {n_chunks} positive layer counts "
+                                f"(pp={self.pp} x virtual_stages={self.virtual_stages})",
+                                f"e.g. {list(even_division(len(self.layers), n_chunks))}.")
             if sum(division) != len(self.layers):
-                raise _err(f"pp_division={list(division)} (sum {sum(division)})",
-                           f"must sum to the number of layers, {len(self.layers)}",
-                           f"e.g. {list(even_division(len(self.layers), n_chunks))}.")
+                raise bad_value(f"pp_division={list(division)} (sum {sum(division)})",
+                                f"must sum to the number of layers, {len(self.layers)}",
+                                f"e.g. {list(even_division(len(self.layers), n_chunks))}.")
         if self.pp > 1:
             if self.pipeline_schedule != "gpipe" and self.micro_batches < self.pp:
-                raise _err(f"micro_batches={self.micro_batches} with pp={self.pp}",
-                           f"{self.pipeline_schedule} needs at least as many micro-batches as stages",
-                           f"set micro_batches >= {self.pp} (2*pp keeps the bubble small).")
+                raise bad_value(f"micro_batches={self.micro_batches} with pp={self.pp}",
+                                f"{self.pipeline_schedule} needs at least as many micro-batches as stages",
+                                f"set micro_batches >= {self.pp} (2*pp keeps the bubble small).")
             if self.pipeline_schedule == "interleaved_1f1b" and self.micro_batches % self.pp:
-                raise _err(f"micro_batches={self.micro_batches} with pp={self.pp}",
-                           "interleaved 1F1B needs micro_batches divisible by pp",
-                           f"use micro_batches={self.pp * max(1, self.micro_batches // self.pp)}.")
+                raise bad_value(f"micro_batches={self.micro_batches} with pp={self.pp}",
+                                "interleaved 1F1B needs micro_batches divisible by pp",
+                                f"use micro_batches={self.pp * max(1, self.micro_batches // self.pp)}.")
         if self.global_batch is not None:
             _check_int("global_batch", self.global_batch)
             unit = self.batch_unit
             if self.global_batch % unit:
-                raise _err(f"global_batch={self.global_batch}",
-                           f"must be divisible by micro_batches x lcm(dp degrees) = {unit}",
-                           f"use a multiple of {unit}, e.g. {unit * max(1, round(self.global_batch / unit))}.")
+                raise bad_value(f"global_batch={self.global_batch}",
+                                f"must be divisible by micro_batches x lcm(dp degrees) = {unit}",
+                                f"use a multiple of {unit}, e.g. {unit * max(1, round(self.global_batch / unit))}.")
 
     # -- derived facts ------------------------------------------------------------------------------
     @property
@@ -288,8 +285,8 @@ class ParallelPlan:
     def check_model(self, shape: "ModelShape") -> None:
         """Checks that need the model: layer count and divisibility of heads / hidden / sequence."""
         if len(self.layers) != shape.num_layers:
-            raise _err(f"{len(self.layers)} layer strategies", f"the model has {shape.num_layers} layers",
-                       "give one strategy per transformer block (or use ParallelPlan.uniform).")
+            raise bad_value(f"{len(self.layers)} layer strategies", f"the model has {shape.num_layers} layers",
+                            "give one strategy per transformer block (or use ParallelPlan.uniform).")
         for label, s in [("embed", self.embed), *((f"layers[{i}]", s) for i, s in enumerate(self.layers)),
                          ("head", self.head)]:
             assert s is not None
@@ -297,11 +294,11 @@ class ParallelPlan:
                 continue
             if label in ("embed", "head"):
                 if s.ulysses:
-                    raise _err(f"{label}: sp=ulysses", "embedding/head cannot use Ulysses",
-                               "use tp with sp='none' (vocab-parallel) or tp=1 for the embedding/head.")
+                    raise bad_value(f"{label}: sp=ulysses", "embedding/head cannot use Ulysses",
+                                    "use tp with sp='none' (vocab-parallel) or tp=1 for the embedding/head.")
                 if shape.vocab_size % s.tp:
-                    raise _err(f"{label}: tp={s.tp}", f"must divide vocab_size={shape.vocab_size}",
-                               f"pad the vocabulary to a multiple of {s.tp} or lower tp.")
+                    raise bad_value(f"{label}: tp={s.tp}", f"must divide vocab_size={shape.vocab_size}",
+                                    f"pad the vocabulary to a multiple of {s.tp} or lower tp.")
                 continue
             checks = [("num_heads", shape.num_heads), ("num_kv_heads", shape.num_kv_heads)]
             if not s.ulysses:
@@ -310,8 +307,8 @@ class ParallelPlan:
                 checks.append(("seq_len", shape.seq_len))
             for what, n in checks:
                 if n % s.tp:
-                    raise _err(f"{label}: tp={s.tp} ({s.sp})", f"must divide {what}={n}",
-                               f"choose tp from {_divisors(n)} for this layer.")
+                    raise bad_value(f"{label}: tp={s.tp} ({s.sp})", f"must divide {what}={n}",
+                                    f"choose tp from {divisors(n)} for this layer.")
 
     # -- construction helpers -------------------------------------------------------------------------
     @classmethod
@@ -360,11 +357,12 @@ class ParallelPlan:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise _err(sorted(unknown), f"unknown plan keys (known: {sorted(known)})",
-                       "check the spelling of the plan file.")
+            raise bad_value(sorted(unknown), f"unknown plan keys (known: {sorted(known)})",
+                            "check the spelling of the plan file.")
         for key in ("world_size", "layers"):
             if key not in data:
-                raise _err(sorted(data), f"a plan needs the key '{key}'", "see ParallelPlan.to_dict() for the format.")
+                raise bad_value(sorted(data), f"a plan needs the key '{key}'",
+                                "see ParallelPlan.to_dict() for the format.")
         layers = data.pop("layers")
         if not isinstance(layers, (list, tuple)):
             raise TypeError(f"layers={layers!r}: must be a list. HINT: one entry per transformer block.")
@@ -467,7 +465,12 @@ def even_division(num_layers: int, chunks: int) -> tuple[int, ...]:
     return tuple(base + (1 if i < extra else 0) for i in range(chunks))
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """Every degree that splits ``n`` ranks (or layers, heads, ...) evenly, ascending.
+
+    The one copy: plan validation names them in its hints, the planner enumerates pipeline and
+    tensor-parallel degrees from them, the test helpers draw random factorizations from them.
+    """
     return [d for d in range(1, n + 1) if n % d == 0]
 
 

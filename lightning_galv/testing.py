@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Collection
 
-from .plan import SCHEDULES, SP_MODES, LayerStrategy, ModelShape, ParallelPlan
+from .plan import SCHEDULES, SP_MODES, LayerStrategy, ModelShape, ParallelPlan, divisors
 
 
 def free_port() -> int:
@@ -139,16 +139,12 @@ def _worker(target: str, tmp: str, init_pg: bool) -> None:
         dist.destroy_process_group()
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def random_strategy(rng: random.Random, width: int, *, edge: bool = False) -> LayerStrategy:
     """A random valid factorization of ``width`` ranks with random sp / ZeRO / checkpointing / grouping.
 
     ``edge``: for the embedding or head (no Ulysses, no activation checkpointing there).
     """
-    tp = rng.choice(_divisors(width))
+    tp = rng.choice(divisors(width))
     dp = width // tp
     sp = "none"
     if tp > 1 and not edge:

@@ -12,7 +12,7 @@ from lightning_galv.compat.galvatron import (read_hardware_profile, read_meta_co
                                              write_plan)
 from lightning_galv.plan import LayerStrategy, ParallelPlan
 from lightning_galv.planner.cost import GalvatronCostModel
-from lightning_galv.planner.search import SearchSpace, search
+from lightning_galv.planner import SearchSpace, search
 
 REF = Path(__file__).resolve().parent / "data" / "galvatron"
 CONFIGS = REF / "gpt" / "configs"

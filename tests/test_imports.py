@@ -56,6 +56,25 @@ def test_planner_and_plan_cli_without_torch() -> None:
     assert "OK ParallelPlan: world 8" in out.stdout and "ParallelPlan: world 4" in out.stdout
 
 
+def test_every_planner_module_imports_without_torch() -> None:
+    """Each module of ``planner/`` (found on disk, so a new module is covered the day it lands), the error
+    helper and the plan import alone in a process where torch and Lightning cannot be imported."""
+    planner = Path(__file__).resolve().parents[1] / "lightning_galv" / "planner"
+    modules = sorted(f"lightning_galv.planner.{p.stem}" for p in planner.glob("*.py") if p.stem != "__init__")
+    assert {"lightning_galv.planner.search", "lightning_galv.planner.searcher", "lightning_galv.planner.space",
+            "lightning_galv.planner.layer_dp", "lightning_galv.planner.partition", "lightning_galv.planner.pareto",
+            "lightning_galv.planner.explain", "lightning_galv.planner.contract"} <= set(modules), modules
+    for name in modules + ["lightning_galv.errors", "lightning_galv.plan"]:
+        out = _run(f"""
+            import importlib, sys
+            importlib.import_module({name!r})
+            heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "lightning"))
+            assert not heavy, heavy
+            print("OK")
+        """)
+        assert out.returncode == 0 and "OK" in out.stdout, (name, out.stderr[-3000:])
+
+
 def test_strategy_is_registered_whichever_is_imported_first() -> None:
     code = """
         import sys

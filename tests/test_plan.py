@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_galv import GalvatronStrategy
+from lightning_galv.errors import bad_value
 from lightning_galv.layout import RankLayout
 from lightning_galv.models import Llama, LlamaConfig, find_parts
 from lightning_galv.parallel.parallelize import check_plan_for_model
@@ -70,6 +71,17 @@ def test_bad_plans(kwargs: dict, needle: str) -> None:
 def test_bad_layer_strategies(kwargs: dict) -> None:
     with pytest.raises(ValueError, match="HINT"):
         L(**kwargs)
+
+
+def test_one_error_format() -> None:
+    """Plans, profiles, the search space and Galvatron files all raise through ``errors.bad_value``."""
+    err = bad_value("pp=3", "must divide world_size 8", "pick pp from [1, 2, 4, 8].")
+    assert isinstance(err, ValueError)
+    assert str(err) == "'pp=3': must divide world_size 8. HINT: pick pp from [1, 2, 4, 8]."
+    with pytest.raises(ValueError) as e:
+        ParallelPlan(world_size=6, layers=(L(dp=3),), pp=4)
+    assert str(e.value) == ("'world_size=6, pp=4': pp must divide the world size. "
+                            "HINT: pick pp from the divisors of 6: [1, 2, 3, 6].")
 
 
 def test_wrong_types_are_type_errors() -> None:

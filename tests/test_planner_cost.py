@@ -133,14 +133,14 @@ def test_vocab_parallel_head_golden() -> None:
     cm = GalvatronCostModel(profile(params=0).with_(head_act_bytes=1000.0), hardware(bw=1e6))
     ctx = StageContext(stage_size=2, micro_batch=2, micro_batches=1)
     head = LayerStrategy(tp=2)
-    gathered = cm.other_cost(head, ctx, False, True)
-    vpl = cm.other_cost(head, ctx, False, True, vocab_parallel_loss=True)
+    gathered = cm.end_cost(head, ctx, False, True)
+    vpl = cm.end_cost(head, ctx, False, True, vocab_parallel_loss=True)
     assert gathered.fwd == pytest.approx(12.8e-3) and gathered.act == pytest.approx(2000.0)
     assert vpl.fwd == pytest.approx(2.4e-3) and vpl.act == pytest.approx(1000.0)
     assert vpl.bwd == gathered.bwd and vpl.states == gathered.states
     # a tp=1 head neither gathers nor shards, whatever the flag
     dp = LayerStrategy(dp=2)
-    assert cm.other_cost(dp, ctx, False, True, True) == cm.other_cost(dp, ctx, False, True, False)
+    assert cm.end_cost(dp, ctx, False, True, True) == cm.end_cost(dp, ctx, False, True, False)
     # the whole plan: the flag is read from ParallelPlan.vocab_parallel_loss
     plan = ParallelPlan.uniform(2, 4, LayerStrategy(tp=2), global_batch=2)
     a, b = cm.evaluate(plan), cm.evaluate(plan.with_(vocab_parallel_loss=True))

@@ -11,7 +11,9 @@ import pytest
 from lightning_galv.plan import LayerStrategy, ModelShape, ParallelPlan
 from lightning_galv.planner.cost import GalvatronCostModel, StageContext
 from lightning_galv.planner.profiles import HardwareProfile, LayerTypeProfile, ModelProfile, TimeFit, act_key
-from lightning_galv.planner.search import DEFAULT_MEMORY_MARGIN, SearchSpace, candidate_strategies, search
+from lightning_galv.planner.pareto import pareto_keep
+from lightning_galv.planner.search import DEFAULT_MEMORY_MARGIN, search
+from lightning_galv.planner.space import SearchSpace, candidate_strategies
 
 MS = 1e-3
 
@@ -114,6 +116,20 @@ def test_dp_matches_brute_force_on_every_small_instance() -> None:
     assert agreed >= 50 and infeasible >= 5 and dp_runs >= 20, (agreed, infeasible, dp_runs)
 
 
+def test_pareto_keep_drops_dominated_and_later_ties() -> None:
+    """(time, memory): option 2 repeats option 0 and option 4 is beaten by it; 1 and 3 trade time for memory."""
+    time = np.array([1.0, 2.0, 1.0, 3.0, 1.0])
+    memory = np.array([5, 4, 5, 3, 6])
+    assert pareto_keep((time, memory)).tolist() == [True, True, False, True, False]
+    # in a group of its own the repeat competes with nobody
+    assert pareto_keep((time, memory), np.array([0, 0, 1, 0, 0])).tolist() == [True, True, True, True, False]
+    assert pareto_keep((np.array([]),)).shape == (0,)
+    with pytest.raises(ValueError, match="HINT:"):
+        pareto_keep(())
+    with pytest.raises(ValueError, match="HINT:"):
+        pareto_keep((time, memory[:3]))
+
+
 # ---------------------------------------------------------------------------------------------------
 # stage partition
 # ---------------------------------------------------------------------------------------------------
@@ -210,6 +226,8 @@ def test_bad_arguments() -> None:
         search(prof, hw, 4, -1.0)
     with pytest.raises(TypeError, match="HINT:"):
         search("gpt", hw, 4, 1e9)
+    with pytest.raises(TypeError, match="cost_model=.*HINT:"):
+        search(prof, hw, 4, 1e9, cost_model=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="HINT:"):
         SearchSpace(schedules=("zigzag",))
 

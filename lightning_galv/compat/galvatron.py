@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..errors import bad_value
 from ..plan import LayerStrategy, ModelShape, ParallelPlan
 from ..planner.profiles import (HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, TimeFit, act_key,
                                 link_key)
@@ -33,20 +34,16 @@ _DP_TYPES = {"ddp": 0, "zero2": 2, "zero3": 3}
 _PIPELINES = {"pipedream_flush": "1f1b", "gpipe": "gpipe"}
 
 
-def _bad(value: object, rule: str, hint: str) -> ValueError:
-    return ValueError(f"{value!r}: {rule}. HINT: {hint}")
-
-
 def _load(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise _bad(str(p), "file does not exist", "point at Galvatron's configs/ or hardware_configs/ directory.")
+        raise bad_value(str(p), "file does not exist", "point at Galvatron's configs/ or hardware_configs/ directory.")
     try:
         data = json.loads(p.read_text())
     except json.JSONDecodeError as exc:
-        raise _bad(str(p), f"is not valid JSON ({exc})", "re-copy the file from Galvatron.") from exc
+        raise bad_value(str(p), f"is not valid JSON ({exc})", "re-copy the file from Galvatron.") from exc
     if not isinstance(data, dict):
-        raise _bad(str(p), "top level must be a JSON object", "is this a Galvatron profile?")
+        raise bad_value(str(p), "top level must be a JSON object", "is this a Galvatron profile?")
     return data
 
 
@@ -63,7 +60,8 @@ def read_meta_config(path: str | Path, seq_len: int | None = None) -> ModelShape
                           num_kv_heads=int(d.get("n_kv_head", heads)), ffn_hidden=int(d.get("n_inner") or 4 * h),
                           vocab_size=int(d["vocab_size"]), seq_len=int(seq_len or d["n_positions"]))
     except KeyError as exc:
-        raise _bad(str(path), f"meta config lacks {exc}", "expected GPT keys n_layer, n_embd, n_head, vocab_size.") from None
+        raise bad_value(str(path), f"meta config lacks {exc}",
+                        "expected GPT keys n_layer, n_embd, n_head, vocab_size.") from None
 
 
 def profile_paths(config_dir: str | Path, shape: ModelShape, precision: str = "bf16") -> tuple[Path, Path]:
@@ -81,8 +79,8 @@ def read_model_profile(meta_config: str | Path, config_dir: str | Path, precisio
     comp, mem = _load(comp_path), _load(mem_path)
     s = shape.seq_len
     if "layertype_0" not in comp or "layertype_0" not in mem:
-        raise _bad(str(comp_path), "no 'layertype_0' entry (only the pre-2.4 layout is understood)",
-                   "re-key a 2.4 profile to 'layertype_0' (ms per sample) or profile with ModelProfiler.")
+        raise bad_value(str(comp_path), "no 'layertype_0' entry (only the pre-2.4 layout is understood)",
+                        "re-key a 2.4 profile to 'layertype_0' (ms per sample) or profile with ModelProfiler.")
     fwd_ms = float(comp["layertype_0"])  # forward ms per sample per layer
     fwd = TimeFit(0.0, fwd_ms / 1e3 / s, 0.0)
     bwd = fwd.scaled(2.0)  # Galvatron's assumption: backward = 2x forward
@@ -182,9 +180,9 @@ def _ints(value: Any, n: int | None, key: str) -> list[int]:
     try:
         out = [int(x) for x in str(value).split(",") if x.strip() != ""]
     except ValueError:
-        raise _bad(f"{key}={value}", "must be comma-separated integers", "e.g. \"1,1,2,2\".") from None
+        raise bad_value(f"{key}={value}", "must be comma-separated integers", "e.g. \"1,1,2,2\".") from None
     if n is not None and len(out) != n:
-        raise _bad(f"{key} has {len(out)} entries", f"expected one per layer ({n})", "check tp_sizes_enc length.")
+        raise bad_value(f"{key} has {len(out)} entries", f"expected one per layer ({n})", "check tp_sizes_enc length.")
     return out
 
 
@@ -193,11 +191,11 @@ def read_plan(source: str | Path | Mapping[str, Any], world_size: int) -> Parall
     d = dict(_load(source) if isinstance(source, (str, Path)) else source)
     for key in ("pp_deg", "tp_sizes_enc", "global_bsz", "chunks"):
         if key not in d:
-            raise _bad(sorted(d), f"Galvatron plan lacks '{key}'", "is this a galvatron_config_*.json file?")
+            raise bad_value(sorted(d), f"Galvatron plan lacks '{key}'", "is this a galvatron_config_*.json file?")
     pp = int(d["pp_deg"])
     if world_size % pp:
-        raise _bad(f"world_size={world_size}, pp_deg={pp}", "pp_deg must divide the world size",
-                   "pass the world size the plan was made for.")
+        raise bad_value(f"world_size={world_size}, pp_deg={pp}", "pp_deg must divide the world size",
+                        "pass the world size the plan was made for.")
     stage = world_size // pp
     tps = _ints(d["tp_sizes_enc"], None, "tp_sizes_enc")
     n = len(tps)
@@ -207,12 +205,14 @@ def read_plan(source: str | Path | Mapping[str, Any], world_size: int) -> Parall
     ckpt = _ints(d.get("checkpoint", 0), n, "checkpoint")
     default = str(d.get("default_dp_type", "ddp"))
     if default not in _DP_TYPES:
-        raise _bad(f"default_dp_type={default}", f"must be one of {sorted(_DP_TYPES)}", "Galvatron writes 'zero2' or 'ddp'.")
+        raise bad_value(f"default_dp_type={default}", f"must be one of {sorted(_DP_TYPES)}",
+                        "Galvatron writes 'zero2' or 'ddp'.")
     megatron_sp = bool(int(d.get("sequence_parallel", 0)))
     layers = []
     for i, tp in enumerate(tps):
         if stage % tp:
-            raise _bad(f"tp_sizes_enc[{i}]={tp}", f"must divide the stage size {stage}", "check world_size and pp_deg.")
+            raise bad_value(f"tp_sizes_enc[{i}]={tp}", f"must divide the stage size {stage}",
+                            "check world_size and pp_deg.")
         sp = "none" if tp == 1 else ("ulysses" if use_sp[i] else ("megatron" if megatron_sp else "none"))
         dp = stage // tp
         group = dp * tp if sp == "ulysses" else dp
@@ -224,13 +224,13 @@ def read_plan(source: str | Path | Mapping[str, Any], world_size: int) -> Parall
     # micro-batch cannot be split over the whole stage
     vtp = int(d["vtp"]) if "vtp" in d else (1 if micro % stage == 0 else tps[0])
     if stage % vtp:
-        raise _bad(f"vtp={vtp}", f"must divide the stage size {stage}", "use vtp=1.")
+        raise bad_value(f"vtp={vtp}", f"must divide the stage size {stage}", "use vtp=1.")
     edp = stage // vtp
     ezero = 3 if int(d.get("embed_sdp", 0)) else _DP_TYPES[default]
     emb = LayerStrategy(tp=vtp, dp=edp, zero=ezero if edp > 1 else 0)
     pipeline = str(d.get("pipeline_type", "pipedream_flush"))
     if pipeline not in _PIPELINES:
-        raise _bad(f"pipeline_type={pipeline}", f"must be one of {sorted(_PIPELINES)}", "use 'pipedream_flush'.")
+        raise bad_value(f"pipeline_type={pipeline}", f"must be one of {sorted(_PIPELINES)}", "use 'pipedream_flush'.")
     division = tuple(_ints(d["pp_division"], pp, "pp_division")) if "pp_division" in d else None
     return ParallelPlan(world_size=world_size, layers=tuple(layers), pp=pp, pp_division=division,
                         micro_batches=int(d["chunks"]), global_batch=int(d["global_bsz"]),
@@ -240,21 +240,21 @@ def read_plan(source: str | Path | Mapping[str, Any], world_size: int) -> Parall
 def write_plan(plan: ParallelPlan) -> dict[str, Any]:
     """A ParallelPlan as Galvatron plan JSON (a dict; ``json.dumps`` it to save)."""
     if plan.pipeline_schedule not in ("1f1b", "gpipe") or plan.virtual_stages != 1:
-        raise _bad(f"pipeline_schedule={plan.pipeline_schedule}", "Galvatron plans know GPipe and 1F1B only",
-                   "search with schedules=('1f1b', 'gpipe') to export to Galvatron.")
+        raise bad_value(f"pipeline_schedule={plan.pipeline_schedule}", "Galvatron plans know GPipe and 1F1B only",
+                        "search with schedules=('1f1b', 'gpipe') to export to Galvatron.")
     if plan.global_batch is None:
-        raise _bad("global_batch=None", "Galvatron plans carry global_bsz", "set plan.global_batch.")
+        raise bad_value("global_batch=None", "Galvatron plans carry global_bsz", "set plan.global_batch.")
     assert plan.embed is not None
     zeros = {s.zero for s in plan.all_strategies() if s.zero != 3 and s.data_group > 1}
     if len(zeros) > 1 or zeros & {1}:
-        raise _bad(f"ZeRO stages {sorted(zeros)}", "Galvatron has one default DP type (ddp or zero2) plus "
-                   "per-layer zero3", "use zero 0 or 2 uniformly, and 3 per layer.")
+        raise bad_value(f"ZeRO stages {sorted(zeros)}", "Galvatron has one default DP type (ddp or zero2) plus "
+                        "per-layer zero3", "use zero 0 or 2 uniformly, and 3 per layer.")
     default = {0: "ddp", 2: "zero2"}[zeros.pop() if zeros else 2]
     sps = {s.sp for s in plan.layers if s.tp > 1}
     megatron = "megatron" in sps
     if megatron and "none" in sps:
-        raise _bad("sp mix of 'megatron' and 'none'", "Galvatron switches Megatron-SP on for all layers",
-                   "use sp='megatron' on every tp layer or on none.")
+        raise bad_value("sp mix of 'megatron' and 'none'", "Galvatron switches Megatron-SP on for all layers",
+                        "use sp='megatron' on every tp layer or on none.")
     csv = lambda xs: ",".join(str(int(x)) for x in xs)  # noqa: E731
     out: dict[str, Any] = {
         "pp_deg": plan.pp,

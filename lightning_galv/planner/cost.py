@@ -1,9 +1,10 @@
 """Time and memory of hybrid-parallel plans, from profiles (no torch, no processes).
 
-:class:`CostModel` is the small interface the search needs; :class:`GalvatronCostModel` is the
+:class:`CostModel` is the interface the search prices plans through; :class:`GalvatronCostModel` is the
 Galvatron-style implementation (VLDB'23, refined in Galvatron-BMW, TKDE'24): a plan's step time is
 built from per-layer costs, each layer's cost from its strategy, and the layers are glued together by
-inter-layer transition costs and the pipeline schedule.
+inter-layer transition costs and the pipeline schedule. ``planner/contract.py`` checks any
+implementation against what the search assumes of it.
 
 Every formula is a short function with a one-line comment naming the source it follows. Units are
 seconds and bytes; ``mb`` is the number of samples in one pipeline micro-batch (the whole stage's),
@@ -17,12 +18,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..plan import LayerStrategy, ModelShape, ParallelPlan
+from ..errors import bad_value
+from ..plan import LayerStrategy, ModelShape, ParallelPlan, Prediction
 from .profiles import HardwareProfile, LayerTypeProfile, ModelProfile
-
-
-def _bad(value: object, rule: str, hint: str) -> ValueError:
-    return ValueError(f"{value!r}: {rule}. HINT: {hint}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -84,7 +82,43 @@ class PlanCost:
 
 
 class CostModel(ABC):
-    """What the search needs from a cost model: per-layer costs, transitions and a whole-plan check."""
+    """What the search asks of a cost model -- and all it asks.
+
+    The search never prices a whole plan while it looks for one: it tabulates per-layer costs once
+    per (stage size, micro-batch), glues layers together with transition costs, adds what a pipeline
+    stage carries besides its blocks, and runs its layer DP and stage partition on those numbers. Only
+    the plans it keeps are priced whole. Hence four parts to implement, and a whole-plan price that by
+    default is assembled from them:
+
+    * :meth:`layer_cost` -- the per-layer table the layer DP runs on.
+    * :meth:`transition_time` -- the edge weights of the layer DP (re-laying out activations).
+    * :meth:`end_cost` -- embedding and head alone, so the search can drop dominated end strategies
+      before trying them on every stage.
+    * :meth:`stage_fixed` -- the fixed part of one stage's time and memory (ends, pipeline sends,
+      framework bytes): what is left of the budget for the layers.
+    * :meth:`backward_freed` -- memory released before the blocks' backward, which a recomputing
+      block can reuse (default: the head's activations on the last stage).
+    * :meth:`evaluate` -- the final price of a plan the search keeps; :meth:`predict` attaches it.
+
+    An implementation that re-prices the parts (the tuner's calibrated model will wrap another model
+    and scale its times by measured factors) inherits :meth:`evaluate` and so stays consistent with
+    what the search optimized; one with its own whole-plan formula (a Galvatron-2.4-compatible model)
+    overrides it. The search assumes, and :func:`lightning_galv.planner.contract.check_cost_model`
+    checks, that:
+
+    * ``layer_cost`` depends on ``layer`` only through the profile's layer type, and on ``ctx`` only
+      through ``stage_size`` and ``micro_batch`` (one table serves every pipeline position and
+      micro-batch count); ``end_cost`` depends on ``ctx`` the same way;
+    * ``transition_time`` depends on its strategies only through :func:`batch_layout` and is 0 when
+      the layouts are equal (the search prices one transition per pair of layouts);
+    * ``stage_fixed`` does not get better when an end's ``end_cost`` gets worse at the same dp
+      (dominated end strategies can be dropped), and with a pipeline it sees only the ends on its
+      stage -- a middle stage only the embedding's dp, which sizes its boundary sends;
+    * ``backward_freed`` is 0 without the head and at most the head's activations;
+    * ``evaluate`` of a plan equals the sums of its parts per stage, and its step time is never
+      below the pipeline formula (:func:`pipeline_time`) of those stages -- the search's bounds
+      and partition assume it.
+    """
 
     @abstractmethod
     def layer_cost(self, layer: int, s: LayerStrategy, ctx: StageContext) -> LayerCost:
@@ -95,8 +129,70 @@ class CostModel(ABC):
         """Seconds per micro-batch (fwd + bwd) to re-layout activations between layers ``a`` -> ``b``."""
 
     @abstractmethod
+    def end_cost(self, s: LayerStrategy, ctx: StageContext, first: bool, last: bool,
+                 vocab_parallel_loss: bool = False) -> LayerCost:
+        """The embedding (``first``) and/or the final norm + output projection + loss (``last``) under
+        ``s``; a tp > 1 head computes the loss on vocab-sharded logits if ``vocab_parallel_loss``."""
+
+    @abstractmethod
+    def stage_fixed(self, plan_embed: LayerStrategy, plan_head: LayerStrategy, ctx: StageContext,
+                    vocab_parallel_loss: bool = False) -> tuple[float, float, float]:
+        """(seconds per micro-batch, seconds per step, bytes) of everything on stage ``ctx.stage`` that is
+        not a transformer block: the ends it holds, its pipeline sends, the framework's own memory."""
+
+    def backward_freed(self, plan_head: LayerStrategy, ctx: StageContext, vocab_parallel_loss: bool = False) -> float:
+        """Bytes of the head's activations (logits, loss) of one micro-batch, freed before any block runs
+        its backward -- so a checkpointed block's recompute peak does not stack on top of them."""
+        if ctx.stage != ctx.pp - 1:
+            return 0.0
+        return self.end_cost(plan_head, ctx, False, True, vocab_parallel_loss).act
+
     def evaluate(self, plan: ParallelPlan) -> PlanCost:
-        """Predicted step time and per-stage peak memory of a complete plan."""
+        """Predicted step time and per-stage peak memory of a complete plan, assembled from the parts:
+        per stage the fixed part plus its layers (model order within each chunk) and the transitions
+        between unequal neighbours; memory adds the largest recompute transient not covered by
+        :meth:`backward_freed`; the stages combine by :func:`pipeline_time`."""
+        if plan.global_batch is None:
+            raise bad_value("global_batch=None", "the cost of a plan depends on its global batch",
+                            "set plan.global_batch (e.g. plan.with_(global_batch=64)).")
+        m = plan.micro_batches
+        mb = plan.global_batch // m
+        v = plan.virtual_stages
+        assert plan.embed is not None and plan.head is not None
+        mb_times, extras, mems = [], [], []
+        breakdown = {"compute_and_comm": 0.0, "transitions": 0.0, "other": 0.0}
+        for st in range(plan.pp):
+            ctx = StageContext(plan.stage_size, mb, m, plan.pp, st, plan.pipeline_schedule, v)
+            inflight = ctx.inflight
+            vpl = plan.vocab_parallel_loss
+            t, e, mem = self.stage_fixed(plan.embed, plan.head, ctx, vpl)
+            breakdown["other"] += t
+            transient = 0.0
+            for chunk in range(st, plan.pp * v, plan.pp):  # this stage's chunks, layers in model order
+                prev: LayerStrategy | None = None
+                for i in plan.stage_layers(chunk):
+                    s = plan.layers[i]
+                    c = self.layer_cost(i, s, ctx)
+                    t += c.fwd + c.bwd
+                    breakdown["compute_and_comm"] += c.fwd + c.bwd
+                    e += c.step_extra
+                    mem += c.memory(inflight)
+                    transient = max(transient, c.transient)
+                    if prev is not None and prev != s:  # equal strategies never re-layout
+                        tr = self.transition_time(prev, s, ctx)
+                        t += tr
+                        breakdown["transitions"] += tr
+                    prev = s
+            mb_times.append(t)
+            extras.append(e)
+            mems.append(mem + max(0.0, transient - self.backward_freed(plan.head, ctx, vpl)))
+        step = pipeline_time(mb_times, extras, m, v)
+        return PlanCost(step, tuple(mb_times), tuple(extras), tuple(mems), plan.global_batch, breakdown)
+
+    def predict(self, plan: ParallelPlan) -> ParallelPlan:
+        """The plan with its ``prediction`` filled in from :meth:`evaluate`."""
+        c = self.evaluate(plan)
+        return plan.with_(prediction=Prediction(c.step_time_s, c.throughput, c.stage_memory_bytes))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -211,15 +307,16 @@ def p2p_time(hw: HardwareProfile, nbytes: float, stage_size: int) -> float:
     return hw.p2p_time(nbytes, hw.is_intra_node(2, stage_size))
 
 
-def layout(s: LayerStrategy) -> tuple[int, bool]:
-    """Which batch shard each rank holds: its dp degree and rank arrangement (lightning_galv.layout)."""
+def batch_layout(s: LayerStrategy) -> tuple[int, bool]:
+    """Which batch shard each rank holds: its dp degree and whether the shards are arranged as with
+    consecutive tp groups (lightning_galv.layout.RankLayout). Activations move only when it changes."""
     return s.dp, (s.tp_consecutive or s.tp == 1 or s.dp == 1)
 
 
 def transition_bytes_time(hw: HardwareProfile, a: LayerStrategy, b: LayerStrategy, sample_bytes: float,
                           mb: int) -> float:
     """Re-shard activations when the batch layout changes: all-gather of the larger shard, once fwd or bwd (Galvatron VLDB'23, Sec. 3.4)."""
-    if layout(a) == layout(b):
+    if batch_layout(a) == batch_layout(b):
         return 0.0
     lo, hi = min(a.dp, b.dp), max(a.dp, b.dp)
     size = mb / lo * sample_bytes
@@ -247,7 +344,8 @@ class GalvatronCostModel(CostModel):
         ZeRO-3 holds the gathered current and prefetched layer; ZeRO-1 owners broadcast the updated
         parameters after the step (an all-gather's volume) instead of a reduce-scatter + all-gather."""
         if runtime not in ("ideal", "native"):
-            raise _bad(f"runtime={runtime}", "must be 'ideal' or 'native'", "use 'native' for lightning_galv's runtime.")
+            raise bad_value(f"runtime={runtime}", "must be 'ideal' or 'native'",
+                            "use 'native' for lightning_galv's runtime.")
         self.runtime = runtime
         if not isinstance(model, ModelProfile):
             raise TypeError(f"model={type(model).__name__}: expected ModelProfile. HINT: build one with "
@@ -364,8 +462,8 @@ class GalvatronCostModel(CostModel):
         return transition_bytes_time(self.hw, a, b, sample_bytes, ctx.micro_batch)
 
     # -- embedding + head ----------------------------------------------------------------------------
-    def other_cost(self, s: LayerStrategy, ctx: StageContext, first: bool, last: bool,
-                   vocab_parallel_loss: bool = False) -> LayerCost:
+    def end_cost(self, s: LayerStrategy, ctx: StageContext, first: bool, last: bool,
+                 vocab_parallel_loss: bool = False) -> LayerCost:
         """Embedding (first stage) and final norm + output projection + loss (last stage); a tp > 1 head
         gathers its logits unless ``vocab_parallel_loss`` (``ParallelPlan.vocab_parallel_loss``)."""
         m, hw = self.model, self.hw
@@ -393,28 +491,20 @@ class GalvatronCostModel(CostModel):
             act += act_per_sample * b * (head_share if last else 1.0)
         return LayerCost(fwd + head_t, bwd, extra, states, act)
 
-    def backward_freed(self, plan_head: LayerStrategy, ctx: StageContext, vocab_parallel_loss: bool = False) -> float:
-        """Bytes of the head's activations (logits, loss) of one micro-batch, freed before any block runs
-        its backward -- so a checkpointed block's recompute peak does not stack on top of them."""
-        if ctx.stage != ctx.pp - 1:
-            return 0.0
-        return self.other_cost(plan_head, ctx, False, True, vocab_parallel_loss).act
-
     def stage_fixed(self, plan_embed: LayerStrategy, plan_head: LayerStrategy, ctx: StageContext,
                     vocab_parallel_loss: bool = False) -> tuple[float, float, float]:
-        """(mb time, step extra, memory) of everything on a stage that is not a transformer block."""
         first, last = ctx.stage == 0, ctx.stage == ctx.pp - 1
         mb_t = extra = 0.0
         mem = self.model.framework_bytes
         inflight = ctx.inflight
         costs = []
         if first and last and plan_embed == plan_head:
-            costs.append(self.other_cost(plan_embed, ctx, True, True, vocab_parallel_loss))
+            costs.append(self.end_cost(plan_embed, ctx, True, True, vocab_parallel_loss))
         else:
             if first:
-                costs.append(self.other_cost(plan_embed, ctx, True, False))
+                costs.append(self.end_cost(plan_embed, ctx, True, False))
             if last:
-                costs.append(self.other_cost(plan_head, ctx, False, True, vocab_parallel_loss))
+                costs.append(self.end_cost(plan_head, ctx, False, True, vocab_parallel_loss))
         for c in costs:
             mb_t += c.fwd + c.bwd
             extra += c.step_extra
@@ -429,49 +519,7 @@ class GalvatronCostModel(CostModel):
 
     # -- whole plan -----------------------------------------------------------------------------------
     def evaluate(self, plan: ParallelPlan) -> PlanCost:
-        if plan.global_batch is None:
-            raise _bad("global_batch=None", "the cost of a plan depends on its global batch",
-                       "set plan.global_batch (e.g. plan.with_(global_batch=64)).")
         if len(plan.layers) != self.model.num_layers:
-            raise _bad(f"{len(plan.layers)} layers in plan", f"the profile has {self.model.num_layers}",
-                       "evaluate the plan against the profile of the same model.")
-        m = plan.micro_batches
-        mb = plan.global_batch // m
-        v = plan.virtual_stages
-        assert plan.embed is not None and plan.head is not None
-        mb_times, extras, mems = [], [], []
-        breakdown = {"compute_and_comm": 0.0, "transitions": 0.0, "other": 0.0}
-        for st in range(plan.pp):
-            ctx = StageContext(plan.stage_size, mb, m, plan.pp, st, plan.pipeline_schedule, v)
-            inflight = ctx.inflight
-            vpl = plan.vocab_parallel_loss
-            t, e, mem = self.stage_fixed(plan.embed, plan.head, ctx, vpl)
-            breakdown["other"] += t
-            transient = 0.0
-            for chunk in range(st, plan.pp * v, plan.pp):  # this stage's chunks, layers in model order
-                prev: LayerStrategy | None = None
-                for i in plan.stage_layers(chunk):
-                    s = plan.layers[i]
-                    c = self.layer_cost(i, s, ctx)
-                    t += c.fwd + c.bwd
-                    breakdown["compute_and_comm"] += c.fwd + c.bwd
-                    e += c.step_extra
-                    mem += c.memory(inflight)
-                    transient = max(transient, c.transient)
-                    if prev is not None and prev != s:  # equal strategies never re-layout
-                        tr = self.transition_time(prev, s, ctx)
-                        t += tr
-                        breakdown["transitions"] += tr
-                    prev = s
-            mb_times.append(t)
-            extras.append(e)
-            mems.append(mem + max(0.0, transient - self.backward_freed(plan.head, ctx, vpl)))
-        step = pipeline_time(mb_times, extras, m, v)
-        return PlanCost(step, tuple(mb_times), tuple(extras), tuple(mems), plan.global_batch, breakdown)
-
-    def predict(self, plan: ParallelPlan) -> ParallelPlan:
-        """The plan with its ``prediction`` filled in."""
-        from ..plan import Prediction
-
-        c = self.evaluate(plan)
-        return plan.with_(prediction=Prediction(c.step_time_s, c.throughput, c.stage_memory_bytes))
+            raise bad_value(f"{len(plan.layers)} layers in plan", f"the profile has {self.model.num_layers}",
+                            "evaluate the plan against the profile of the same model.")
+        return super().evaluate(plan)

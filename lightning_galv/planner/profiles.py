@@ -21,14 +21,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..errors import bad_value
 from ..plan import ModelShape
 
 COLLECTIVES = ("allreduce", "allgather", "reducescatter", "alltoall")
 PRECISIONS = ("bf16", "fp16", "fp32")
-
-
-def _bad(value: object, rule: str, hint: str) -> ValueError:
-    return ValueError(f"{value!r}: {rule}. HINT: {hint}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -47,10 +44,10 @@ class LinkFit:
 
     def __post_init__(self) -> None:
         if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
-            raise _bad(f"bandwidth={self.bandwidth}", "must be a positive finite number of bytes/s",
-                       "a profile with bandwidth 0 would make every plan infinitely slow; re-profile.")
+            raise bad_value(f"bandwidth={self.bandwidth}", "must be a positive finite number of bytes/s",
+                            "a profile with bandwidth 0 would make every plan infinitely slow; re-profile.")
         if self.latency_s < 0:
-            raise _bad(f"latency_s={self.latency_s}", "must be >= 0", "use 0 when unknown.")
+            raise bad_value(f"latency_s={self.latency_s}", "must be >= 0", "use 0 when unknown.")
 
     def time(self, volume_bytes: float) -> float:
         return self.latency_s + volume_bytes / self.bandwidth if volume_bytes > 0 else 0.0
@@ -63,7 +60,7 @@ class LinkFit:
         latency (what small messages cost) as noise; sizes spanning 64 KiB..16 MiB matter equally here.
         """
         if len(points) < 2:
-            raise _bad(points, "need at least 2 (bytes, seconds) points to fit a link", "measure >= 2 sizes.")
+            raise bad_value(points, "need at least 2 (bytes, seconds) points to fit a link", "measure >= 2 sizes.")
         # minimize sum ((a + x*k - y) / y)^2: weighted normal equations with w = 1/y^2
         w = [1.0 / (y * y) if y > 0 else 0.0 for _, y in points]
         s1 = sum(w)
@@ -94,8 +91,8 @@ def _parse_link_key(key: str) -> tuple[str, int, bool, bool]:
             raise ValueError
         return op, int(size), consec == "consec", where == "intra"
     except ValueError:
-        raise _bad(key, "collective key must look like 'allreduce/8/consec/intra'",
-                   f"op in {COLLECTIVES}, then group size, consec|strided, intra|inter.") from None
+        raise bad_value(key, "collective key must look like 'allreduce/8/consec/intra'",
+                        f"op in {COLLECTIVES}, then group size, consec|strided, intra|inter.") from None
 
 
 @dataclass(frozen=True)
@@ -118,13 +115,13 @@ class HardwareProfile:
         for attr in ("num_nodes", "gpus_per_node"):
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise _bad(f"{attr}={v}", "must be a positive int", "e.g. num_nodes=2, gpus_per_node=8.")
+                raise bad_value(f"{attr}={v}", "must be a positive int", "e.g. num_nodes=2, gpus_per_node=8.")
         if not self.device_memory_bytes > 0:
-            raise _bad(f"device_memory_bytes={self.device_memory_bytes}", "must be > 0",
-                       "pass the per-device memory in bytes, e.g. 40 * 2**30.")
+            raise bad_value(f"device_memory_bytes={self.device_memory_bytes}", "must be > 0",
+                            "pass the per-device memory in bytes, e.g. 40 * 2**30.")
         if self.overlap_slowdown < 1.0:
-            raise _bad(f"overlap_slowdown={self.overlap_slowdown}", "must be >= 1 (overlap cannot speed "
-                       "both sides up)", "use 1.0 for perfect overlap.")
+            raise bad_value(f"overlap_slowdown={self.overlap_slowdown}", "must be >= 1 (overlap cannot speed "
+                            "both sides up)", "use 1.0 for perfect overlap.")
         links = {}
         for k, v in dict(self.links).items():
             _parse_link_key(k)
@@ -133,12 +130,12 @@ class HardwareProfile:
         p2p = {}
         for k, v in dict(self.p2p).items():
             if k not in ("intra", "inter"):
-                raise _bad(f"p2p key {k}", "must be 'intra' or 'inter'", "key p2p fits by node locality.")
+                raise bad_value(f"p2p key {k}", "must be 'intra' or 'inter'", "key p2p fits by node locality.")
             p2p[k] = v if isinstance(v, LinkFit) else LinkFit(**v)
         object.__setattr__(self, "p2p", p2p)
         if not links:
-            raise _bad("links={}", "a hardware profile needs at least one collective measurement",
-                       "use HardwareProfile.uniform(...) or run HardwareProfiler.")
+            raise bad_value("links={}", "a hardware profile needs at least one collective measurement",
+                            "use HardwareProfile.uniform(...) or run HardwareProfiler.")
 
     @property
     def world_size(self) -> int:
@@ -152,7 +149,7 @@ class HardwareProfile:
     def link(self, op: str, size: int, consecutive: bool, intra_node: bool) -> LinkFit:
         """Best available fit: exact key, else same op/locality (nearest size), else all-reduce's."""
         if op not in COLLECTIVES:
-            raise _bad(op, f"unknown collective (known: {COLLECTIVES})", "use 'allreduce', 'alltoall', ...")
+            raise bad_value(op, f"unknown collective (known: {COLLECTIVES})", "use 'allreduce', 'alltoall', ...")
         for o in (op, "allreduce"):
             for c in (consecutive, not consecutive):
                 hit = self.links.get(link_key(o, size, c, intra_node))
@@ -217,7 +214,7 @@ class HardwareProfile:
     def from_dict(cls, data: Mapping[str, Any]) -> "HardwareProfile":
         data = dict(data)
         if data.pop("kind", "HardwareProfile") != "HardwareProfile":
-            raise _bad(data.get("kind"), "not a HardwareProfile document", "load it with ModelProfile.from_dict.")
+            raise bad_value(data.get("kind"), "not a HardwareProfile document", "load it with ModelProfile.from_dict.")
         return cls(**data)
 
     def to_json(self) -> str:
@@ -261,7 +258,7 @@ class TimeFit:
         batch size the constant is not identifiable either (a pure per-sample fit).
         """
         if not samples:
-            raise _bad(samples, "need at least one (batch, seq, seconds) measurement", "profile >= 2 batch sizes.")
+            raise bad_value(samples, "need at least one (batch, seq, seconds) measurement", "profile >= 2 batch sizes.")
         seqs = {s for _, s, _ in samples}
         tokens = {b * s for b, s, _ in samples}
         cols = [lambda b, s: b * s]
@@ -353,8 +350,8 @@ class LayerTypeProfile:
 
     def __post_init__(self) -> None:
         if "tp1/none" not in self.activation_bytes:
-            raise _bad(sorted(self.activation_bytes), "activation_bytes needs the 'tp1/none' entry",
-                       "profile at least the unsharded layer.")
+            raise bad_value(sorted(self.activation_bytes), "activation_bytes needs the 'tp1/none' entry",
+                            "profile at least the unsharded layer.")
         for attr in ("forward", "backward", "recompute"):
             v = getattr(self, attr)
             if isinstance(v, Mapping):
@@ -363,15 +360,16 @@ class LayerTypeProfile:
         sharded = {}
         for key, fits in dict(self.sharded).items():
             if set(fits) != {"forward", "backward"}:
-                raise _bad(f"sharded[{key!r}]", "needs exactly 'forward' and 'backward' fits",
-                           "record both passes of the sharded layer (ShardedLayerProfiler).")
+                raise bad_value(f"sharded[{key!r}]", "needs exactly 'forward' and 'backward' fits",
+                                "record both passes of the sharded layer (ShardedLayerProfiler).")
             sharded[key] = {k: v if isinstance(v, TimeFit) else TimeFit(**v) for k, v in fits.items()}
         object.__setattr__(self, "sharded", sharded)
         over = {}
         for key, fits in dict(self.zero_overhead).items():
             if key not in ("zero2", "zero3") or set(fits) != {"forward", "backward"}:
-                raise _bad(f"zero_overhead[{key!r}]", "keys are 'zero2'/'zero3', each with 'forward' and 'backward'",
-                           "record both passes (ShardedLayerProfiler).")
+                raise bad_value(f"zero_overhead[{key!r}]",
+                                "keys are 'zero2'/'zero3', each with 'forward' and 'backward'",
+                                "record both passes (ShardedLayerProfiler).")
             over[key] = {k: v if isinstance(v, TimeFit) else TimeFit(**v) for k, v in fits.items()}
         object.__setattr__(self, "zero_overhead", over)
 
@@ -438,16 +436,17 @@ class ModelProfile:
             if isinstance(v, Mapping):
                 object.__setattr__(self, attr, TimeFit(**v))
         if not (self.optimizer_bandwidth >= 0 and math.isfinite(self.optimizer_bandwidth)):
-            raise _bad(f"optimizer_bandwidth={self.optimizer_bandwidth}", "must be a finite number >= 0 (bytes/s)",
-                       "use 0 when unknown; re-profile otherwise.")
+            raise bad_value(f"optimizer_bandwidth={self.optimizer_bandwidth}", "must be a finite number >= 0 (bytes/s)",
+                            "use 0 when unknown; re-profile otherwise.")
         if self.precision not in PRECISIONS:
-            raise _bad(f"precision={self.precision}", f"must be one of {PRECISIONS}", "use 'bf16' for mixed precision.")
+            raise bad_value(f"precision={self.precision}", f"must be one of {PRECISIONS}",
+                            "use 'bf16' for mixed precision.")
         if len(self.layer_type_of) != self.shape.num_layers:
-            raise _bad(f"{len(self.layer_type_of)} layer types", f"the shape has {self.shape.num_layers} layers",
-                       "give layer_type_of one entry per transformer block.")
+            raise bad_value(f"{len(self.layer_type_of)} layer types", f"the shape has {self.shape.num_layers} layers",
+                            "give layer_type_of one entry per transformer block.")
         if any(not 0 <= t < len(lts) for t in self.layer_type_of):
-            raise _bad(list(self.layer_type_of), f"layer_type_of must index layer_types (0..{len(lts) - 1})",
-                       "check the profile file.")
+            raise bad_value(list(self.layer_type_of), f"layer_type_of must index layer_types (0..{len(lts) - 1})",
+                            "check the profile file.")
 
     @property
     def num_layers(self) -> int:
@@ -520,7 +519,7 @@ class ModelProfile:
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelProfile":
         data = dict(data)
         if data.pop("kind", "ModelProfile") != "ModelProfile":
-            raise _bad(data.get("kind"), "not a ModelProfile document", "load it with HardwareProfile.from_dict.")
+            raise bad_value(data.get("kind"), "not a ModelProfile document", "load it with HardwareProfile.from_dict.")
         return cls(**data)
 
     def to_json(self) -> str:
@@ -566,8 +565,8 @@ class ProfileCache:
 
     def path(self, kind: str, key: str) -> Path:
         if not key.isalnum() or not kind.isidentifier():
-            raise _bad(f"{kind}/{key}", "cache kind must be an identifier and key alphanumeric",
-                       "pass fingerprint(...) as the key.")
+            raise bad_value(f"{kind}/{key}", "cache kind must be an identifier and key alphanumeric",
+                            "pass fingerprint(...) as the key.")
         return self.directory / f"{kind}-{key}.json"
 
     def load(self, kind: str, key: str) -> HardwareProfile | ModelProfile | None:

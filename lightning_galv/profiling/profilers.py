@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..plan import ModelShape
+from ..plan import ModelShape, divisors
 from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, ProfileCache,
                                 TimeFit, act_key, fingerprint, link_key, transient_key)
 
@@ -434,7 +434,7 @@ class HardwareProfiler:
             if isinstance(hit, HardwareProfile):
                 return hit
         links: dict[str, LinkFit] = {}
-        sizes = [d for d in range(2, self.world + 1) if self.world % d == 0]
+        sizes = divisors(self.world)[1:]  # every group size but 1
         for size in sizes:
             for consecutive in ((True,) if size == self.world else (True, False)):
                 ranks, stride = self._groups(size, consecutive)

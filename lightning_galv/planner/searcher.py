@@ -1,0 +1,515 @@
+"""Solving one pipeline configuration: cost tables, end strategies, per-stage layer DPs, the partition.
+
+The outer loop (:func:`lightning_galv.planner.search.search`) hands the :class:`Searcher` one
+:class:`Config` at a time -- global batch, pipeline degree, schedule, virtual stages, micro-batch
+count -- and gets back the best plan of that configuration, or None when nothing fits. The searcher
+only talks to the cost model through :class:`~lightning_galv.planner.cost.CostModel`: it tabulates
+layer costs per (stage size, micro-batch) (:class:`CostTable`), drops dominated embedding/head
+options, runs the layer DP (:mod:`.layer_dp`) per stage and end option, places layers on stages
+(:mod:`.partition`) and prices the result with ``CostModel.evaluate``.
+
+Everything it computes is memoized across configurations: tables by (stage size, micro-batch), stage
+DPs by what they depend on, the ends' fixed costs by (embedding, head, stage context) -- one table
+serves every pipeline degree and micro-batch count of a batch sweep that lands on the same pair.
+
+In the uniform ("3-D") space a unit is a (configuration, strategy) pair and a stage's cost is
+closed-form (n identical layers), so that space needs no layer DP at all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..plan import LayerStrategy, ParallelPlan, Prediction, even_division
+from .cost import CostModel, LayerCost, StageContext, batch_layout
+from .layer_dp import layer_dp
+from .pareto import pareto_keep
+from .partition import place, stage_layer_ranges
+from .profiles import HardwareProfile, ModelProfile
+from .space import SearchSpace, candidate_strategies, end_strategies
+
+Edge = tuple[LayerStrategy, LayerStrategy]  # (embedding, head) strategies as one stage sees them
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Per-candidate layer costs of one (stage size, micro-batch) context, as arrays for the layer DP.
+
+    One row per layer type: the search prices the first layer of each type and reuses it (the cost
+    model contract: ``layer_cost`` depends on the layer only through its type). Transitions are priced
+    once per pair of activation layouts (``cls``), not per pair of strategies.
+    """
+
+    strategies: list[LayerStrategy]
+    fb: np.ndarray  # [type, j] fwd+bwd seconds per micro-batch
+    extra: np.ndarray  # [type, j] seconds per step
+    states: np.ndarray  # [type, j] bytes
+    act: np.ndarray  # [type, j] bytes per in-flight micro-batch
+    transient: np.ndarray  # [type, j] bytes
+    cls: np.ndarray  # [j] layout class
+    trans: np.ndarray  # [K, K] seconds per micro-batch
+
+
+@dataclass(frozen=True)
+class Config:
+    """One unit of the outer loop: a pipeline configuration, in the uniform space also one strategy."""
+
+    global_batch: int
+    pp: int
+    schedule: str
+    v: int
+    m: int
+    j: int = -1  # uniform ("3-D") space: index of the one strategy in the table; -1 = per-layer search
+    bound: float = 0.0
+
+    @property
+    def key(self) -> tuple[int, int, str, int, int]:
+        """The pipeline configuration, without the strategy: the top-k holds one plan per configuration."""
+        return (self.global_batch, self.pp, self.schedule, self.v, self.m)
+
+
+class Searcher:
+    """The best plan of each pipeline configuration, for one (profile, hardware, world, budget, space, cost model).
+
+    ``stats`` counts what happened (configurations solved, DPs run, closed-form shortcuts, options
+    skipped by bounds); the search reports it in its explanation.
+    """
+
+    def __init__(self, profile: ModelProfile, hw: HardwareProfile, world: int, budget: float,
+                 space: SearchSpace, cost: CostModel) -> None:
+        self.p, self.hw, self.world, self.budget, self.space, self.cost = profile, hw, world, budget, space, cost
+        self.L = profile.num_layers
+        self.types = sorted(set(profile.layer_type_of))
+        self.grid = budget / space.memory_bins
+        self.tables: dict[tuple[int, int], CostTable | None] = {}
+        self.fixed_cache: dict[tuple, tuple[float, float, float]] = {}
+        self.edge_cache: dict[tuple, list[LayerStrategy]] = {}
+        self.dp_cache: dict[tuple, tuple[np.ndarray, np.ndarray, list]] = {}
+        self.stats = {"configs": 0, "pruned_by_bound": 0, "infeasible": 0, "dp_runs": 0, "shortcuts": 0,
+                      "levels_skipped": 0, "edges_skipped": 0}
+
+    # -- cost tables and bounds ----------------------------------------------------------------------
+    def table(self, S: int, mb: int) -> CostTable | None:
+        """Per-strategy layer costs of a stage of ``S`` ranks at micro-batch ``mb``.
+
+        Keyed by (S, mb) only: layer costs and transitions do not depend on the micro-batch count or the
+        stage position, so one table serves every (pp, m) of a batch sweep that lands on the same pair.
+        """
+        key = (S, mb)
+        if key in self.tables:
+            return self.tables[key]
+        strategies = candidate_strategies(self.p.shape, S, mb, self.space, self.hw)
+        if not strategies:
+            self.tables[key] = None
+            return None
+        ctx = StageContext(S, mb, 1)
+        T, J = len(self.p.layer_types), len(strategies)
+        fb, extra, states, act, tr = (np.zeros((T, J)) for _ in range(5))
+        first_layer_of_type = {t: self.p.layer_type_of.index(t) for t in self.types}
+        for t, li in first_layer_of_type.items():
+            for j, s in enumerate(strategies):
+                lc: LayerCost = self.cost.layer_cost(li, s, ctx)
+                fb[t, j], extra[t, j], states[t, j], act[t, j], tr[t, j] = (
+                    lc.fwd + lc.bwd, lc.step_extra, lc.states, lc.act, lc.transient)
+        classes: dict[tuple, int] = {}
+        reps: list[LayerStrategy] = []
+        cls = np.zeros(J, dtype=np.int64)
+        for j, s in enumerate(strategies):
+            key2 = batch_layout(s)
+            if key2 not in classes:
+                classes[key2] = len(classes)
+                reps.append(s)
+            cls[j] = classes[key2]
+        K = len(reps)
+        if self.space.uniform:  # one strategy for all layers: activations never change layout
+            trans = np.zeros((K, K))
+        else:
+            trans = np.array([[self.cost.transition_time(a, b, ctx) for b in reps] for a in reps]).reshape(K, K)
+        tab = CostTable(strategies, fb, extra, states, act, tr, cls, trans)
+        self.tables[key] = tab
+        return tab
+
+    def lower_bounds(self, cfg: Config, tab: CostTable, per_strategy: bool) -> np.ndarray:
+        """Optimistic step time of each strategy used for every layer (``per_strategy``), else one
+        bound for the configuration with every layer free to take its own fastest strategy.
+
+        Every layer at its fastest time and smallest per-step extra, stages perfectly balanced: the
+        pipeline time m*max + (sum - max)/v is at least (m - 1/v)*max(ceil(L/p) t, sum/p) + sum/v, and
+        the slowest stage's extra is at least ceil(L/p) * the smallest extra (Narayanan SC'21, Sec. 2.2).
+        """
+        p, v, m, L = cfg.pp, cfg.v, cfg.m, self.L
+        fb, ex = tab.fb, tab.extra
+        if not per_strategy:
+            fb, ex = fb.min(axis=1, keepdims=True), ex.min(axis=1, keepdims=True)
+        counts = np.bincount(np.asarray(self.p.layer_type_of), minlength=fb.shape[0])
+        present = counts > 0
+        per = math.ceil(L / p)
+        total = counts @ fb  # [cols]
+        slow = per * fb[present].min(axis=0)
+        return (m - 1.0 / v) * np.maximum(slow, total / p) + total / v + per * ex[present].min(axis=0)
+
+    # -- embedding and head ---------------------------------------------------------------------------
+    def edge_options(self, S: int, mb: int) -> list[LayerStrategy]:
+        """:func:`~.space.end_strategies` of a stage of ``S`` ranks at micro-batch ``mb``, memoized."""
+        key = ("edges", S, mb)
+        hit = self.edge_cache.get(key)
+        if hit is None:
+            hit = self.edge_cache[key] = end_strategies(self.p.shape, S, mb, self.space, self.hw)
+        return hit
+
+    def edge_front(self, S: int, mb: int, first: bool, uniform: LayerStrategy | None) -> list[LayerStrategy]:
+        """Options of one end (embedding or head) that no other option beats in time, extra and memory.
+
+        Dominance is checked on the end's own cost (``end_cost``), which is exact whenever embedding
+        and head are priced separately (different stages, or different strategies on one stage) and the
+        options share a dp degree. Across dp degrees it is not, with a pipeline: the stage's boundary
+        sends are sized by the embedding's (head's) dp and are not part of ``end_cost``, so an option
+        dominated here can still have the faster stage (the contract checks the same-dp case only).
+        In the uniform (3-D) space the ends take the layers' tensor-parallel degree, as Galvatron's
+        3-D plans do.
+        """
+        opts = self.edge_options(S, mb)
+        if uniform is not None:
+            same = [e for e in opts if e.tp == uniform.tensor_parallel]
+            opts = same or opts
+        key = ("front", S, mb, first, uniform.tensor_parallel if uniform is not None else 0)
+        hit = self.edge_cache.get(key)
+        if hit is not None:
+            return hit
+        ctx = StageContext(S, mb, 1)
+        cs = [self.cost.end_cost(e, ctx, first, not first, self.space.vocab_parallel_loss) for e in opts]
+        vec = np.array([[c.fwd + c.bwd, c.step_extra, c.states, c.act] for c in cs]).reshape(len(cs), 4)
+        keep = [e for e, kept in zip(opts, pareto_keep(vec.T)) if kept]
+        self.edge_cache[key] = keep
+        return keep
+
+    def stage_edges(self, cfg: Config, S: int, mb: int, uni: LayerStrategy | None) -> list[list[list[Edge]]]:
+        """Candidate (embedding, head) strategies per stage, in groups that are solved one by one.
+
+        The embedding only costs on stage 0 and the head only on the last stage, so each stage picks
+        its own end independently -- except that the cost model sizes the stage-boundary sends of the
+        middle stages by the embedding's dp: with pp >= 3 the embedding options are grouped by dp and
+        each group is solved separately. With pp = 1 both ends share the stage: pairs are priced jointly.
+        """
+        p = cfg.pp
+        emb = self.edge_front(S, mb, True, uni)
+        head = self.edge_front(S, mb, False, uni)
+        if not emb or not head:
+            return []
+        if p == 1:
+            ctx = StageContext(S, mb, cfg.m, 1, 0, cfg.schedule, cfg.v)
+            pairs = [(e, h) for e in emb for h in head]
+            return [[self._front(pairs, ctx)]]
+        ctxs = [StageContext(S, mb, cfg.m, p, i, cfg.schedule, cfg.v) for i in (0, p - 1)]
+        last = self._front([(h, h) for h in head], ctxs[1])
+        if p == 2:
+            return [[self._front([(e, e) for e in emb], ctxs[0]), last]]
+        out = []
+        for dp in sorted({e.dp for e in emb}, reverse=True):
+            first = self._front([(e, e) for e in emb if e.dp == dp], ctxs[0])
+            out.append([first] + [first[:1]] * (p - 2) + [last])
+        return out
+
+    def _front(self, edges: list[Edge], ctx: StageContext) -> list[Edge]:
+        """Edges of one stage not beaten by another in mb time, step extra and memory (all of stage_fixed)."""
+        vec = np.array([self.fixed(e, h, ctx) for e, h in edges]).reshape(len(edges), 3)
+        return [edge for edge, kept in zip(edges, pareto_keep(vec.T)) if kept]
+
+    def fixed(self, emb: LayerStrategy, head: LayerStrategy, ctx: StageContext) -> tuple[float, float, float]:
+        """``stage_fixed`` memoized: the same (stage, micro-batch) recurs for every strategy of the 3-D space."""
+        key = (emb, head, ctx)
+        hit = self.fixed_cache.get(key)
+        if hit is None:
+            hit = self.fixed_cache[key] = self.cost.stage_fixed(emb, head, ctx, self.space.vocab_parallel_loss)
+        return hit
+
+    # -- one stage: layer DP per transient level, per end option ----------------------------------------
+    def stage_costs(self, cfg: Config, tab: CostTable, stage: int, edge: tuple[LayerStrategy, LayerStrategy],
+                    n_lo: int, n_hi: int, start: int) -> tuple[np.ndarray, dict]:
+        """Best objective (seconds per step, m-weighted) for n = 0..n_hi layers on ``stage`` with the
+        embedding / head strategies ``edge``."""
+        S = self.world // cfg.pp
+        ctx = StageContext(S, cfg.global_batch // cfg.m, cfg.m, cfg.pp, stage, cfg.schedule, cfg.v)
+        fixed_t, fixed_e, fixed_mem = self.fixed(edge[0], edge[1], ctx)
+        k = ctx.inflight
+        types = np.array(self.p.layer_type_of[start:start + n_hi]) if not self.p.homogeneous else None
+        freed = self.cost.backward_freed(edge[1], ctx, self.space.vocab_parallel_loss)
+        key = (S, ctx.micro_batch, cfg.m, k, round(fixed_mem), round(freed), n_lo, n_hi,
+               start if types is not None else -1, cfg.v)
+        base = fixed_t * cfg.m + fixed_e
+        info = {"fixed_t": fixed_t, "fixed_e": fixed_e, "fixed_mem": fixed_mem, "ctx": ctx, "freed": freed}
+        hit = self.dp_cache.get(key)
+        if hit is not None:
+            vals = hit[0]
+            info.update(hit[2][0])
+            return vals + base, info
+        vals = np.full(n_hi + 1, np.inf)
+        vals[0] = 0.0
+        c_all = cfg.m * tab.fb + tab.extra  # [type, J]
+        mem_all = tab.states + k * tab.act
+        q_all = np.ceil(mem_all / self.grid - 1e-9).astype(np.int64)
+        r_all = tab.transient
+        trans = cfg.m * tab.trans
+        layer_types = np.full(n_hi, self.p.layer_type_of[0]) if types is None else types
+        avail = self.budget - fixed_mem
+        # transient levels: the largest recomputation buffer any chosen layer may need
+        levels = sorted({0.0} | {float(x) for x in np.unique(r_all[layer_types].ravel()) if x > 0})
+        choice: dict = {"levels": levels, "by_n": {}}
+        for li, tau in enumerate(levels):
+            capacity = int(math.floor((avail - max(0.0, tau - freed)) / self.grid + 1e-9))
+            if capacity < 0:
+                continue
+            allowed = np.flatnonzero((r_all[layer_types] <= tau + 1e-6).all(axis=0))
+            if len(allowed) == 0:
+                continue
+            c = c_all[layer_types][:, allowed]
+            # every layer at its fastest allowed strategy, memory and transitions ignored: if even that
+            # cannot beat what lower transient levels already reach for n_lo..n_hi, skip this level's DP
+            lb = np.concatenate(([0.0], np.cumsum(c.min(axis=1))))
+            if np.all(lb[n_lo:] >= vals[n_lo:]):
+                self.stats["levels_skipped"] += 1
+                continue
+            q = q_all[layer_types][:, allowed]
+            cl = tab.cls[allowed]
+            if types is None:  # drop dominated strategies (exact: same class, no better anywhere)
+                keep = pareto_keep((c[0], q[0], r_all[layer_types[0], allowed]), cl)
+                allowed, c, q, cl = allowed[keep], c[:, keep], q[:, keep], cl[keep]
+                j0 = int(np.argmin(c[0]))
+                n_fit = capacity // max(1, q[0, j0])
+                if n_fit >= n_hi:  # uniform fastest strategy fits every n: optimal without a DP
+                    self.stats["shortcuts"] += 1
+                    cand = c[0, j0] * np.arange(n_hi + 1)
+                    better = cand < vals
+                    vals = np.where(better, cand, vals)
+                    for n in np.flatnonzero(better):
+                        choice["by_n"][int(n)] = ("uniform", int(allowed[j0]), tau)
+                    continue
+            self.stats["dp_runs"] += 1
+            best, _ = layer_dp(c, q, cl, trans, n_hi, capacity)
+            better = best < vals
+            better[0] = False
+            vals = np.where(better, best, vals)
+            for n in np.flatnonzero(better):
+                choice["by_n"][int(n)] = ("dp", li, tau)
+        self.dp_cache[key] = (vals, None, [info | {}])
+        info["choice"] = choice
+        self.dp_cache[key][2][0].update({"choice": choice})
+        return vals + base, info
+
+    def stage_path(self, cfg: Config, tab: CostTable, info: dict, n: int, start: int) -> list[LayerStrategy]:
+        """Reconstruct the strategies of the n layers chosen for a stage."""
+        how, a, tau = info["choice"]["by_n"][n]
+        if how == "uniform":
+            return [tab.strategies[a]] * n
+        k = info["ctx"].inflight
+        layer_types = np.array(self.p.layer_type_of[start:start + n])
+        c_all = cfg.m * tab.fb + tab.extra
+        q_all = np.ceil((tab.states + k * tab.act) / self.grid - 1e-9).astype(np.int64)
+        allowed = np.flatnonzero((tab.transient[layer_types] <= tau + 1e-6).all(axis=0))
+        capacity = int(math.floor((self.budget - info["fixed_mem"] - max(0.0, tau - info["freed"])) / self.grid + 1e-9))
+        _, path = layer_dp(c_all[layer_types][:, allowed], q_all[layer_types][:, allowed], tab.cls[allowed],
+                           cfg.m * tab.trans, n, capacity, want_path=n)
+        assert path is not None
+        return [tab.strategies[allowed[j]] for j in path]
+
+    def stage_values(self, cfg: Config, tab: CostTable, stage: int, edges: list[Edge], n_lo: int, n_hi: int,
+                     start: int) -> tuple[np.ndarray, list[dict], np.ndarray]:
+        """``stage_costs`` minimized over the stage's embedding/head options, pointwise in n.
+
+        Options are visited leanest first: the layers of that one see the most memory, so its layer
+        values bound every later option's from below (less memory never helps); an option whose fixed
+        cost plus that bound cannot beat the running minimum anywhere in n_lo..n_hi skips its DP.
+        """
+        ctx = StageContext(self.world // cfg.pp, cfg.global_batch // cfg.m, cfg.m, cfg.pp, stage, cfg.schedule, cfg.v)
+        fixed = [self.fixed(e, h, ctx) for e, h in edges]
+        base = [ft * cfg.m + fe for ft, fe, _ in fixed]
+        best, which = np.full(n_hi + 1, np.inf), np.zeros(n_hi + 1, dtype=np.int64)
+        infos: list[dict] = [{} for _ in edges]
+        floor: np.ndarray | None = None
+        for idx in sorted(range(len(edges)), key=lambda i: fixed[i][2]):
+            if floor is not None and np.all(base[idx] + floor[n_lo:] >= best[n_lo:]):
+                self.stats["edges_skipped"] += 1
+                continue
+            vals, infos[idx] = self.stage_costs(cfg, tab, stage, edges[idx], n_lo, n_hi, start)
+            if floor is None:
+                floor = vals - base[idx]
+            better = vals < best
+            best[better], which[better] = vals[better], idx
+        return best, infos, which
+
+    # -- one configuration ------------------------------------------------------------------------------
+    def solve(self, cfg: Config) -> ParallelPlan | None:
+        """The best plan of ``cfg`` (priced by the cost model), or None when none of it fits."""
+        S = self.world // cfg.pp
+        mb = cfg.global_batch // cfg.m
+        tab = self.table(S, mb)
+        if tab is None:
+            return None
+        uni = tab.strategies[cfg.j] if cfg.j >= 0 else None
+        groups = self.stage_edges(cfg, S, mb, uni)
+        if not groups:
+            return None
+        if cfg.j >= 0 and self.p.homogeneous:
+            return self._solve_uniform(cfg, tab, groups)
+        if cfg.j >= 0:
+            j = cfg.j
+            sub = CostTable([tab.strategies[j]], tab.fb[:, [j]], tab.extra[:, [j]], tab.states[:, [j]],
+                            tab.act[:, [j]], tab.transient[:, [j]], np.zeros(1, dtype=np.int64), np.zeros((1, 1)))
+            return self._solve_with(cfg, sub, groups, uniform_key=j)
+        return self._solve_with(cfg, tab, groups)
+
+    def _solve_uniform(self, cfg: Config, tab: CostTable, groups: list[list[list[Edge]]]) -> ParallelPlan | None:
+        """One strategy for every (identical) layer: a stage's cost is n * c, so no layer DP is needed.
+
+        Same numbers as the general path on a one-strategy table (same memory grid, same transient
+        rule), in closed form: n layers fit while n * q <= capacity.
+        """
+        p, L, v, m = cfg.pp, self.L, cfg.v, cfg.m
+        S, mb = self.world // p, cfg.global_batch // m
+        t, j = self.p.layer_type_of[0], cfg.j
+        c = m * tab.fb[t, j] + tab.extra[t, j]
+        r = float(tab.transient[t, j])
+        tau = r if r > 1e-6 else 0.0
+        division, lo, hi = stage_layer_ranges(self.L, cfg.pp, cfg.v, self.space.uneven_partition)
+        per_stage = None if division is None else [sum(division[ch] for ch in range(i, p * v, p)) for i in range(p)]
+        n_hi = hi if per_stage is None else max(per_stage)
+        n = np.arange(n_hi + 1, dtype=np.float64)
+        best: tuple[float, list[int], list[Edge]] | None = None
+        for group in groups:
+            U, picks = [], []
+            for i in range(p):
+                ctx = StageContext(S, mb, m, p, i, cfg.schedule, v)
+                q = int(math.ceil((tab.states[t, j] + ctx.inflight * tab.act[t, j]) / self.grid - 1e-9))
+                u_best, which = np.full(n_hi + 1, np.inf), np.zeros(n_hi + 1, dtype=np.int64)
+                for idx, (e, h) in enumerate(group[i]):
+                    ft, fe, fmem = self.fixed(e, h, ctx)
+                    freed = self.cost.backward_freed(h, ctx, self.space.vocab_parallel_loss)
+                    capacity = int(math.floor((self.budget - fmem - max(0.0, tau - freed)) / self.grid + 1e-9))
+                    if capacity < 0:
+                        continue
+                    n_fit = capacity // q if q > 0 else L
+                    u = (n * c + (ft * m + fe)) / m
+                    u[min(n_fit, n_hi) + 1:] = np.inf
+                    better = u < u_best
+                    u_best[better], which[better] = u[better], idx
+                U.append(u_best)
+                picks.append(which)
+            self.stats["shortcuts"] += p
+            got = place(U, self.L, cfg.m, cfg.v, per_stage, lo, hi)
+            if got is not None and (best is None or got[1] < best[0]):
+                counts = got[0]
+                best = (got[1], counts, [group[i][int(picks[i][counts[i]])] for i in range(p)])
+        if best is None:
+            return None
+        _, counts, edges = best
+        div = tuple(counts) if per_stage is None else tuple(division)  # type: ignore[arg-type]
+        return self._finish(cfg, (tab.strategies[j],) * L, div, edges[0][0], edges[-1][1])
+
+    def _solve_with(self, cfg: Config, tab: CostTable, groups: list[list[list[Edge]]],
+                    uniform_key: int = -1) -> ParallelPlan | None:
+        """The general path: per stage and end option a layer DP (:meth:`stage_values`), the partition over
+        the stages' values, then the chosen stages' strategies rebuilt. ``uniform_key`` >= 0: ``tab`` is
+        the one-strategy table of that strategy, whose DPs must not be cached with the full table's."""
+        p, v = cfg.pp, cfg.v
+        chunks = p * v
+        division, lo, hi = stage_layer_ranges(self.L, cfg.pp, cfg.v, self.space.uneven_partition)
+        per_stage = None if division is None else [sum(division[c] for c in range(i, chunks, p)) for i in range(p)]
+        starts_even = [sum(per_stage[:i]) if v == 1 else 0 for i in range(p)] if per_stage is not None else None
+        saved_cache = self.dp_cache
+        if uniform_key >= 0:
+            self.dp_cache = {}
+        try:
+            best: tuple | None = None
+            for group in groups:
+                U, stage_info = [], []
+                for i in range(p):
+                    if starts_even is not None:
+                        assert per_stage is not None
+                        vals, infos, which = self.stage_values(cfg, tab, i, group[i], per_stage[i], per_stage[i],
+                                                               starts_even[i])
+                    elif self.p.homogeneous:
+                        vals, infos, which = self.stage_values(cfg, tab, i, group[i], lo, hi, 0)
+                    else:  # layer types vary along the model: a stage's cost depends on its first layer
+                        vals = np.full((self.L + 1, hi + 1), np.inf)
+                        by_start = {}
+                        first = max(i * lo, self.L - (p - i) * hi)
+                        for st in range(first, min(i * hi, self.L - (p - i) * lo) + 1):
+                            top = min(hi, self.L - st)
+                            vs, inf_s, wh = self.stage_values(cfg, tab, i, group[i], lo, top, st)
+                            vals[st, :top + 1] = vs
+                            by_start[st] = (inf_s, wh)
+                        infos, which = by_start, None  # type: ignore[assignment]
+                    U.append(vals / cfg.m)
+                    stage_info.append((infos, which))
+                got = place(U, self.L, cfg.m, cfg.v, per_stage, lo, hi)
+                if got is not None and (best is None or got[1] < best[0]):
+                    best = (got[1], got[0], group, stage_info)
+            if best is None:
+                return None
+            _, counts, group, stage_info = best
+            paths, edges = [], []
+            starts = [int(x) for x in np.cumsum([0] + list(counts[:-1]))]
+            for i, n in enumerate(counts):
+                infos, which = stage_info[i]
+                if which is None:  # heterogeneous uneven: per-start results
+                    infos, which = infos[starts[i]]
+                    start = starts[i]
+                else:
+                    start = starts_even[i] if starts_even is not None else 0
+                k = int(which[n])
+                edges.append(group[i][k])
+                paths.append(self.stage_path(cfg, tab, infos[k], n, start))
+        finally:
+            self.dp_cache = saved_cache
+        strategies: list[LayerStrategy] = []
+        if v == 1:
+            for path in paths:
+                strategies += path
+            pp_division = tuple(counts)
+        else:  # stage i owns chunks i, i+p, ...; hand out its layers chunk by chunk
+            assert division is not None
+            cursor = [0] * p
+            for c in range(chunks):
+                i = c % p
+                strategies += paths[i][cursor[i]:cursor[i] + division[c]]
+                cursor[i] += division[c]
+            pp_division = tuple(division)
+        return self._finish(cfg, tuple(strategies), pp_division, edges[0][0], edges[-1][1])
+
+    def _finish(self, cfg: Config, layers: tuple[LayerStrategy, ...], division: tuple[int, ...],
+                embed: LayerStrategy, head: LayerStrategy) -> ParallelPlan | None:
+        """Build the plan and price it with the full cost model (the search's objective is only a proxy)."""
+        plan = ParallelPlan(world_size=self.world, layers=layers, pp=cfg.pp, pp_division=division,
+                            micro_batches=cfg.m, global_batch=cfg.global_batch, pipeline_schedule=cfg.schedule,
+                            virtual_stages=cfg.v, embed=embed, head=head,
+                            vocab_parallel_loss=self.space.vocab_parallel_loss)
+        pc = self.cost.evaluate(plan)
+        if pc.peak_memory_bytes > self.budget * (1 + 1e-9):  # cannot happen with the conservative grid
+            return None
+        # the plan was built just above and nobody else holds it: attach the prediction without a
+        # second round of validation (prediction is not part of the plan's identity, compare=False)
+        object.__setattr__(plan, "prediction", Prediction(pc.step_time_s, pc.throughput, pc.stage_memory_bytes))
+        return plan
+
+    def smallest_fit(self, cfg: Config) -> tuple[float, str] | None:
+        """Peak memory of the leanest plan of this configuration (uniform leanest strategy, even split)."""
+        S = self.world // cfg.pp
+        mb = cfg.global_batch // cfg.m
+        tab, edges = self.table(S, mb), self.edge_options(S, mb)
+        if tab is None or not edges:
+            return None
+        division = even_division(self.L, cfg.pp * cfg.v)
+        peak = 0.0
+        for i in range(cfg.pp):
+            ctx = StageContext(S, mb, cfg.m, cfg.pp, i, cfg.schedule, cfg.v)
+            fixed = min(self.fixed(e, e, ctx)[2] for e in edges)  # the leanest embedding/head
+            n = sum(division[c] for c in range(i, cfg.pp * cfg.v, cfg.pp))
+            mem = tab.states + ctx.inflight * tab.act
+            t = self.p.layer_type_of[0]
+            j = int(np.argmin(n * mem[t] + tab.transient[t]))
+            peak = max(peak, fixed + n * mem[t, j] + tab.transient[t, j])
+        desc = f"pp={cfg.pp} {cfg.schedule} m={cfg.m} batch={cfg.global_batch}"
+        return peak, desc

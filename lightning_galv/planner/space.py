@@ -1,0 +1,140 @@
+"""What the search may choose from: the search space and the strategies it enumerates per stage.
+
+The per-layer strategy space of a stage (Galvatron VLDB'23, Galvatron-BMW TKDE'24) is every tp x dp
+factorization of the stage's ranks, Megatron or Ulysses sequence parallelism, a ZeRO stage,
+activation checkpointing and the tp rank order -- a decision tree, enumerated here and pruned:
+Galvatron's guideline rules (tp inside a node, consecutive tp groups; ``heuristic_pruning``) here,
+and an exact dominance rule (a strategy slower *and* larger than another with the same activation
+layout can never be part of an optimum) in the searcher, once costs are known
+(:func:`~lightning_galv.planner.pareto.pareto_keep`). The embedding and the head have a smaller space
+of their own (:func:`end_strategies`): what the runtime can apply to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import bad_value
+from ..plan import SCHEDULES, SP_MODES, LayerStrategy, ModelShape, divisors
+from .profiles import HardwareProfile
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search may choose from. Defaults: the full space."""
+
+    max_tp: int | None = None  # None: up to the stage size
+    max_pp: int | None = None
+    pp_degrees: tuple[int, ...] | None = None  # None: every divisor of the world size
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b")
+    virtual_stages: tuple[int, ...] = (2,)
+    micro_batches: tuple[int, ...] | None = None  # None: every divisor of the global batch
+    max_micro_batches: int | None = None
+    sp_modes: tuple[str, ...] = SP_MODES
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    checkpoint: tuple[bool, ...] = (False, True)
+    tp_consecutive: tuple[bool, ...] = (True, False)
+    uniform: bool = False  # one strategy for every layer (the "3-D" space)
+    uneven_partition: bool = True
+    heuristic_pruning: bool = True
+    memory_bins: int = 2048
+    embed_tp: int | None = None  # vocabulary-parallel degree of embedding and head; None: searched
+    embed_zero: int | None = None  # ZeRO stage of embedding and head; None: searched over zero_stages
+    vocab_padding: bool = False  # allow vocab-parallel degrees that do not divide the vocabulary (Megatron pads it)
+    vocab_parallel_loss: bool = False  # the loss takes vocab-sharded logits: priced, and set on the emitted plans
+
+    def __post_init__(self) -> None:
+        for s in self.schedules:
+            if s not in SCHEDULES:
+                raise bad_value(f"schedule={s}", f"must be one of {SCHEDULES}", "e.g. schedules=('1f1b',).")
+        for s in self.sp_modes:
+            if s not in SP_MODES:
+                raise bad_value(f"sp_mode={s}", f"must be one of {SP_MODES}", "e.g. sp_modes=('none', 'megatron').")
+        for z in self.zero_stages:
+            if z not in (0, 1, 2, 3):
+                raise bad_value(f"zero={z}", "ZeRO stages are 0..3", "e.g. zero_stages=(0, 2, 3).")
+        if not self.zero_stages or not self.schedules or not self.checkpoint or not self.tp_consecutive:
+            raise bad_value(self, "zero_stages, schedules, checkpoint and tp_consecutive need >= 1 choice",
+                            "leave a field at its default to search it.")
+        if self.memory_bins < 16:
+            raise bad_value(f"memory_bins={self.memory_bins}", "must be >= 16", "use 2048 (default) or more.")
+
+    @property
+    def default_embed_zero(self) -> int:
+        """ZeRO stage of the embedding and head when it is not searched (``embed_tp``/``embed_zero`` set,
+        and the default cost model's): the highest allowed stage up to 2, since ZeRO-3 would gather
+        those usually largest weights again on every micro-batch."""
+        if self.embed_zero is not None:
+            return self.embed_zero
+        return max([z for z in self.zero_stages if z <= 2] or [min(self.zero_stages)])
+
+    @classmethod
+    def three_d(cls, zero: int = 2, **kw: object) -> "SearchSpace":
+        """Galvatron's "3-D" space: one (pp, tp, dp) for all layers, one ZeRO stage, no SP or recomputation."""
+        return cls(sp_modes=("none",), zero_stages=(zero,), checkpoint=(False,), tp_consecutive=(True,),
+                   uniform=True, **kw)  # type: ignore[arg-type]
+
+
+def candidate_strategies(shape: ModelShape, stage_size: int, micro_batch: int, space: SearchSpace,
+                         hw: HardwareProfile | None = None) -> list[LayerStrategy]:
+    """Every per-layer strategy of a stage that is valid for this model and micro-batch.
+
+    With ``space.heuristic_pruning`` (Galvatron VLDB'23 Sec. 3.2 guidelines): tensor/sequence groups
+    stay inside a node, and tp groups are consecutive ranks.
+    """
+    out: list[LayerStrategy] = []
+    max_tp = space.max_tp or stage_size
+    for tp in divisors(stage_size):
+        dp = stage_size // tp
+        if tp > max_tp or micro_batch % dp:
+            continue
+        for sp in (("none",) if tp == 1 else space.sp_modes):
+            need = [shape.num_heads, shape.num_kv_heads]
+            if sp != "ulysses":
+                need.append(shape.ffn_hidden)
+            if sp != "none":
+                need.append(shape.seq_len)
+            if any(n % tp for n in need):
+                continue
+            consecs = (True,) if tp == 1 or dp == 1 else space.tp_consecutive
+            for consec in consecs:
+                if space.heuristic_pruning and tp > 1:
+                    if not consec:
+                        continue
+                    if hw is not None and not hw.is_intra_node(tp, 1) and dp > 1:
+                        continue
+                d = dp * tp if sp == "ulysses" else dp
+                for zero in ((0,) if d == 1 else space.zero_stages):
+                    for ck in space.checkpoint:
+                        out.append(LayerStrategy(tp, dp, sp, zero, ck, consec))
+    return out
+
+
+def end_strategies(shape: ModelShape, stage_size: int, micro_batch: int, space: SearchSpace,
+                   hw: HardwareProfile | None = None) -> list[LayerStrategy]:
+    """Strategies the embedding and the head may take on a stage of ``stage_size`` ranks.
+
+    What the runtime supports (parallel/tensor.py apply_tp_embedding / apply_tp_head, plan rules):
+    vocab-parallel degree tp (no sequence parallelism, consecutive ranks) times data parallel dp
+    with any ZeRO stage. A fixed ``embed_tp`` keeps the old behaviour: that degree, raised to the
+    next divisor when the micro-batch is too small to split. With ``heuristic_pruning`` and ``hw``,
+    vocab-parallel groups stay inside a node, as the layers' tp groups do.
+    """
+    S, mb, sp, vocab = stage_size, micro_batch, space, shape.vocab_size
+    out: list[LayerStrategy] = []
+    for vtp in divisors(S):
+        dp = S // vtp
+        if mb % dp or (vtp > 1 and vocab % vtp and not sp.vocab_padding):
+            continue
+        if sp.embed_tp is not None:
+            if vtp < sp.embed_tp and S % sp.embed_tp == 0:
+                continue
+        elif vtp > (sp.max_tp or S) or (sp.heuristic_pruning and vtp > 1 and hw is not None
+                                        and not hw.is_intra_node(vtp, 1)):
+            continue
+        zeros = (0,) if dp == 1 else (sp.default_embed_zero,) if sp.embed_tp is not None or \
+            sp.embed_zero is not None else sp.zero_stages
+        out += [LayerStrategy(tp=vtp, dp=dp, zero=z) for z in zeros]
+        if sp.embed_tp is not None:
+            break
+    return out
