@@ -59,7 +59,7 @@ class LayerStrategy:
         _check_int("zero", self.zero, minimum=0)
         _check_int("ep", self.ep)
         if self.data_group % self.ep:
-            raise _err(f"ep={self.ep} with {self.short_dims()}",
+            raise bad_value(f"ep={self.ep} with {self.short_dims()}",
                        f"expert parallelism splits the layer's data group ({self.data_group} ranks: dp"
                        f"{'*tp for Ulysses' if self.ulysses else ''}), so ep must divide it",
                        f"pick ep from the divisors of {self.data_group}, or raise dp.")

@@ -180,7 +180,7 @@ def random_plan(rng: random.Random, world_size: int, shape: ModelShape, *, pp_ch
             bounds = [0, *cuts, shape.num_layers]
             kwargs["pp_division"] = tuple(b - a for a, b in zip(bounds, bounds[1:]))
         layers = tuple(random_strategy(rng, stage) for _ in range(shape.num_layers))
-        layers = tuple(replace(s, ep=rng.choice([d for d in _divisors(s.data_group) if num_experts % d == 0]))
+        layers = tuple(replace(s, ep=rng.choice([d for d in divisors(s.data_group) if num_experts % d == 0]))
                        if i in moe_layers else s for i, s in enumerate(layers))
         try:
             plan = ParallelPlan(world_size, layers, embed=random_strategy(rng, stage, edge=True),
