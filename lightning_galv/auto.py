@@ -141,6 +141,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
     vocab-sharded logits (priced, and set on the plan). Models without the block protocol get a plain
     data-parallel plan (no profile, no search)."""
     from .planner import GalvatronCostModel, HardwareProfile, ProfileCache, SearchSpace, search
+    from .planner.calibration import Calibration, calibration_path
     from .planner.search import DEFAULT_MEMORY_MARGIN, rank_key
     from .profiling import HardwareProfiler
 
@@ -164,9 +165,15 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
         try:
             profile = profile_model(model, parts, cache, verbose)
             hw = priced_hardware(profile, hw, budget)
+            calibration = Calibration.load(calibration_path(cache.directory))
+            if calibration is not None:  # what an earlier run measured (PlanMonitor): corrected copies of the inputs
+                profile, hw = calibration.apply(profile, hw)
+                notes_head = [f"calibrated by {calibration.observations} measurements of an earlier run"]
+            else:
+                notes_head = []
             cost = GalvatronCostModel(profile, hw, SearchSpace().default_embed_zero, runtime="native")
             found: list[ParallelPlan] = []
-            notes: list[str] = []
+            notes: list[str] = list(notes_head)
             failures: list[str] = []
             for pp, gb, ms in run_configs(world_size, n_layers, loader_batch, pipeline):
                 space = SearchSpace(pp_degrees=(pp,), micro_batches=ms, vocab_parallel_loss=vocab_parallel_loss)
