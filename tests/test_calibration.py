@@ -65,3 +65,22 @@ def test_observations_from_a_measured_step_and_round_trip(tmp_path) -> None:
         Calibration(comm_scale=0.0)
     with pytest.raises(ValueError, match=r"no observations.*HINT"):
         Calibration.fit([])
+
+
+def test_fit_plans_recovers_factors_from_whole_step_times() -> None:
+    """Plans priced with known factors are 'measured'; fitting from their step times alone gets the factors back
+    and the calibrated model reproduces every step time."""
+    model, hw = ModelProfile.from_shape(SHAPE), HardwareProfile.uniform(1, 8, 80e9)
+    truth = Calibration({model.layer(0).name: 1.4}, comm_scale=2.5, memory_slack_bytes=3e8)
+    plans = [ParallelPlan.uniform(8, 4, s, global_batch=16) for s in
+             (L(dp=8), L(tp=2, dp=4), L(tp=4, dp=2, sp="megatron"), L(tp=8), L(dp=8, zero=3), L(tp=2, dp=4, zero=1))]
+    m_true, h_true = truth.apply(model, hw)
+    measured = [(p, GalvatronCostModel(m_true, h_true).evaluate(p).step_time_s,
+                 GalvatronCostModel(m_true, h_true).evaluate(p).peak_memory_bytes) for p in plans]
+    cal = Calibration.fit_plans(GalvatronCostModel, model, hw, measured, ridge=1e-6)
+    assert cal.compute_scale[model.layer(0).name] == pytest.approx(1.4, rel=2e-2)
+    assert cal.comm_scale == pytest.approx(2.5, rel=2e-2)
+    assert cal.memory_slack_bytes == pytest.approx(3e8, rel=1e-6)
+    m2, h2 = cal.apply(model, hw)
+    for p, t, _ in measured:
+        assert GalvatronCostModel(m2, h2).evaluate(p).step_time_s == pytest.approx(t, rel=1e-2)

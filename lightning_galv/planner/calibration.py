@@ -9,6 +9,8 @@ Three corrections, each fitted by least squares over observations from any numbe
 
 * ``compute_scale[layer type]`` multiplies that layer type's compute fits (forward, backward, recompute
   and the measured sharded fits): a busy or throttled machine, or kernels slower than in the profile;
+  ``compute_scale["<type>@<tp>/<sp>"]`` (e.g. ``"block@tp2/megatron"``) multiplies, on top, the measured fit of
+  one way of sharding it -- sharded kernels are where profiles and runs part most (small GEMMs, dispatch);
 * ``comm_scale`` multiplies the time of every collective (link bandwidth divided, latency multiplied):
   a slower network than the profiler saw, or collectives contending with other traffic;
 * ``memory_slack_bytes``: per-rank bytes the run holds beyond the prediction (allocator slack, buffers
@@ -29,7 +31,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -110,13 +112,63 @@ class Calibration:
         return cls({t: float(sol[i]) for i, t in enumerate(types)}, float(sol[-1]), slack,
                    len(layers) + len(memory))
 
+    @classmethod
+    def fit_plans(cls, cost_model: Callable[[ModelProfile, HardwareProfile], Any], model: ModelProfile,
+                  hw: HardwareProfile, measured: Sequence[tuple[ParallelPlan, float, float | None]],
+                  ridge: float = RIDGE, iterations: int = 4, per_variant: bool = True) -> "Calibration":
+        """Factors from whole steps: ``measured`` holds ``(plan, step seconds, peak bytes or None)`` of several
+        plans (the tuner's trials, a benchmark's runs) priced by ``cost_model(model, hw)``.
+
+        A plan's predicted step time is linear in the compute scale of each layer type and in the collective
+        scale (piecewise linear where collectives overlap compute): each slope is read off by pricing the plan
+        once more with that factor doubled, the factors solve the same ridge-regularized relative least squares
+        as :meth:`fit`, and a few Gauss-Newton rounds re-linearize around the current factors. ``per_variant``
+        adds a factor per measured sharding of each layer type (the ridge keeps those no plan used at 1)."""
+        if not measured:
+            raise bad_value("no measured plans", "fit_plans needs at least one (plan, step time) pair",
+                            "measure a few plans first (OnlineProfiler, the tuner's trials).")
+        types = sorted({lt.name for lt in model.layer_types})
+        if per_variant:  # one more factor per measured way of sharding each layer type
+            types += sorted({f"{lt.name}@{k}" for lt in model.layer_types for k in lt.sharded})
+        n = len(types) + 1
+
+        def price(factors: np.ndarray, plan: ParallelPlan) -> float:
+            cal = cls({t: float(f) for t, f in zip(types, factors[:-1])}, float(factors[-1]))
+            m2, h2 = cal.apply(model, hw)
+            return float(cost_model(m2, h2).evaluate(plan).step_time_s)
+
+        sol = np.ones(n)
+        for _ in range(iterations):  # Gauss-Newton: re-linearize around the current factors
+            rows, rhs = [], []
+            for plan, seconds, _ in measured:
+                here = price(sol, plan)
+                slopes = []
+                for j in range(n):  # d(step time) / d(factor j), by doubling it
+                    bumped = sol.copy()
+                    bumped[j] *= 2.0
+                    slopes.append((price(bumped, plan) - here) / sol[j])
+                rows.append(np.array(slopes) / seconds)
+                rhs.append((seconds - here + float(np.dot(slopes, sol))) / seconds)
+            for i in range(n):
+                row = np.zeros(n)
+                row[i] = math.sqrt(ridge)
+                rows.append(row)
+                rhs.append(math.sqrt(ridge))
+            sol = np.clip(np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)[0], 1e-3, 1e3)
+        pred_mem = [(float(cost_model(model, hw).evaluate(p).peak_memory_bytes), float(m))
+                    for p, _, m in measured if m is not None]
+        slack = float(np.mean([m - q for q, m in pred_mem])) if pred_mem else 0.0
+        return cls({t: float(sol[i]) for i, t in enumerate(types)}, float(sol[-1]), slack, len(measured))
+
     # -- applying ----------------------------------------------------------------------------------
     def apply(self, model: ModelProfile, hw: HardwareProfile | None) -> tuple[ModelProfile, HardwareProfile | None]:
         """Corrected copies of ``model`` and ``hw`` (the arguments are not modified)."""
         lts = []
         for lt in model.layer_types:
             f = self.compute_scale.get(lt.name, 1.0)
-            lts.append(_scale_layer_type(lt, f) if f != 1.0 else lt)
+            per_variant = {k.split("@", 1)[1]: v for k, v in self.compute_scale.items()
+                           if k.startswith(lt.name + "@")}
+            lts.append(_scale_layer_type(lt, f, per_variant) if f != 1.0 or per_variant else lt)
         model = replace(model, layer_types=tuple(lts),
                         framework_bytes=max(0.0, model.framework_bytes + self.memory_slack_bytes))
         if hw is not None and self.comm_scale != 1.0:
@@ -150,8 +202,10 @@ class Calibration:
         return cls.from_json(p.read_text()) if p.is_file() else None
 
 
-def _scale_layer_type(lt: LayerTypeProfile, f: float) -> LayerTypeProfile:
-    sharded = {k: {kind: _scaled_fit(fit, f) for kind, fit in fits.items()} for k, fits in lt.sharded.items()}
+def _scale_layer_type(lt: LayerTypeProfile, f: float, per_variant: Mapping[str, float] | None = None) -> LayerTypeProfile:
+    extra = per_variant or {}
+    sharded = {k: {kind: _scaled_fit(fit, f * extra.get(k, 1.0)) for kind, fit in fits.items()}
+               for k, fits in lt.sharded.items()}
     over = {k: {kind: _scaled_fit(fit, f) for kind, fit in fits.items()} for k, fits in lt.zero_overhead.items()}
     return replace(lt, forward=_scaled_fit(lt.forward, f), backward=_scaled_fit(lt.backward, f),
                    recompute=None if lt.recompute is None else _scaled_fit(lt.recompute, f), sharded=sharded,
