@@ -223,7 +223,15 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
         from lightning_galv.auto import run_configs
         from lightning_galv.planner import SearchSpace, search
 
+        from lightning_galv.auto import sharded_profile
+        from lightning_galv.profiling import HardwareProfiler
+
+        # the profile automatic mode will use: block profile + the sharded blocks measured on these ranks
+        # (the same cached hardware profile, so the sharded measurement is cached for automatic mode too)
+        measured_hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, cache=ProfileCache(),
+                                       progress=False).fit()
         prof = profile_model(module, find_parts(module), ProfileCache())
+        prof = sharded_profile(module, find_parts(module), prof, measured_hw, ProfileCache(), False)
         hw = priced_hardware(prof, HardwareProfile.uniform(1, world, 1e12), 1e12)
         cost = GalvatronCostModel(prof, hw, runtime="native")
         _, gb, ms = run_configs(world, n_layers, per_shard, pipeline=True)[0]
