@@ -33,12 +33,15 @@ def free_port() -> int:
 
 def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: float = 600.0,
                     init_process_group: bool = True, env: dict[str, str] | None = None,
-                    threads: int = 1, may_die: Collection[int] = ()) -> list[Any]:
+                    threads: int = 1, may_die: Collection[int] = (), poll: Callable[[], None] | None = None,
+                    log_tail: list[str] | None = None) -> list[Any]:
     """Run ``target(*args)`` on ``world_size`` ranks (separate processes, gloo) and return results.
 
     ``init_process_group=False`` leaves process-group creation to the function (a Lightning Trainer
     does it itself from the same environment variables torchrun would set). Ranks in ``may_die`` may
     exit abnormally (a failure test kills them on purpose): their result is None and the others run on.
+    ``poll`` is called while the ranks run; if it raises (the tuner's pruner does), every rank is killed
+    and the exception propagates. ``log_tail``, if given, receives the ranks' log tails (also on failure).
     """
     import torch
 
@@ -71,8 +74,12 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"distributed launch of {target} on {world_size} ranks exceeded "
                                        f"{timeout:.0f}s.\n{_tails(logs)}")
+                if poll is not None:
+                    poll()
                 time.sleep(0.05)
         finally:
+            if log_tail is not None:
+                log_tail.append(_tails(logs, chars=3000))
             for p in procs:
                 if p.poll() is None:
                     p.kill()

@@ -1,0 +1,135 @@
+"""One tuning trial, inside each of its ranks: a real short ``Trainer.fit`` under one plan.
+
+The tuner launches this in fresh processes (``lightning_galv.testing.run_distributed``) so a trial that
+crashes, hangs or runs out of memory takes nothing else down. It runs the same path users run (the user's
+LightningModule and data from importable factories, ``GalvatronStrategy(plan=...)``), times every step
+(slowest rank), appends each measured step to a report file as it happens -- the tuner reads it to let
+Optuna's pruner stop hopeless plans early -- and returns the step times and the peak memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any, Callable
+
+import lightning.pytorch as L
+import torch
+
+
+def load_object(path: str) -> Callable[..., Any]:
+    """``"package.module:name"`` -> the object (factories must be importable in a fresh process)."""
+    if not isinstance(path, str) or ":" not in path:
+        raise ValueError(f"factory {path!r}: must be an import path 'package.module:function'. HINT: define the "
+                         "factory at module level in an importable file (trials run in fresh processes).")
+    module, name = path.split(":", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def peak_memory_bytes(device: torch.device) -> float:
+    """The CUDA allocator's peak, or on CPU the resident-set high-water mark -- the same quantity automatic
+    mode's CPU budget (RAM / local ranks) limits."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class StepClock(L.Callback):
+    """Wall time of every training step (slowest rank); measured steps go to ``report_path`` as JSON lines."""
+
+    def __init__(self, warmup: int, report_path: str | None) -> None:
+        self.warmup, self.report_path = warmup, report_path
+        self.times: list[float] = []
+        self.samples = 0
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._t0 = time.perf_counter()
+        if not self.samples:
+            x = batch[0] if isinstance(batch, (tuple, list)) else batch
+            shards = trainer.strategy.distributed_sampler_kwargs.get("num_replicas", 1)
+            self.samples = int(x.shape[0]) * int(shards)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        dt = float(trainer.strategy.reduce(torch.tensor(time.perf_counter() - self._t0), reduce_op="max"))
+        if trainer.global_step <= self.warmup:
+            return
+        self.times.append(dt)
+        if self.report_path and trainer.is_global_zero:
+            with open(self.report_path, "a") as f:
+                f.write(json.dumps({"step": len(self.times), "seconds": dt, "samples": self.samples}) + "\n")
+
+
+def run_trial(plan: dict, module_factory: str, data_factory: str, warmup: int, steps: int,
+              report_path: str | None = None, extra_callbacks: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Train ``warmup + steps`` steps under ``plan``; return step times, samples per step, peak memory."""
+    from .. import GalvatronStrategy
+
+    module = load_object(module_factory)()
+    data = load_object(data_factory)()
+    clock = StepClock(warmup, report_path)
+    callbacks = [clock, *(load_object(c)() for c in extra_callbacks)]
+    trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan), accelerator="auto",
+                        devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), max_steps=warmup + steps,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        callbacks=callbacks)
+    oom = False
+    try:
+        if isinstance(data, L.LightningDataModule):
+            trainer.fit(module, datamodule=data)
+        else:
+            trainer.fit(module, data)
+    except torch.OutOfMemoryError:  # a completed trial whose memory constraint is violated, not a crash
+        oom = True
+    device = trainer.strategy.root_device
+    peak = torch.tensor(float("inf") if oom else peak_memory_bytes(device))
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    return {"step_times": clock.times, "samples": clock.samples, "peak_bytes": float(peak), "oom": oom}
+
+
+def profile_run(module_factory: str, data_factory: str, memory_budget: Any) -> dict[str, Any]:
+    """Every rank: profile this machine and the model the way automatic mode does (cached by what was measured).
+
+    Runs inside an initialized process group (the tuner's launcher creates it)."""
+    import copy
+
+    import torch.distributed as dist
+
+    from ..auto import device_memory, parse_bytes, profile_model, sharded_profile
+    from ..models.protocol import find_parts
+    from ..planner import ModelProfile, ProfileCache
+    from ..profiling import HardwareProfiler
+
+    module = load_object(module_factory)()
+    data = load_object(data_factory)()
+    loader = data.train_dataloader() if isinstance(data, L.LightningDataModule) else data
+    parts = find_parts(module)
+    if not parts.understood or parts.shape is None:
+        raise ValueError(f"{type(module).__name__}: the tuner searches hybrid plans, which need the block protocol "
+                         "(lightning_galv.models.protocol). HINT: implement galv_blocks / galv_shape, or use "
+                         "plain data parallelism without tuning.")
+    world = dist.get_world_size()
+    budget = parse_bytes(memory_budget) if memory_budget is not None else device_memory(torch.device("cpu"))
+    cache = ProfileCache()
+    hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, device_memory_bytes=budget, cache=cache,
+                          progress=False).fit() if world > 1 else None
+    box: list[Any] = [profile_model(copy.deepcopy(module), parts, cache).to_json() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    model = ModelProfile.from_json(box[0])
+    if hw is not None:
+        model = sharded_profile(module, parts, model, hw, cache, False)
+    from ..auto import priced_hardware
+
+    hw = priced_hardware(model, hw, budget)
+    pipeline = all(callable(getattr(module, n, None)) for n in ("galv_pipeline_batch", "galv_pipeline_loss"))
+    return {"model_profile": model.to_json(), "hardware_profile": hw.to_json(), "budget": budget,
+            "loader_batch": getattr(loader, "batch_size", None), "pipeline": pipeline}

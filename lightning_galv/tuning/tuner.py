@@ -1,0 +1,433 @@
+"""``tune()``: the analytic search proposes, real short runs decide (an Optuna study over plans).
+
+Why: an analytic planner picks well but not best (its cost model is an approximation of a noisy machine).
+The tuner measures. Its study's search space is the *plan space*: every trial is one ``ParallelPlan``,
+identified by an integer ``plan_id`` whose plan is stored with the study (and as a user attribute of the
+trial, in YAML, so ``optuna-dashboard`` shows it):
+
+1. **Analytic first.** The planner's top plans (for every pipeline degree / micro-batch count the run can
+   execute, ranked like automatic mode ranks them) are enqueued in predicted order.
+2. **Measured second.** Once they are measured, the neighbours of the best measured plans (one dimension
+   changed: tp/dp split, Megatron/Ulysses SP, ZeRO stage, checkpointing, of all layers at once; the
+   embedding / head strategy; the micro-batch count) are predicted with the *calibrated* cost model and the
+   best unmeasured one is enqueued next.
+3. **Every trial is a real run** in fresh processes (``lightning_galv.tuning.trial``): ``warmup_steps`` then
+   ``steps`` measured steps of ``Trainer.fit`` with ``GalvatronStrategy(plan=...)``. Each measured step is
+   reported to Optuna as the running throughput, so the pruner can stop a hopeless plan early (its ranks are
+   killed; default: below the 25th percentile of earlier trials at the same step, after two trials -- a
+   median rule would drop plans only slightly slower than the first one measured). A trial that runs out of memory is a *completed* trial whose constraint (peak memory minus
+   budget) is violated; a crash, a hang (``trial_timeout``) or an exception is ``FAIL`` with the reason and
+   the log tail as user attributes; the study goes on.
+4. **Feedback.** After every completed trial a :class:`~lightning_galv.planner.calibration.Calibration` is fitted
+   on all measured plans and the remaining candidates are re-ranked with it.
+5. **Resumable.** SQLite by default (any Optuna storage URL works). RDB storages get heartbeats: a trial left
+   RUNNING by a killed tuner is marked failed and retried once; completed trials are kept and no plan is
+   enqueued twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import bad_value
+from ..plan import LayerStrategy, ParallelPlan, divisors
+
+HEARTBEAT_S = 30  # default heartbeat period of RDB storages; a RUNNING trial silent for 2x that is stale
+PLAN_PARAM = "plan_id"
+MAX_PLANS = 1_000_000
+
+
+@dataclass
+class TuneResult:
+    """What a tuning run found: the best measured plan (None if nothing completed within budget) and all trials."""
+
+    best_plan: ParallelPlan | None
+    best_throughput: float
+    analytic_plan: ParallelPlan
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    study_name: str = ""
+    storage: str = ""
+
+    def table(self) -> str:
+        rows = ["| # | state | plan | predicted samples/s | measured samples/s | measured / predicted | peak MiB |",
+                "|---|---|---|---|---|---|---|"]
+        for t in self.trials:
+            pred, meas = t.get("predicted_throughput"), t.get("throughput")
+            ratio = f"{meas / pred:.2f}" if pred and meas else "-"
+            peak = f"{t['peak_bytes'] / 2**20:.0f}" if t.get("peak_bytes") not in (None, math.inf) else "-"
+            rows.append(f"| {t['number']} | {t['state']} | {t['summary']} | {pred or 0:.2f} | "
+                        f"{(meas or 0):.2f} | {ratio} | {peak} |")
+        return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+# candidates
+# ---------------------------------------------------------------------------------------------------
+def summary(plan: ParallelPlan) -> str:
+    layers = sorted({s.short() for s in plan.layers})
+    return (f"pp{plan.pp}·m{plan.micro_batches} [{', '.join(layers)}] embed {plan.embed.short()} "
+            f"head {plan.head.short()}")
+
+
+def neighbours(plan: ParallelPlan, shape: Any) -> list[ParallelPlan]:
+    """Valid plans one dimension away from ``plan`` (every layer changed alike, or the ends, or micro-batches)."""
+    stage = plan.world_size // plan.pp
+    out: list[ParallelPlan] = []
+
+    def add(**changes: Any) -> None:
+        try:
+            p = replace(plan, prediction=None, **changes)
+            p.check_model(shape)
+        except (ValueError, TypeError):
+            return
+        if p != plan and p not in out:
+            out.append(p)
+
+    def all_layers(f: Callable[[LayerStrategy], LayerStrategy]) -> None:
+        try:
+            add(layers=tuple(f(s) for s in plan.layers))
+        except (ValueError, TypeError):
+            pass
+
+    for tp in divisors(stage):
+        for sp in ("none", "megatron", "ulysses"):
+            all_layers(lambda s, tp=tp, sp=sp: replace(s, tp=tp, dp=stage // tp, sp=sp if tp > 1 else "none", ep=1))
+    for zero in range(4):
+        all_layers(lambda s, zero=zero: replace(s, zero=zero))
+    all_layers(lambda s: replace(s, checkpoint=not s.checkpoint))
+    for tp in divisors(stage):
+        for end in ("embed", "head"):
+            try:
+                add(**{end: replace(getattr(plan, end), tp=tp, dp=stage // tp, sp="none")})
+            except (ValueError, TypeError):
+                pass
+    if plan.pp > 1:
+        per_shard = plan.global_batch // plan.data_parallel_size if plan.global_batch else 0
+        for m in divisors(per_shard) if per_shard else ():
+            add(micro_batches=m)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# the study
+# ---------------------------------------------------------------------------------------------------
+def _storage(url: str | None, study_name: str, heartbeat_s: int = HEARTBEAT_S) -> Any:
+    import warnings
+
+    import optuna
+    from optuna.storages import RDBStorage
+
+    retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
+
+    url = url or f"sqlite:///{Path(study_name + '.db').resolve()}"
+    if url.startswith(("sqlite:", "postgresql", "mysql")):
+        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna 5, and the feature we need
+            warnings.simplefilter("ignore")
+            return RDBStorage(url, heartbeat_interval=heartbeat_s, grace_period=2 * heartbeat_s,
+                              heartbeat_stale_trial_callback=retry(max_retry=1)), url
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        return JournalStorage(JournalFileBackend(url[len("journal:"):])), url
+    return optuna.storages.get_storage(url), url
+
+
+def _registry(study: Any) -> dict[int, dict]:
+    return {int(k[5:]): v for k, v in study.user_attrs.items() if k.startswith("plan:")}
+
+
+def _register(study: Any, plan: ParallelPlan) -> int:
+    reg = _registry(study)
+    d = plan.with_(prediction=None).to_dict()
+    for i, known in reg.items():
+        if known == d:
+            return i
+    i = len(reg)
+    study.set_user_attr(f"plan:{i}", d)
+    return i
+
+
+def _scheduled(study: Any) -> set[int]:
+    """Plan ids of every trial so far, whatever its state: the tuner never enqueues a plan twice. (A trial a
+    killed tuner left RUNNING is retried once by Optuna's heartbeat callback, as a WAITING copy.)"""
+    out = set()
+    for t in study.get_trials(deepcopy=False):
+        pid = t.params.get(PLAN_PARAM, t.system_attrs.get("fixed_params", {}).get(PLAN_PARAM))
+        if pid is not None:
+            out.add(int(pid))
+    return out
+
+
+def tune(module_factory: str, data_factory: str, devices: int, n_trials: int = 10, *, storage: str | None = None,
+         study_name: str = "galv-tune", top_k: int = 3, warmup_steps: int = 2, steps: int = 5,
+         memory_budget: str | int | float | None = None, trial_timeout: float = 600.0, pruner: Any = None,
+         extra_callbacks: Sequence[str] = (), best_plan_path: str | Path | None = None,
+         candidates: Sequence[ParallelPlan] | None = None, heartbeat_s: int = HEARTBEAT_S,
+         verbose: bool = True) -> TuneResult:
+    """Measure the planner's best plans and their neighbours with real short runs (see the module docstring).
+
+    ``module_factory`` / ``data_factory`` are import paths (``"pkg.mod:fn"``) of functions returning the
+    LightningModule and a DataLoader or LightningDataModule -- trials run in fresh processes. ``n_trials``
+    counts every trial of the study, earlier sessions included (resuming continues up to it).
+    ``candidates`` replaces the analytic search (tests, or plans of your own), in the order given.
+    """
+    import optuna
+    from optuna.trial import TrialState
+
+    from ..testing import run_distributed
+    from .trial import load_object
+
+    for name, value in (("devices", devices), ("n_trials", n_trials), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad_value(f"{name}={value!r}", "must be an int >= 1", "e.g. tune(..., devices=4, n_trials=10).")
+    load_object(module_factory), load_object(data_factory)  # fail here, not in every trial
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    store, url = _storage(storage, study_name, heartbeat_s)
+    study = optuna.create_study(storage=store, study_name=study_name, direction="maximize", load_if_exists=True,
+                                sampler=optuna.samplers.TPESampler(seed=0),
+                                pruner=pruner or optuna.pruners.PercentilePruner(25.0, n_startup_trials=2,
+                                                                                   n_warmup_steps=1))
+    if isinstance(store, optuna.storages.RDBStorage):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optuna.storages.fail_stale_trials(study)  # a killed tuner's RUNNING trial: FAIL, re-enqueued once
+    profiles = _profiles(study, module_factory, data_factory, devices, memory_budget, trial_timeout)
+    model, hw, budget = profiles
+    if candidates is None:
+        if "analytic" not in study.user_attrs:
+            study.set_user_attr("analytic", [p.to_dict() for p in _analytic(model, hw, devices, budget, top_k,
+                                                                             study.user_attrs["loader_batch"],
+                                                                             study.user_attrs["pipeline"])])
+        candidates = [ParallelPlan.from_dict(d) for d in study.user_attrs["analytic"]]
+    candidates = list(candidates)
+    if not candidates:
+        raise bad_value("no candidate plans", "the analytic search found nothing to measure",
+                        "raise memory_budget or pass candidates=[...].")
+    calibration = _calibrate(study, model, hw)
+    while len(study.get_trials(deepcopy=False)) < n_trials or _waiting(study):
+        if not _waiting(study):
+            nxt = _next_plan(study, candidates, model, hw, calibration, budget)
+            if nxt is None:
+                break
+            pid = _register(study, nxt)
+            study.enqueue_trial({PLAN_PARAM: pid}, user_attrs={"plan": nxt.to_yaml()})
+        trial = study.ask()
+        pid = trial.suggest_int(PLAN_PARAM, 0, MAX_PLANS)
+        plan = ParallelPlan.from_dict(_registry(study)[pid])
+        _run_one(study, trial, plan, pid, module_factory, data_factory, devices, warmup_steps, steps, budget,
+                 trial_timeout, extra_callbacks, model, hw, calibration, run_distributed, verbose)
+        calibration = _calibrate(study, model, hw)
+    result = _result(study, url, candidates[0])
+    if best_plan_path is not None and result.best_plan is not None:
+        result.best_plan.save(best_plan_path)
+    return result
+
+
+def _waiting(study: Any) -> bool:
+    from optuna.trial import TrialState
+
+    return any(t.state == TrialState.WAITING for t in study.get_trials(deepcopy=False))
+
+
+def _cost(model: Any, hw: Any, calibration: Any) -> Any:
+    from ..planner import GalvatronCostModel
+    from ..planner.space import SearchSpace
+
+    if calibration is not None:
+        model, hw = calibration.apply(model, hw)
+    return GalvatronCostModel(model, hw, SearchSpace().default_embed_zero, runtime="native")
+
+
+def _next_plan(study: Any, candidates: list[ParallelPlan], model: Any, hw: Any, calibration: Any,
+               budget: float) -> ParallelPlan | None:
+    """The next plan to measure: the analytic candidates in order, then the best predicted unmeasured neighbour
+    of the three best measured plans."""
+    reg = _registry(study)
+    seen = {ParallelPlan.from_dict(reg[i]).with_(prediction=None) for i in _scheduled(study) if i in reg}
+    for p in candidates:
+        if p.with_(prediction=None) not in seen:
+            return p
+    cost = _cost(model, hw, calibration)
+    best = sorted(_completed(study), key=lambda t: -(t.value or 0.0))[:3]
+    pool = []
+    for t in best:
+        base = ParallelPlan.from_dict(reg[int(t.params[PLAN_PARAM])])
+        for nb in neighbours(base, model.shape):
+            if nb.with_(prediction=None) in seen:
+                continue
+            try:
+                pc = cost.evaluate(nb)
+            except ValueError:
+                continue
+            if pc.peak_memory_bytes <= budget:
+                pool.append((pc.step_time_s, nb))
+    pool.sort(key=lambda x: x[0])
+    return pool[0][1] if pool else None
+
+
+def _completed(study: Any) -> list[Any]:
+    from optuna.trial import TrialState
+
+    return [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE
+            and all(c <= 0 for c in t.user_attrs.get("constraint", (0.0,)))]
+
+
+def _calibrate(study: Any, model: Any, hw: Any) -> Any:
+    """Calibration from every completed, in-budget trial (None before the first)."""
+    from ..planner import GalvatronCostModel
+    from ..planner.calibration import Calibration
+
+    reg = _registry(study)
+    measured = [(ParallelPlan.from_dict(reg[int(t.params[PLAN_PARAM])]), t.user_attrs["measured_step_s"], None)
+                for t in _completed(study) if "measured_step_s" in t.user_attrs]
+    if not measured:
+        return None
+    return Calibration.fit_plans(lambda m, h: GalvatronCostModel(m, h, runtime="native"), model, hw, measured)
+
+
+def _run_one(study: Any, trial: Any, plan: ParallelPlan, pid: int, module_factory: str, data_factory: str,
+             devices: int, warmup: int, steps: int, budget: float, timeout: float, extra: Sequence[str],
+             model: Any, hw: Any, calibration: Any, run_distributed: Callable[..., Any], verbose: bool) -> None:
+    import optuna
+    from optuna.trial import TrialState
+
+    pred = _cost(model, hw, calibration).evaluate(plan) if plan.global_batch else None
+    trial.set_user_attr("plan", plan.to_yaml())
+    trial.set_user_attr("summary", summary(plan))
+    if pred is not None:
+        trial.set_user_attr("predicted_step_s", pred.step_time_s)
+        trial.set_user_attr("predicted_peak_bytes", pred.peak_memory_bytes)
+    report = tempfile.NamedTemporaryFile(prefix="galv_trial_", suffix=".jsonl", delete=False).name
+    seen = [0]
+    beat = [time.monotonic()]
+    storage = study._storage
+
+    def poll() -> None:
+        interval = storage.get_heartbeat_interval() if hasattr(storage, "get_heartbeat_interval") else None
+        if interval and time.monotonic() - beat[0] > interval / 2:
+            storage.record_heartbeat(trial._trial_id)
+            beat[0] = time.monotonic()
+        lines = Path(report).read_text().splitlines() if os.path.exists(report) else []
+        for line in lines[seen[0]:]:
+            r = json.loads(line)
+            trial.report(r["samples"] / r["seconds"], r["step"])
+            seen[0] += 1
+            if trial.should_prune():
+                raise optuna.TrialPruned(f"step {r['step']}: {r['samples'] / r['seconds']:.2f} samples/s")
+
+    tail: list[str] = []
+    t0 = time.monotonic()
+    try:
+        out = run_distributed("lightning_galv.tuning.trial:run_trial", devices,
+                              (plan.to_dict(), module_factory, data_factory, warmup, steps, report, tuple(extra)),
+                              init_process_group=False, timeout=timeout, poll=poll, log_tail=tail)[0]
+    except optuna.TrialPruned as exc:
+        trial.set_user_attr("pruned_at", str(exc))
+        study.tell(trial, state=TrialState.PRUNED)
+        _say(verbose, f"trial {trial.number} pruned ({exc}): {summary(plan)}")
+        return
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        kind = "timeout (hang)" if isinstance(exc, TimeoutError) else "crash"
+        cause = _last_error(tail[0] if tail else str(exc))
+        trial.set_user_attr("fail_reason", f"{kind}: {str(exc).splitlines()[0][:200]}" + (f" -- {cause}" if cause else ""))
+        trial.set_user_attr("log_tail", (tail[0] if tail else str(exc))[-2000:])
+        study.tell(trial, state=TrialState.FAIL)
+        _say(verbose, f"trial {trial.number} failed ({kind}): {summary(plan)}")
+        return
+    finally:
+        if os.path.exists(report):
+            os.unlink(report)
+    trial.set_user_attr("wall_s", time.monotonic() - t0)
+    peak = out["peak_bytes"]
+    trial.set_user_attr("peak_bytes", peak)
+    constraint = (peak - budget if math.isfinite(peak) else 1e30,)
+    trial.set_user_attr("constraint", constraint)
+    trial.set_constraint("peak_memory_minus_budget_bytes", constraint[0])  # Optuna's own record: samplers learn where memory ends
+    if out["oom"] or not out["step_times"]:
+        trial.set_user_attr("fail_reason", "out of memory" if out["oom"] else "no measured step")
+        study.tell(trial, 0.0)
+        return
+    step = statistics.median(out["step_times"])
+    trial.set_user_attr("measured_step_s", step)
+    value = out["samples"] / step
+    study.tell(trial, value)
+    _say(verbose, f"trial {trial.number}: {value:.2f} samples/s ({summary(plan)})")
+
+
+def _last_error(log: str) -> str | None:
+    """The last ``SomethingError: message`` line of a rank log (what actually went wrong)."""
+    import re
+
+    found = re.findall(r"(?m)^(?:\[rank\d+\]:\s*)?([A-Za-z_.]*(?:Error|Exception|Interrupt)\b.*)$", log)
+    return found[-1][:300] if found else None
+
+
+def _result(study: Any, url: str, analytic: ParallelPlan) -> TuneResult:
+    reg = _registry(study)
+    trials = []
+    for t in study.get_trials(deepcopy=False):
+        pid = t.params.get(PLAN_PARAM)
+        pred = t.user_attrs.get("predicted_step_s")
+        plan = ParallelPlan.from_dict(reg[int(pid)]) if pid is not None and int(pid) in reg else None
+        gb = plan.global_batch if plan is not None and plan.global_batch else None
+        trials.append({"number": t.number, "state": t.state.name, "summary": t.user_attrs.get("summary", "?"),
+                       "throughput": t.value, "predicted_throughput": gb / pred if gb and pred else None,
+                       "peak_bytes": t.user_attrs.get("peak_bytes"), "reason": t.user_attrs.get("fail_reason")})
+    done = _completed(study)
+    if not done:
+        return TuneResult(None, 0.0, analytic, trials, study.study_name, url)
+    best = max(done, key=lambda t: t.value or 0.0)
+    return TuneResult(ParallelPlan.from_dict(reg[int(best.params[PLAN_PARAM])]), float(best.value), analytic, trials,
+                      study.study_name, url)
+
+
+# ---------------------------------------------------------------------------------------------------
+# profiles and the analytic search
+# ---------------------------------------------------------------------------------------------------
+def _profiles(study: Any, module_factory: str, data_factory: str, devices: int, memory_budget: Any,
+              timeout: float) -> tuple[Any, Any, float]:
+    """Model and hardware profiles of this machine (measured once per study, stored with it)."""
+    from ..planner import HardwareProfile, ModelProfile
+    from ..testing import run_distributed
+
+    if "model_profile" not in study.user_attrs:
+        r = run_distributed("lightning_galv.tuning.trial:profile_run", devices,
+                            (module_factory, data_factory, memory_budget), timeout=timeout)[0]
+        for k in ("model_profile", "hardware_profile", "budget", "loader_batch", "pipeline"):
+            study.set_user_attr(k, r[k])
+    a = study.user_attrs
+    hw = HardwareProfile.from_json(a["hardware_profile"]) if a["hardware_profile"] else None
+    return ModelProfile.from_json(a["model_profile"]), hw, float(a["budget"])
+
+
+def _analytic(model: Any, hw: Any, world: int, budget: float, top_k: int, loader_batch: int | None,
+              pipeline: bool) -> list[ParallelPlan]:
+    from ..auto import run_configs
+    from ..planner import SearchSpace, search
+    from ..planner.search import rank_key
+
+    found: list[ParallelPlan] = []
+    cost = _cost(model, hw, None)
+    for pp, gb, ms in run_configs(world, model.shape.num_layers, loader_batch, pipeline):
+        try:
+            found += search(model, hw, world, budget, global_batch=gb, top_k=top_k,
+                            space=SearchSpace(pp_degrees=(pp,), micro_batches=ms), cost_model=cost)
+        except ValueError:
+            continue
+    found.sort(key=rank_key)
+    return found[:max(top_k, 1)]
+
+
+def _say(enabled: bool, msg: str) -> None:
+    if enabled:
+        print(f"[lightning_galv.tune] {msg}", flush=True)

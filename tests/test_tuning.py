@@ -1,0 +1,112 @@
+"""The Optuna tuner (issue 14): real trials on 2 CPU ranks, faults recorded, pruning, resume, calibration."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from lightning_galv.plan import LayerStrategy as L
+from lightning_galv.plan import ParallelPlan
+from lightning_galv.tuning import neighbours, tune
+
+MOD, DATA = "tune_factories:tiny_module", "tune_factories:tiny_data"
+
+
+def _plan(s: L) -> ParallelPlan:
+    return ParallelPlan.uniform(2, 2, s, global_batch=8)
+
+
+@pytest.fixture(autouse=True)
+def _importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    from pathlib import Path
+
+    here = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(here)
+    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))  # for the trial ranks
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_faults_pruning_and_constraints_are_recorded_and_the_study_goes_on(tmp_path) -> None:
+    plans = [_plan(L(dp=2)), _plan(L(dp=2, zero=1)), _plan(L(dp=2, checkpoint=True)), _plan(L(dp=2, zero=3)),
+             _plan(L(tp=2)), _plan(L(tp=2, sp="ulysses"))]
+    res = tune(MOD, DATA, devices=2, n_trials=6, storage=f"sqlite:///{tmp_path}/s.db", study_name="faults",
+               candidates=plans, warmup_steps=1, steps=3, trial_timeout=45, extra_callbacks=("tune_factories:faults",),
+               memory_budget="8GB", best_plan_path=tmp_path / "best.yaml", verbose=False)
+    states = {t["number"]: (t["state"], t["reason"]) for t in res.trials}
+    study = optuna.load_study(study_name="faults", storage=f"sqlite:///{tmp_path}/s.db")
+    assert [s for s, _ in states.values()] == ["COMPLETE", "COMPLETE", "PRUNED", "FAIL", "COMPLETE", "FAIL"], states
+    assert "crash" in states[3][1] and "injected crash" in states[3][1]
+    assert states[4][1] == "out of memory"  # completed, constraint violated: never the best
+    assert "timeout" in states[5][1]
+    study = optuna.load_study(study_name="faults", storage=f"sqlite:///{tmp_path}/s.db")
+    assert "injected crash" in study.trials[3].user_attrs["log_tail"]
+    assert study.trials[4].user_attrs["constraint"][0] > 0
+    assert res.best_plan is not None and res.best_plan.layers[0].zero in (0, 1)
+    assert ParallelPlan.load(tmp_path / "best.yaml") == res.best_plan.with_(prediction=None) or \
+        ParallelPlan.load(tmp_path / "best.yaml").layers == res.best_plan.layers
+    import psutil
+
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "lightning_galv.testing" in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_analytic_order_resume_and_calibration(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path}/r.db"
+    first = tune(MOD, DATA, devices=2, n_trials=2, storage=url, study_name="resume", top_k=3, warmup_steps=1,
+                 steps=2, memory_budget="8GB", verbose=False, heartbeat_s=1)
+    study = optuna.load_study(study_name="resume", storage=url)
+    analytic = [ParallelPlan.from_dict(d) for d in study.user_attrs["analytic"]]
+    ran = [ParallelPlan.from_dict(study.user_attrs[f"plan:{t.params['plan_id']}"]) for t in study.trials]
+    assert [p.layers for p in ran] == [p.layers for p in analytic[:2]]  # enqueued in the planner's order
+    # a tuner killed mid-trial leaves a RUNNING trial behind: fake one with a heartbeat, let it go stale
+    import time
+
+    pid = study.trials[0].params["plan_id"]
+    study.enqueue_trial({"plan_id": pid})
+    stale = study.ask()
+    stale.suggest_int("plan_id", 0, 1_000_000)
+    study._storage.record_heartbeat(stale._trial_id)
+    time.sleep(3)
+    second = tune(MOD, DATA, devices=2, n_trials=5, storage=url, study_name="resume", top_k=3, warmup_steps=1,
+                  steps=2, memory_budget="8GB", verbose=False, heartbeat_s=1)
+    study = optuna.load_study(study_name="resume", storage=url)
+    states = [t.state.name for t in study.trials]
+    assert states[:2] == ["COMPLETE", "COMPLETE"] and states[2] == "FAIL", states  # kept; the stale one failed
+    retried = [t for t in study.trials if t.system_attrs.get("failed_trial") == 2]
+    assert len(retried) == 1 and retried[0].state.name == "COMPLETE"  # retried once
+    ids = [t.params["plan_id"] for t in study.trials if t.state.name == "COMPLETE"]
+    assert len(ids) - len(set(ids)) <= 1  # only the retry repeats a plan
+    assert len(second.trials) >= 5 and first.best_plan is not None
+    # feedback: the calibrated cost model predicts the measured plans better than the raw one
+    from lightning_galv.planner import GalvatronCostModel, HardwareProfile, ModelProfile
+    from lightning_galv.tuning.tuner import _calibrate, _registry
+
+    model = ModelProfile.from_json(study.user_attrs["model_profile"])
+    hw = HardwareProfile.from_json(study.user_attrs["hardware_profile"])
+    cal = _calibrate(study, model, hw)
+    m2, h2 = cal.apply(model, hw)
+    reg = _registry(study)
+    done = [t for t in study.trials if t.state.name == "COMPLETE" and "measured_step_s" in t.user_attrs]
+
+    def err(m, h) -> float:
+        return sum(abs(GalvatronCostModel(m, h, runtime="native").evaluate(
+            ParallelPlan.from_dict(reg[t.params["plan_id"]])).step_time_s / t.user_attrs["measured_step_s"] - 1)
+            for t in done)
+
+    assert err(m2, h2) < err(model, hw)
+
+
+def test_neighbours_change_one_dimension_and_stay_valid() -> None:
+    from lightning_galv.plan import ModelShape
+
+    shape = ModelShape(2, 32, 4, 2, 64, 64, 16)
+    base = _plan(L(dp=2))
+    nbs = neighbours(base, shape)
+    assert base not in nbs and len(nbs) == len(set(nbs)) >= 5
+    assert any(n.layers[0].tp == 2 for n in nbs) and any(n.layers[0].zero == 3 for n in nbs)
+    assert any(n.layers[0].checkpoint for n in nbs) and any(n.head.tp == 2 for n in nbs)
+    for n in nbs:
+        n.check_model(shape)

@@ -1,0 +1,43 @@
+"""Importable factories and fault-injecting callbacks for the tuner tests (trials run in fresh processes)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_galv.demo.module import CausalLM
+
+
+def tiny_module() -> CausalLM:
+    torch.manual_seed(0)
+    return CausalLM(kind="llama", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                    max_seq_len=16, optimizer="sgd", lr=0.01)
+
+
+def tiny_data() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(torch.randint(0, 64, (64, 17), generator=g), batch_size=4)
+
+
+class Faults(L.Callback):
+    """By plan: checkpointing -> slow (pruned), ZeRO-3 -> crash, tp > 1 -> out of memory, Ulysses -> hang."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        layers = trainer.strategy.plan.layers
+        if any(s.checkpoint for s in layers):
+            time.sleep(1.5)
+        if any(s.zero == 3 for s in layers):
+            raise RuntimeError("injected crash (ZeRO-3 plan)")
+        if any(s.ulysses for s in layers):
+            time.sleep(3600)
+        if any(s.tp > 1 and not s.ulysses for s in layers):
+            raise torch.OutOfMemoryError("injected: out of memory (tp plan)")
+
+
+def faults() -> Faults:
+    return Faults()
