@@ -110,3 +110,12 @@ def test_neighbours_change_one_dimension_and_stay_valid() -> None:
     assert any(n.layers[0].checkpoint for n in nbs) and any(n.head.tp == 2 for n in nbs)
     for n in nbs:
         n.check_model(shape)
+
+
+def test_galv_tune_refuses_a_config_without_the_factories(tmp_path) -> None:
+    from lightning_galv.cli import main
+
+    cfg = tmp_path / "tune.yaml"
+    cfg.write_text("devices: 2\n")
+    with pytest.raises(SystemExit, match=r"module_factory, data_factory and devices.*HINT"):
+        main(["tune", "--config", str(cfg)])
