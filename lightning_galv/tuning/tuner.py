@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 import statistics
 import tempfile
 import time
@@ -221,7 +222,9 @@ def tune(module_factory: str, data_factory: str, devices: int, n_trials: int = 1
                 break
             pid = _register(study, nxt)
             study.enqueue_trial({PLAN_PARAM: pid}, user_attrs={"plan": nxt.to_yaml()})
-        trial = study.ask()
+        with warnings.catch_warnings():  # Optuna warns that heartbeats are meant for optimize(); the tuner beats itself
+            warnings.filterwarnings("ignore", message="Heartbeat of storage")
+            trial = study.ask()
         pid = trial.suggest_int(PLAN_PARAM, 0, MAX_PLANS)
         plan = ParallelPlan.from_dict(_registry(study)[pid])
         _run_one(study, trial, plan, pid, module_factory, data_factory, devices, warmup_steps, steps, budget,
