@@ -77,6 +77,23 @@ class Config:
         return (self.global_batch, self.pp, self.schedule, self.v, self.m)
 
 
+def level_costs(c_all: np.ndarray, r_all: np.ndarray, layer_types: np.ndarray,
+                tau: float) -> tuple[np.ndarray, np.ndarray]:
+    """(strategies usable at transient level ``tau``, their costs per layer position [n, allowed]).
+
+    A (layer, strategy) pair whose recompute transient exceeds ``tau`` is out of this level: infinite cost
+    at that position only. The same strategy may stay in for a layer of another type whose transient is
+    smaller -- excluding it for every layer would lose optima of heterogeneous models (a checkpointed
+    dense block beside an MoE block whose recompute peak is larger).
+    """
+    ok = r_all[layer_types] <= tau + 1e-6  # [n, J]
+    allowed = np.flatnonzero(ok.any(axis=0))
+    c = c_all[layer_types][:, allowed]
+    if not ok[:, allowed].all():
+        c = np.where(ok[:, allowed], c, np.inf)
+    return allowed, c
+
+
 class Searcher:
     """The best plan of each pipeline configuration, for one (profile, hardware, world, budget, space, cost model).
 
@@ -274,10 +291,9 @@ class Searcher:
             capacity = int(math.floor((avail - max(0.0, tau - freed)) / self.grid + 1e-9))
             if capacity < 0:
                 continue
-            allowed = np.flatnonzero((r_all[layer_types] <= tau + 1e-6).all(axis=0))
+            allowed, c = level_costs(c_all, r_all, layer_types, tau)
             if len(allowed) == 0:
                 continue
-            c = c_all[layer_types][:, allowed]
             # every layer at its fastest allowed strategy, memory and transitions ignored: if even that
             # cannot beat what lower transient levels already reach for n_lo..n_hi, skip this level's DP
             lb = np.concatenate(([0.0], np.cumsum(c.min(axis=1))))
@@ -326,10 +342,10 @@ class Searcher:
         layer_types = np.array(self.p.layer_type_of[start:start + n])
         c_all = cfg.m * tab.fb + tab.extra
         q_all = np.ceil((tab.states + k * tab.act) / self.grid - 1e-9).astype(np.int64)
-        allowed = np.flatnonzero((tab.transient[layer_types] <= tau + 1e-6).all(axis=0))
+        allowed, c = level_costs(c_all, tab.transient, layer_types, tau)
         capacity = int(math.floor((self.budget - info["fixed_mem"] - max(0.0, tau - info["freed"])) / self.grid + 1e-9))
-        _, path = layer_dp(c_all[layer_types][:, allowed], q_all[layer_types][:, allowed], tab.cls[allowed],
-                           cfg.m * tab.trans, n, capacity, want_path=n)
+        _, path = layer_dp(c, q_all[layer_types][:, allowed], tab.cls[allowed], cfg.m * tab.trans, n, capacity,
+                           want_path=n)
         assert path is not None
         return [tab.strategies[allowed[j]] for j in path]
 
@@ -526,7 +542,7 @@ class Searcher:
             fixed = min(self.fixed(e, e, ctx)[2] for e in edges)  # the leanest embedding/head
             n = sum(division[c] for c in range(i, cfg.pp * cfg.v, cfg.pp))
             mem = tab.states + ctx.inflight * tab.act
-            if tab.partial:  # a strategy may not serve every layer type: each type takes its own leanest
+            if not self.p.homogeneous:  # layer types differ in memory (and ep applies to some): each its leanest
                 types_here = [self.p.layer_type_of[li] for c in range(i, cfg.pp * cfg.v, cfg.pp)
                               for li in range(sum(division[:c]), sum(division[:c + 1]))]
                 need = worst = 0.0
