@@ -172,7 +172,8 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
     search keeps free (None: the planner's default, 2 %), ``vocab_parallel_loss`` whether the loss takes
     vocab-sharded logits (priced, and set on the plan). Models without the block protocol get a plain
     data-parallel plan (no profile, no search)."""
-    from .planner import GalvatronCostModel, HardwareProfile, ProfileCache, SearchSpace, search
+    from .planner import GalvatronCostModel, HardwareProfile, ModelProfile, ProfileCache, SearchSpace, search
+    from .planner.calibration import Calibration, calibration_path
     from .planner.search import DEFAULT_MEMORY_MARGIN, rank_key
     from .profiling import HardwareProfiler
 
@@ -190,15 +191,23 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
     cache = ProfileCache()
     hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, device_memory_bytes=budget, cache=cache,
                           progress=verbose).fit() if world_size > 1 else None
+    profile = ModelProfile.from_json(_shared(rank, lambda: profile_model(model, parts, cache, verbose).to_json()))
+    if hw is not None:  # every rank: the runtime's own sharded blocks, timed on real tp groups (issue 13)
+        profile = sharded_profile(model, parts, profile, hw, cache, verbose)
     box: list[Any] = [None]
     error: BaseException | None = None
     if rank == 0:
         try:
-            profile = profile_model(model, parts, cache, verbose)
             hw = priced_hardware(profile, hw, budget)
+            calibration = Calibration.load(calibration_path(cache.directory))
+            if calibration is not None:  # what an earlier run measured (PlanMonitor): corrected copies of the inputs
+                profile, hw = calibration.apply(profile, hw)
+                notes_head = [f"calibrated by {calibration.observations} measurements of an earlier run"]
+            else:
+                notes_head = []
             cost = GalvatronCostModel(profile, hw, SearchSpace().default_embed_zero, runtime="native")
             found: list[ParallelPlan] = []
-            notes: list[str] = []
+            notes: list[str] = list(notes_head)
             failures: list[str] = []
             for pp, gb, ms in run_configs(world_size, n_layers, loader_batch, pipeline):
                 space = SearchSpace(pp_degrees=(pp,), micro_batches=ms, vocab_parallel_loss=vocab_parallel_loss)
@@ -246,6 +255,56 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
 
 
 _RANK0_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
+
+
+def _shared(rank: int, make: Any) -> Any:
+    """``make()`` on rank 0, its value (or its error, raised on every rank) everywhere."""
+    box: list[Any] = [None]
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            box[0] = ("ok", make())
+        except Exception as exc:  # noqa: BLE001 - every kind must reach the other ranks
+            error, box[0] = exc, ("error", type(exc).__name__, str(exc))
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0][0] == "error":
+        _, kind, message = box[0]
+        raise _RANK0_ERRORS.get(kind, RuntimeError)(message if kind in _RANK0_ERRORS else
+                                                    f"rank 0 failed while profiling ({kind}): {message}")
+    return box[0][1]
+
+
+def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile", hw: "HardwareProfile",
+                    cache: "ProfileCache | None", verbose: bool) -> "ModelProfile":
+    """``profile`` with every layer type's sharded fits measured by :class:`ShardedLayerProfiler` (all ranks
+    together; cached by what was measured). The block-only ModelProfiler divides compute by tp, which on
+    CPU under-prices tensor parallelism by up to ~20 % (benchmarks/RESULTS.md, cost-model accuracy)."""
+    from .planner import ModelProfile
+    from .planner.profiles import LayerTypeProfile, fingerprint
+    from .profiling.profilers import ShardedLayerProfiler
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    links = {k: v for k, v in hw.to_dict().items() if k not in ("device_memory_bytes", "memory_bandwidth", "name")}
+    key = fingerprint({"v": 1, "profile": profile.to_dict(), "hw": links, "world": world})
+
+    def cached() -> str | None:  # rank 0 decides, so every rank takes the same branch (profiling is collective)
+        hit = cache.load("model", key) if cache is not None else None
+        return hit.to_json() if isinstance(hit, ModelProfile) else None
+
+    hit = _shared(rank, cached)
+    if hit is not None:
+        return ModelProfile.from_json(hit)
+    types: list[LayerTypeProfile] = []
+    for j, lt in enumerate(profile.layer_types):
+        block = parts.blocks[profile.layer_type_of.index(j)]
+        types.append(ShardedLayerProfiler(lambda b=block: copy.deepcopy(b).float(), profile.shape, hw,
+                                          batch_sizes=(1, 2), repeats=2, progress=verbose).fit(lt))
+    out = profile.with_(layer_types=tuple(types))
+    if cache is not None and rank == 0:
+        cache.save("model", key, out)
+    return out
 
 
 def _prediction_line(plan: ParallelPlan, budget: float) -> str:

@@ -196,7 +196,7 @@ def run_many(cases: list[tuple[str, str, dict]]) -> dict[str, Any]:
 
 
 def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2GB",
-             below_pp1: float | None = None) -> dict[str, Any]:
+             below_pp1: float | None = None, monitor: bool = False) -> dict[str, Any]:
     """strategy='galvatron' with no plan: the planner picks one; it must still train exactly.
 
     ``below_pp1``: instead of ``memory_budget``, give the planner this fraction of the smallest budget
@@ -223,7 +223,15 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
         from lightning_galv.auto import run_configs
         from lightning_galv.planner import SearchSpace, search
 
+        from lightning_galv.auto import sharded_profile
+        from lightning_galv.profiling import HardwareProfiler
+
+        # the profile automatic mode will use: block profile + the sharded blocks measured on these ranks
+        # (the same cached hardware profile, so the sharded measurement is cached for automatic mode too)
+        measured_hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, cache=ProfileCache(),
+                                       progress=False).fit()
         prof = profile_model(module, find_parts(module), ProfileCache())
+        prof = sharded_profile(module, find_parts(module), prof, measured_hw, ProfileCache(), False)
         hw = priced_hardware(prof, HardwareProfile.uniform(1, world, 1e12), 1e12)
         cost = GalvatronCostModel(prof, hw, runtime="native")
         _, gb, ms = run_configs(world, n_layers, per_shard, pipeline=True)[0]
@@ -245,7 +253,14 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
     loader = DataLoader(data, batch_size=per_shard, shuffle=False)
     strategy = GalvatronStrategy(memory_budget=budget)
     rec = LossRecorder()
-    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec], **trainer_kwargs())
+    callbacks: list[Any] = [rec]
+    if monitor:  # issue 13: online profiling and the plan monitor ride along (and must not change training)
+        from lightning_galv.callbacks import OnlineProfiler, PlanMonitor
+
+        prof = OnlineProfiler(every_n_steps=2, warmup_steps=1, log=False)
+        mon = PlanMonitor(prof, time_threshold=1e-6)  # any error warns: the warning path runs
+        callbacks += [prof, mon]
+    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=callbacks, **trainer_kwargs())
     trainer.fit(module, loader)
     assert strategy.plan is not None and strategy.auto is not None
     plan = strategy.plan
@@ -253,7 +268,17 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
     perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
     ref_losses, want = reference(ref_module, data.data[perm], steps, g)
     got = full_state(module.model)
-    out = {"plan": plan.to_dict(), "loss_err": max(abs(a - b) / abs(b) for a, b in zip(rec.losses, ref_losses)),
+    if monitor:
+        from lightning_galv.callbacks import calibration_path
+
+        monitored = {"steps": [r.step for r in prof.records], "collectives": sorted({op for r in prof.records
+                                                                                      for op in r.collective_s}),
+                     "layers": sorted(prof.records[0].layer_forward_s) if prof.records else [],
+                     "comparisons": mon.comparisons, "warned": mon.warned,
+                     "calibration": calibration_path().read_text() if calibration_path().is_file() else None}
+    else:
+        monitored = None
+    out = {"monitored": monitored, "plan": plan.to_dict(), "loss_err": max(abs(a - b) / abs(b) for a, b in zip(rec.losses, ref_losses)),
            "n_losses": len(rec.losses), "weight_err": weight_err(got, want), "predicted": plan.prediction is not None,
            "budget": strategy.auto.budget, "margin": strategy.auto.memory_margin, "global_batch": g,
            "loader_batch": strategy.auto.loader_batch}

@@ -129,13 +129,31 @@ def test_fit_parity(results: dict, name: str) -> None:
 def auto_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Automatic mode in its own launch (so `-k auto` does not pay for every other Trainer check)."""
     cases = [
-        ("auto", "fit_auto", {}),
+        ("auto", "fit_auto", {"monitor": True}),  # with OnlineProfiler + PlanMonitor (issue 13) riding along
         # a budget far below what plain dp4 needs (about a third): no pp = 1 plan fits this tiny model
         # (3 layers, 2 samples per shard), so the search must pick a pipeline -- and it must train exactly
         ("auto_tight", "fit_auto", dict(steps=4, memory_budget=None, below_pp1=0.97)),
     ]
     env = {"GALV_CACHE_DIR": str(tmp_path_factory.mktemp("auto_profiles"))}
     return run_distributed(CHECKS, 4, (cases,), init_process_group=False, timeout=900, env=env)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_online_profiler_and_plan_monitor_on_four_ranks(auto_results: dict) -> None:
+    """Issue 13: sampled steps 1 and 3 of 0..4, every unit timed, the backends' collectives seen, predicted vs
+    measured compared, the warning raised (threshold ~0) and a calibration written for the next search --
+    while the run stays equal to one process (test_auto_plan_trains_exactly on the same run)."""
+    import json
+
+    m = auto_results["auto"]["monitored"]
+    assert m["steps"] == [1, 3], m
+    assert {"embed", "head", "layers.0", "layers.1", "layers.2"} <= set(m["layers"]), m["layers"]
+    assert "all_reduce" in m["collectives"] or "allreduce" in m["collectives"], m["collectives"]
+    assert len(m["comparisons"]) == 2 and all(c["predicted_s"] > 0 and c["measured_s"] > 0 for c in m["comparisons"])
+    assert m["warned"]
+    cal = json.loads(m["calibration"])
+    assert cal["observations"] >= 6 and cal["comm_scale"] > 0 and all(v > 0 for v in cal["compute_scale"].values())
 
 
 @pytest.mark.slow
