@@ -361,6 +361,25 @@ def test_recompute_levels_are_per_layer_type(budget: float) -> None:
     assert got.prediction.step_time_s == pytest.approx(want, rel=1e-9)
 
 
+@pytest.mark.parametrize("s", [LayerStrategy(dp=64, ep=4), LayerStrategy(dp=64, ep=8, checkpoint=True),
+                               LayerStrategy(tp=2, dp=32, sp="megatron", ep=2),
+                               LayerStrategy(tp=4, dp=16, sp="ulysses", ep=8, checkpoint=True)])
+def test_calibration_observations_split_moe_layers_like_the_cost_model(s: LayerStrategy) -> None:
+    """The online calibration predicts a measured block as compute + collectives: for an MoE block those are
+    the cost model's own (tp-replicated MoE compute, all-to-alls, router statistics), so without data
+    parallel terms (ZeRO-0: gradient sync is per step) they add up to the layer's fwd + bwd."""
+    from lightning_galv.planner.calibration import layer_observations
+
+    prof, hw = mixtral(MIXED), a100()
+    plan = ParallelPlan(64, tuple(s if i % 2 else LayerStrategy(dp=64) for i in range(32)), global_batch=64)
+    obs = layer_observations(plan, prof, hw, 64, {"layers.1": 1.0, "layers.2": 1.0})
+    cm = GalvatronCostModel(prof, hw)
+    for o, layer in zip(obs, (1, 2)):
+        c = cm.layer_cost(layer, plan.layers[layer], CTX)
+        assert o.compute_s + o.comm_s == pytest.approx(c.fwd + c.bwd, rel=1e-12)
+    assert obs[0].comm_s > 0
+
+
 # ---------------------------------------------------------------------------------------------------
 # contract, plan show
 # ---------------------------------------------------------------------------------------------------

@@ -343,6 +343,36 @@ def router_stats_time(hw: HardwareProfile, num_experts: int, d: int, stride: int
         hw.collective_time("allreduce", 4.0 * (num_experts + 1), d, stride)
 
 
+def moe_layer_comm(hw: HardwareProfile, lt: LayerTypeProfile, s: LayerStrategy, b: float, seq: int, el: int,
+                   stride: int) -> tuple[float, float]:
+    """(forward, backward) seconds of an MoE layer's own collectives per micro-batch on ``b`` local samples:
+    router statistics over the data group, and under ep the count exchange and the four all-to-alls of the
+    tokens entering this rank's MoE layer (a Ulysses rank holds 1/tp of the sequence); (0, 0) for a dense layer."""
+    moe = lt.moe
+    if moe is None:
+        return 0.0, 0.0
+    fwd = router_stats_time(hw, moe.num_experts, s.data_group, stride)
+    if s.ep == 1:
+        return fwd, 0.0
+    tokens = b * seq / (s.tp if s.ulysses else 1)
+    nbytes = ep_alltoall_bytes(tokens, moe, el)
+    return fwd + ep_forward_comm(hw, nbytes, moe.num_experts, s.ep, stride), ep_backward_comm(hw, nbytes, s.ep, stride)
+
+
+def layer_compute(lt: LayerTypeProfile, kind: str, s: LayerStrategy, b: float, seq: int) -> float:
+    """Per-rank compute of one ``"forward"`` / ``"backward"`` / ``"recompute"`` pass of a layer under ``s``: the
+    measured sharded fit if profiled, else the unsharded fit divided by tp (:func:`sharded_compute`; an MoE
+    layer's own share undivided under TP / Megatron-SP, :func:`moe_sharded_compute`)."""
+    fit = lt.sharded_fit("forward" if kind == "recompute" else kind, s.tp, s.sp if s.tp > 1 else "none")
+    if fit is not None:
+        return fit(b, seq)
+    full = {"forward": lt.forward, "backward": lt.backward, "recompute": lt.recompute_fit()}[kind]
+    if lt.moe is not None and s.tp > 1 and not s.ulysses:  # the MoE layer is replicated over tp
+        return moe_sharded_compute(full.const, full.per_token * b * seq, full.per_token_ctx * b * seq * seq,
+                                   s.tp, moe_compute_share(lt))
+    return sharded_compute(full.const, full(b, seq), s.tp)
+
+
 def vocab_parallel_head(hw: HardwareProfile, logit_bytes: float, tokens: float, tp: int, stride: int,
                         vocab_parallel_loss: bool) -> tuple[float, float]:
     """(forward seconds, share of the logits a rank saves) of a tp-way head: vocab-parallel loss = MAX all-reduce of b*s fp32 maxima + SUM all-reduce of 2*b*s fp32 (sum-exp, target logit), logits /tp; else an all-gather of the full logits (Megatron-LM, Shoeybi et al. 2019, vocab-parallel cross entropy)."""
@@ -447,15 +477,7 @@ class GalvatronCostModel(CostModel):
 
     def _compute(self, lt: LayerTypeProfile, kind: str, s: LayerStrategy, b: float) -> float:
         """Per-rank compute of one pass: the measured sharded profile if there is one, else the divided fit."""
-        seq = self.model.seq_len
-        fit = lt.sharded_fit(kind, s.tp, s.sp if s.tp > 1 else "none")
-        if fit is not None:
-            return fit(b, seq)
-        full = {"forward": lt.forward, "backward": lt.backward, "recompute": lt.recompute_fit()}[kind]
-        if lt.moe is not None and s.tp > 1 and not s.ulysses:  # the MoE layer is replicated over tp
-            return moe_sharded_compute(full.const, full.per_token * b * seq, full.per_token_ctx * b * seq * seq,
-                                       s.tp, moe_compute_share(lt))
-        return sharded_compute(full.const, full(b, seq), s.tp)
+        return layer_compute(lt, kind, s, b, self.model.seq_len)
 
     def _activation(self, lt: LayerTypeProfile, s: LayerStrategy, checkpoint: bool) -> float:
         """Activation bytes per local sample (MoE layer types: :func:`moe_block_activation`)."""
@@ -469,18 +491,8 @@ class GalvatronCostModel(CostModel):
         return self._activation(lt, s, False)
 
     def _moe_comm(self, lt: LayerTypeProfile, s: LayerStrategy, b: float, stride: int) -> tuple[float, float]:
-        """(forward, backward) seconds of an MoE layer's own collectives per micro-batch: router statistics
-        over the data group, and under ep the count exchange and the four all-to-alls."""
-        moe = lt.moe
-        if moe is None:
-            return 0.0, 0.0
-        fwd = router_stats_time(self.hw, moe.num_experts, s.data_group, stride)
-        if s.ep == 1:
-            return fwd, 0.0
-        tokens = b * self.model.seq_len / (s.tp if s.ulysses else 1)  # rows entering this rank's MoE layer
-        nbytes = ep_alltoall_bytes(tokens, moe, self.model.act_dtype_bytes)
-        return (fwd + ep_forward_comm(self.hw, nbytes, moe.num_experts, s.ep, stride),
-                ep_backward_comm(self.hw, nbytes, s.ep, stride))
+        """(forward, backward) seconds of an MoE layer's own collectives per micro-batch (:func:`moe_layer_comm`)."""
+        return moe_layer_comm(self.hw, lt, s, b, self.model.seq_len, self.model.act_dtype_bytes, stride)
 
     def _param_groups(self, lt: LayerTypeProfile, s: LayerStrategy, stride: int) -> list[tuple[float, int, int, int]]:
         """This rank's parameters of the layer by the group that reduces their gradients, as (parameters,
