@@ -231,6 +231,8 @@ def test_search_spreads_experts_when_they_do_not_fit_otherwise() -> None:
     assert "expert parallel: layers 1, 3, 5" in best.describe()
     with pytest.raises(ValueError, match=r"smallest memory that would fit is (9\d|1\d\d)\.\d\d GiB"):
         search(prof, hw, 64, 40 * GiB, global_batch=128, space=replace(space, ep_degrees=(1,)))
+    roomy = search(prof, hw, 64, 200 * GiB, global_batch=128, top_k=1, space=replace(space, ep_degrees=(1,)))
+    assert "no expert-parallel degree was in the search space" in roomy.explanation
 
 
 def test_search_keeps_experts_whole_when_alltoall_is_slow() -> None:

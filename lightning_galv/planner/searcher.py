@@ -128,6 +128,9 @@ class Searcher:
         if not strategies:
             self.tables[key] = None
             return None
+        top_ep = max(s.ep for s in strategies)
+        if top_ep > self.stats.get("max_ep", 1):  # for the explanation; dense searches never set it
+            self.stats["max_ep"] = top_ep
         ctx = StageContext(S, mb, 1)
         T, J = len(self.p.layer_types), len(strategies)
         fb, extra, states, act, tr = (np.zeros((T, J)) for _ in range(5))
