@@ -475,10 +475,6 @@ class GalvatronCostModel(CostModel):
             self._cache[key] = hit
         return hit
 
-    def _compute(self, lt: LayerTypeProfile, kind: str, s: LayerStrategy, b: float) -> float:
-        """Per-rank compute of one pass: the measured sharded profile if there is one, else the divided fit."""
-        return layer_compute(lt, kind, s, b, self.model.seq_len)
-
     def _activation(self, lt: LayerTypeProfile, s: LayerStrategy, checkpoint: bool) -> float:
         """Activation bytes per local sample (MoE layer types: :func:`moe_block_activation`)."""
         if lt.moe is None:
@@ -494,13 +490,13 @@ class GalvatronCostModel(CostModel):
         """(forward, backward) seconds of an MoE layer's own collectives per micro-batch (:func:`moe_layer_comm`)."""
         return moe_layer_comm(self.hw, lt, s, b, self.model.seq_len, self.model.act_dtype_bytes, stride)
 
-    def _param_groups(self, lt: LayerTypeProfile, s: LayerStrategy, stride: int) -> list[tuple[float, int, int, int]]:
+    def _param_groups(self, lt: LayerTypeProfile, s: LayerStrategy, d: int,
+                      stride: int) -> list[tuple[float, int, int, int]]:
         """This rank's parameters of the layer by the group that reduces their gradients, as (parameters,
         ranks, stride, separate collectives). Dense: one group, the data group. MoE: attention split by
         tp, router and shared expert replicated over tp (parallel/tensor.py "replicated"); with ep > 1 the
         routed experts form their own group, the expert-data group of |D|/ep ranks ep positions apart,
         where FSDP2 (ZeRO-2/3) shards each expert on its own (parallel/parallelize.py)."""
-        d = s.data_group
         moe = lt.moe
         if moe is None:
             return [(lt.params / s.tensor_parallel, d, stride, 1)]
@@ -521,11 +517,12 @@ class GalvatronCostModel(CostModel):
         m, hw = self.model, self.hw
         b = mb / s.dp
         t = s.tp
-        fwd = self._compute(lt, "forward", s, b)
-        bwd = self._compute(lt, "backward", s, b)
+        seq = m.seq_len
+        fwd = layer_compute(lt, "forward", s, b, seq)
+        bwd = layer_compute(lt, "backward", s, b, seq)
         if s.checkpoint:
             measured = lt.sharded_fit("forward", t, s.sp if t > 1 else "none") is not None
-            rec = self._compute(lt, "forward" if measured or lt.recompute is None else "recompute", s, b)
+            rec = layer_compute(lt, "forward" if measured or lt.recompute is None else "recompute", s, b, seq)
         else:
             rec = 0.0
         act_bytes = b * m.seq_len * lt.hidden * m.act_dtype_bytes
@@ -540,8 +537,8 @@ class GalvatronCostModel(CostModel):
             moe_f, moe_b = self._moe_comm(lt, s, b, dp_stride)
             fwd_t += moe_f
             bwd_t += moe_b + (moe_f if s.checkpoint else 0.0)
-        groups = self._param_groups(lt, s, dp_stride)
-        local_params = sum(g[0] for g in groups)
+        groups = self._param_groups(lt, s, d, dp_stride)
+        local_params = groups[0][0] if len(groups) == 1 else groups[0][0] + groups[1][0]
         grad_el = 4.0 if m.precision == "fp32" else 2.0
         precision = "fp32" if m.precision == "fp32" else "mixed"
         fwd_t, bwd_t, extra = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t)
@@ -554,8 +551,10 @@ class GalvatronCostModel(CostModel):
                 fwd_t, bwd_t = fwd_t + of, bwd_t + ob
             else:  # ZeRO-2 gathers once per step and reduce-scatters on the last micro-batch
                 extra += of + ob
-        states = sum(p * state_bytes_per_param(s.zero, g, precision) for p, g, _, _ in groups)
-        act = self._activation(lt, s, s.checkpoint) * b
+        states = 0.0
+        for p, g, _, _ in groups:
+            states += p * state_bytes_per_param(s.zero, g, precision)
+        act = (lt.activation(t, s.sp, s.checkpoint) if lt.moe is None else self._activation(lt, s, s.checkpoint)) * b
         # recomputing a checkpointed layer briefly holds its activations again (+ gradient temporaries)
         transient = max(0.0, self._recompute_peak(lt, s) * b - act) if s.checkpoint else 0.0
         for p, g, _, _ in groups:
@@ -586,25 +585,23 @@ class GalvatronCostModel(CostModel):
             if d == 1 or params == 0:
                 continue
             grad_bytes = params * el
-
-            def coll(op: str) -> float:  # ``pieces`` equal collectives over the group (FSDP2 per expert)
-                return pieces * hw.collective_time(op, grad_bytes / pieces, d, stride)
-
+            nb = grad_bytes / pieces  # ``pieces`` equal collectives over the group (FSDP2 per expert)
             if zero == 1 and native:  # owners broadcast updated parameters (data.OptimizerStateSharding)
-                extra += coll("allgather")
+                extra += pieces * hw.collective_time("allgather", nb, d, stride)
             if zero == 3:
-                gather = pieces * zero3_gather_time(hw, grad_bytes / pieces, d, stride)
+                gather = pieces * zero3_gather_time(hw, nb, d, stride)
                 fwd_comm += gather
-                bwd_comm += gather + coll("reducescatter")
+                bwd_comm += gather + pieces * hw.collective_time("reducescatter", nb, d, stride)
                 gathered = True
             elif native and zero <= 1:  # data.GradientSync: one bucketed all-reduce after the last backward
-                extra = extra + pieces * dp_sync_bytes_time(hw, grad_bytes / pieces, d, stride) + \
+                extra = extra + pieces * dp_sync_bytes_time(hw, nb, d, stride) + \
                     bucket_copy_time(grad_bytes, hw.memory_bandwidth)
             elif native:  # ZeRO-2 with FSDP2: parameters gathered before forward, gradients reduce-scattered in backward
-                last_comm += coll("allgather") + coll("reducescatter")
+                last_comm += pieces * hw.collective_time("allgather", nb, d, stride) + \
+                    pieces * hw.collective_time("reducescatter", nb, d, stride)
                 overlapped_last = True
             else:
-                last_comm += pieces * dp_sync_bytes_time(hw, grad_bytes / pieces, d, stride)
+                last_comm += pieces * dp_sync_bytes_time(hw, nb, d, stride)
                 overlapped_last = True
         if gathered:
             return self._overlap(fwd, fwd_comm), self._overlap(bwd, bwd_comm), extra

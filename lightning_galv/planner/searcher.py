@@ -87,9 +87,10 @@ def level_costs(c_all: np.ndarray, r_all: np.ndarray, layer_types: np.ndarray,
     dense block beside an MoE block whose recompute peak is larger).
     """
     ok = r_all[layer_types] <= tau + 1e-6  # [n, J]
-    allowed = np.flatnonzero(ok.any(axis=0))
+    some, every = ok.any(axis=0), ok.all(axis=0)
+    allowed = np.flatnonzero(some)
     c = c_all[layer_types][:, allowed]
-    if not ok[:, allowed].all():
+    if not np.array_equal(some, every):  # only heterogeneous windows can differ by position
         c = np.where(ok[:, allowed], c, np.inf)
     return allowed, c
 
@@ -138,7 +139,7 @@ class Searcher:
         for t, li in first_layer_of_type.items():
             lt = self.p.layer_types[t]
             for j, s in enumerate(strategies):
-                if not applies(lt, s):  # ep > 1 on a layer without (enough) experts
+                if s.ep > 1 and not applies(lt, s):  # ep on a layer without (enough) experts
                     fb[t, j] = extra[t, j] = np.inf
                     states[t, j] = NEVER_FITS * self.budget
                     continue
@@ -294,7 +295,11 @@ class Searcher:
             capacity = int(math.floor((avail - max(0.0, tau - freed)) / self.grid + 1e-9))
             if capacity < 0:
                 continue
-            allowed, c = level_costs(c_all, r_all, layer_types, tau)
+            if types is None:  # one layer type: a strategy is in or out of the level for every layer
+                allowed = np.flatnonzero(r_all[layer_types[0]] <= tau + 1e-6)
+                c = c_all[layer_types][:, allowed]
+            else:
+                allowed, c = level_costs(c_all, r_all, layer_types, tau)
             if len(allowed) == 0:
                 continue
             # every layer at its fastest allowed strategy, memory and transitions ignored: if even that
