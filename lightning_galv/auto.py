@@ -81,16 +81,48 @@ def run_configs(world_size: int, num_layers: int, loader_batch: int | None,
     return out
 
 
+def block_types(blocks: "list[nn.Module] | nn.ModuleList") -> tuple[list[int], list[int], list[str]]:
+    """Group a model's blocks into layer types: (type of each block, first block of each type, type names).
+
+    Blocks are one type when they have the same class, the same parameter shapes and the same MoE layer (if
+    any): then they take the same time and memory, and the search prices one and reuses it. A model mixing
+    dense and MoE blocks (``MoEDecoder`` with ``moe_every > 1``) gets two types -- and only the MoE one may
+    take expert parallelism. The names say what a type is; they key the profile cache.
+    """
+    from .profiling.profilers import moe_facts
+
+    keys: dict[tuple, int] = {}
+    type_of: list[int] = []
+    first: list[int] = []
+    names: list[str] = []
+    for i, block in enumerate(blocks):
+        facts = moe_facts(block)
+        key = (type(block).__qualname__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters()), facts)
+        if key not in keys:
+            keys[key] = len(keys)
+            first.append(i)
+            moe = "" if facts is None else (f"[E{facts.num_experts} top{facts.top_k} expert{facts.expert_params} "
+                                            f"shared{facts.shared_params}]")
+            names.append(f"{type(block).__name__}{moe}#{len(names)}")
+        type_of.append(keys[key])
+    return type_of, first, names
+
+
 def profile_model(model: nn.Module, parts: ModelParts, cache: "ProfileCache | None" = None,
                   verbose: bool = False) -> "ModelProfile":
-    """The model profile automatic mode searches with (from ``cache`` when this block was measured before)."""
+    """The model profile automatic mode searches with (from ``cache`` when these blocks were measured
+    before): one layer type per kind of block (:func:`block_types`), each measured on its first block."""
     from .profiling import ModelProfiler
     from .profiling.profilers import buffer_bytes
 
     assert parts.shape is not None
-    block = parts.blocks[0]
-    return ModelProfiler(lambda: copy.deepcopy(block).float(), parts.shape, batch_sizes=(1, 2), repeats=2,
-                         cache=cache, progress=verbose, buffer_bytes=buffer_bytes(model)).fit()
+    type_of, first, names = block_types(parts.blocks)
+    makes = [lambda b=parts.blocks[i]: copy.deepcopy(b).float() for i in first]
+    if len(makes) == 1 and "[" not in names[0]:  # a dense model of one block kind: profiled exactly as before
+        return ModelProfiler(makes[0], parts.shape, batch_sizes=(1, 2), repeats=2, cache=cache, progress=verbose,
+                             buffer_bytes=buffer_bytes(model)).fit()
+    return ModelProfiler(makes, parts.shape, batch_sizes=(1, 2), repeats=2, cache=cache, progress=verbose,
+                         buffer_bytes=buffer_bytes(model), layer_type_of=type_of, kinds=names).fit()
 
 
 def priced_hardware(model: "ModelProfile", hw: "HardwareProfile | None", budget: float) -> "HardwareProfile":

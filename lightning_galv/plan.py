@@ -435,6 +435,10 @@ class ParallelPlan:
             lines.append(f"  {label:<12} {s.short()}")
         lines.append(f"  head         {self.head.short()}"
                      + (" (vocab-parallel loss)" if self.vocab_parallel_loss and self.head.tp > 1 else ""))
+        experts = [i for i, s in enumerate(self.layers) if s.ep > 1]
+        if experts:
+            lines.append(f"  expert parallel: layers {_ranges(experts)} (E/ep experts per rank; EP groups of ep "
+                         "consecutive ranks of the layer's data group)")
         if self.prediction is not None:
             p = self.prediction
             mem = ", ".join(f"{m / 2**30:.2f}" for m in p.stage_memory_bytes)
@@ -472,6 +476,20 @@ def divisors(n: int) -> list[int]:
     tensor-parallel degrees from them, the test helpers draw random factorizations from them.
     """
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
+    parts: list[str] = []
+    start = prev = indices[0]
+    for i in list(indices[1:]) + [None]:  # type: ignore[list-item]
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(parts)
 
 
 def _runs(items: Sequence[LayerStrategy]) -> Iterable[tuple[int, int, LayerStrategy]]:

@@ -14,8 +14,8 @@ from lightning_galv.plan import LayerStrategy, ModelShape, ParallelPlan
 from lightning_galv.planner import CostModel, GalvatronCostModel, SearchSpace, search
 from lightning_galv.planner.contract import RULES, check_cost_model, contract_violations
 from lightning_galv.planner.cost import LayerCost, PlanCost, StageContext
-from lightning_galv.planner.profiles import (HardwareProfile, LayerTypeProfile, ModelProfile, TimeFit, act_key,
-                                             transient_key)
+from lightning_galv.planner.profiles import (HardwareProfile, LayerTypeProfile, MoELayerFacts, ModelProfile, TimeFit,
+                                             act_key, transient_key)
 
 MS = 1e-3
 REF = Path(__file__).resolve().parent / "data" / "galvatron"
@@ -46,6 +46,13 @@ def rich_profile(precision: str = "bf16") -> ModelProfile:
                         framework_bytes=1e6)
 
 
+def moe_profile(every: int | None = 2, shared: int = 0) -> ModelProfile:
+    """Analytic MoE model: 8 experts top-2 in every ``every``-th block (None: all blocks)."""
+    facts = MoELayerFacts.swiglu(SHAPE.hidden, 8, 2, 2048, shared_hidden=shared)
+    ids = None if every is None else range(every - 1, SHAPE.num_layers, every)
+    return ModelProfile.from_shape(SHAPE, moe=facts, moe_layers=ids)
+
+
 def galvatron_gpt() -> tuple[ModelProfile, HardwareProfile]:
     return (read_model_profile(REF / "gpt" / "meta_configs" / "gpt-1.5b.json", REF / "gpt" / "configs"),
             read_hardware_profile(REF / "hardware", 1, 8))
@@ -59,6 +66,8 @@ CASES: dict[str, Callable[[], tuple[ModelProfile, HardwareProfile]]] = {
     "rich": lambda: (rich_profile(), toy_hw()),
     "rich-fp32": lambda: (rich_profile("fp32"), toy_hw()),
     "galvatron-gpt-1.5b": galvatron_gpt,
+    "moe-mixed": lambda: (moe_profile(2), HardwareProfile.uniform(1, 8, 40e9)),
+    "moe-all-shared": lambda: (moe_profile(None, shared=1024), HardwareProfile.uniform(1, 4, 40e9)),
 }
 
 
@@ -164,7 +173,12 @@ class Broken(ScaledCostModel):
         self.parts = parts
 
     def layer_cost(self, layer: int, s: LayerStrategy, ctx: StageContext) -> LayerCost:
-        c = super().layer_cost(layer, s, ctx)
+        try:
+            c = super().layer_cost(layer, s, ctx)
+        except ValueError:
+            if "accept_ep" not in self.parts:
+                raise
+            c = super().layer_cost(layer, replace(s, ep=1), ctx)  # silently prices ep as if it were not there
         return self.parts["layer"](layer, s, ctx, c) if "layer" in self.parts else c
 
     def transition_time(self, a: LayerStrategy, b: LayerStrategy, ctx: StageContext) -> float:
@@ -194,7 +208,7 @@ class Broken(ScaledCostModel):
         return self.parts["predict"](got) if "predict" in self.parts else got
 
 
-BREAKS: dict[str, tuple[str, dict[str, Callable]]] = {  # what breaks -> (the rule that must catch it, the part)
+BREAKS: dict[str, tuple] = {  # what breaks -> (the rule that must catch it, the part[, the case probed; "rich"])
     "negative recompute time": (
         "finite_and_non_negative", dict(layer=lambda i, s, ctx, c: replace(c, bwd=-c.bwd) if s.checkpoint else c)),
     "time depends on the stage": (
@@ -225,13 +239,22 @@ BREAKS: dict[str, tuple[str, dict[str, Callable]]] = {  # what breaks -> (the ru
     "predict misreports throughput": (
         "predict_fills_the_prediction",
         dict(predict=lambda p: p.with_(prediction=replace(p.prediction, throughput=1.0)))),
+    "ep priced on a dense layer": ("expert_parallelism_only_where_experts_are", dict(accept_ep=lambda: None)),
+    "ep priced on the dense layers of an MoE model": (
+        "expert_parallelism_only_where_experts_are", dict(accept_ep=lambda: None), "moe-mixed"),
+    "ep keeps more expert states": (
+        "expert_states_do_not_grow_with_ep",
+        dict(layer=lambda i, s, ctx, c: replace(c, states=c.states * s.ep)), "moe-mixed"),
+    "ep changes activations": (
+        "expert_states_do_not_grow_with_ep",
+        dict(layer=lambda i, s, ctx, c: replace(c, act=c.act / s.ep)), "moe-all-shared"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(BREAKS))
 def test_each_rule_catches_a_model_that_breaks_it(name: str) -> None:
-    rule, parts = BREAKS[name]
-    prof, hw = CASES["rich"]()
+    rule, parts, *case = BREAKS[name]
+    prof, hw = CASES[case[0] if case else "rich"]()
     inner = GalvatronCostModel(prof, hw, runtime="native")
     assert contract_violations(Broken(inner), prof) == []  # the wrapper alone is fine
     found = contract_violations(Broken(inner, **parts), prof)
@@ -241,7 +264,7 @@ def test_each_rule_catches_a_model_that_breaks_it(name: str) -> None:
 
 
 def test_every_rule_has_a_negative_control() -> None:
-    assert {rule.__name__ for rule in RULES} == {rule for rule, _ in BREAKS.values()}
+    assert {rule.__name__ for rule in RULES} == {rule for rule, *_ in BREAKS.values()}
 
 
 def test_probe_arguments_are_checked() -> None:

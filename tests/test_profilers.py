@@ -129,6 +129,38 @@ def test_buffers_are_fixed_memory_not_activations(tmp_path) -> None:
     assert told.framework_bytes == 3 * table
 
 
+def test_moe_model_profiles_one_layer_type_per_block_kind(tmp_path) -> None:
+    """A decoder with every other block MoE: automatic mode groups its blocks into a dense and an MoE layer
+    type, measures each once (the MoE block whole, local dispatcher), records the MoE facts from the module,
+    and caches under a key naming the block kinds (a dense model of the same shape does not hit it)."""
+    from lightning_galv.auto import block_types, profile_model
+    from lightning_galv.models.moe import MoEConfig, MoEDecoder
+    from lightning_galv.models.protocol import find_parts
+    from lightning_galv.planner.profiles import ModelProfile, MoELayerFacts
+    from lightning_galv.profiling.profilers import moe_facts
+
+    cfg = MoEConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16, num_experts=4,
+                    expert_hidden=48, moe_every=2, shared_expert_hidden=16)
+    model = MoEDecoder(cfg)
+    parts = find_parts(model)
+    type_of, first, names = block_types(parts.blocks)
+    assert type_of == [0, 1, 0, 1] and first == [0, 1] and names[0] == "LlamaBlock#0" and names[1].startswith("MoEBlock[")
+    facts = MoELayerFacts.swiglu(32, 4, 2, 48, shared_hidden=16)
+    assert moe_facts(parts.blocks[1]) == facts and moe_facts(parts.blocks[0]) is None
+    prof = profile_model(model, parts, ProfileCache(tmp_path))
+    assert prof.layer_type_of == (0, 1, 0, 1) and prof.num_experts == (4,)
+    dense, moe = prof.layer_types
+    assert dense.moe is None and moe.moe == facts
+    assert moe.params == sum(p.numel() for p in parts.blocks[1].parameters())
+    assert moe.forward(2, 16) > 0 and moe.activation(1, "none", False) > dense.activation(1, "none", False)
+    assert ModelProfile.from_json(prof.to_json()) == prof
+    keys = {f.name for f in tmp_path.iterdir()}
+    assert len(keys) == 1
+    plain = ModelProfiler(lambda: (_ for _ in ()).throw(AssertionError("measured")), prof.shape,
+                          batch_sizes=(1, 2), repeats=2, cache=ProfileCache(tmp_path), progress=False)
+    assert plain.key() not in "".join(keys)  # same shape, one unnamed block type: a different cache entry
+
+
 def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     """The runtime's own parallelized block, profiled on real tp groups: times, activations, recompute peak,
     FSDP2 overhead -- and the saved-activation counts agree exactly with the unsharded profiler's."""

@@ -218,8 +218,8 @@ def layer_observations(plan: ParallelPlan, model: ModelProfile, hw: HardwareProf
     the measured forward + backward (+ recompute) seconds of block i on this rank; blocks absent from it (other
     pipeline stages) are skipped. Predictions follow the cost model's split (``cost.sharded_compute`` /
     the measured sharded fits for compute, ``cost.block_comm_time`` for the block's collectives, repeated by
-    the backward and by a recompute)."""
-    from .cost import block_comm_time, sharded_compute
+    the backward and by a recompute; an MoE block's own collectives, ``cost.moe_layer_comm``, as priced)."""
+    from .cost import block_comm_time, layer_compute, moe_layer_comm
 
     out = []
     seq = model.seq_len
@@ -229,18 +229,16 @@ def layer_observations(plan: ParallelPlan, model: ModelProfile, hw: HardwareProf
             continue
         lt = model.layer(i)
         b = samples / s.dp  # this rank's samples of the batch under the layer's data parallelism
-        sp = s.sp if s.tp > 1 else "none"
         kinds = ("forward", "backward", "recompute") if s.checkpoint else ("forward", "backward")
         compute = 0.0
         for kind in kinds:
-            fit = lt.sharded_fit("forward" if kind == "recompute" else kind, s.tp, sp)
-            if fit is not None:
-                compute += fit(b, seq)
-            else:
-                full = {"forward": lt.forward, "backward": lt.backward, "recompute": lt.recompute_fit()}[kind]
-                compute += sharded_compute(full.const, full(b, seq), s.tp)
+            compute += layer_compute(lt, kind, s, b, seq)
         act_bytes = b * seq * lt.hidden * model.act_dtype_bytes
-        comm = block_comm_time(hw, model.shape, s, act_bytes) * (3 if s.checkpoint else 2)
+        comm = block_comm_time(hw, model.shape, s, act_bytes, lt.moe) * (3 if s.checkpoint else 2)
+        if lt.moe is not None:  # router statistics, and under ep the all-to-alls (repeated by a recompute)
+            stride = 1 if (s.ulysses or s.tp == 1 or not s.tp_consecutive) else s.tp
+            moe_f, moe_b = moe_layer_comm(hw, lt, s, b, seq, model.act_dtype_bytes, stride)
+            comm += moe_f * (2 if s.checkpoint else 1) + moe_b
         out.append(LayerObservation(lt.name, compute, comm, float(measured)))
     return out
 

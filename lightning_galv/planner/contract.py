@@ -13,7 +13,9 @@ of these would make the search silently wrong, so each is a check here::
 
 :func:`contract_violations` returns the broken rules as readable lines instead of raising. Pure Python:
 no pytest, no torch -- usable from any test suite. Checks probe the strategies the search itself would
-enumerate for ``world_size`` ranks (guideline pruning off), so the probe is as wide as the search.
+enumerate for ``world_size`` ranks (guideline pruning off), so the probe is as wide as the search -- for a
+model with MoE layer types that includes every expert-parallel degree, each probed on the layer types it
+applies to (:func:`~lightning_galv.planner.space.applies`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..errors import bad_value
 from ..plan import LayerStrategy, ParallelPlan, divisors
 from .cost import CostModel, LayerCost, StageContext, batch_layout, pipeline_time
 from .profiles import ModelProfile
-from .space import SearchSpace, candidate_strategies, end_strategies
+from .space import SearchSpace, applies, candidate_strategies, end_strategies
 
 REL = 1e-9  # relative tolerance of equalities: the parts and the whole are summed in different orders
 
@@ -58,6 +60,19 @@ class Probe:
     def first_of_type(self) -> dict[int, int]:
         return {t: self.profile.layer_type_of.index(t) for t in sorted(set(self.profile.layer_type_of))}
 
+    def applies(self, layer: int, s: LayerStrategy) -> bool:
+        """Whether the search would ever ask for ``s`` on ``layer`` (not: ep > 1 on a layer without experts)."""
+        return applies(self.profile.layer(layer), s)
+
+    def plan_layers(self, pick: Callable[[int], LayerStrategy]) -> tuple[LayerStrategy, ...]:
+        """Per-layer strategies ``pick(i)``, with ep dropped to 1 where it does not apply (dense layers of an
+        MoE model): the probe's plans are ones the search could emit."""
+        out = []
+        for i in range(self.profile.num_layers):
+            s = pick(i)
+            out.append(s if self.applies(i, s) else replace(s, ep=1))
+        return tuple(out)
+
 
 def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=REL, abs_tol=1e-15)
@@ -84,6 +99,8 @@ def finite_and_non_negative(p: Probe) -> Iterator[str]:
     ctx = p.table_ctx
     for t, layer in p.first_of_type().items():
         for s in p.layers:
+            if not p.applies(layer, s):
+                continue
             c = p.cost.layer_cost(layer, s, ctx)
             if not all(math.isfinite(x) and x >= 0 for x in _fields(c)):
                 yield f"layer_cost(layer {layer}, {s.short()}) = {c}: a field is negative or not finite"
@@ -112,13 +129,17 @@ def layer_cost_depends_on_type_and_stage_shape_only(p: Probe) -> Iterator[str]:
     first = p.first_of_type()
     ctx = p.table_ctx
     for s in p.layers:
-        ref = {t: p.cost.layer_cost(layer, s, ctx) for t, layer in first.items()}
+        ref = {t: p.cost.layer_cost(layer, s, ctx) for t, layer in first.items() if p.applies(layer, s)}
         for layer, t in enumerate(p.profile.layer_type_of):
+            if t not in ref:
+                continue
             got = p.cost.layer_cost(layer, s, ctx)
             if not _same_cost(got, ref[t]):
                 yield f"layer_cost(layer {layer}, {s.short()}) = {got} differs from layer {first[t]} of the same type"
         for ctx2 in p.contexts():
             for t, layer in first.items():
+                if t not in ref:
+                    continue
                 got = p.cost.layer_cost(layer, s, ctx2)
                 if not _same_cost(got, ref[t]):
                     yield f"layer_cost(layer {layer}, {s.short()}) at {ctx2} = {got} differs from {ref[t]} at {ctx}"
@@ -144,7 +165,7 @@ def model_states_shrink_with_zero(p: Probe) -> Iterator[str]:
 
     ctx = p.table_ctx
     for t, layer in p.first_of_type().items():
-        for group in groups(p.layers).values():
+        for group in groups([s for s in p.layers if p.applies(layer, s)]).values():
             costs = [(s, p.cost.layer_cost(layer, s, ctx)) for s in sorted(group, key=lambda s: s.zero)]
             yield from _check_zero_ladder(costs, f"layer_cost(layer {layer}, ...)")
     for first, last in ((True, False), (False, True)):
@@ -241,6 +262,55 @@ def backward_freed_is_the_heads(p: Probe) -> Iterator[str]:
                 yield f"backward_freed({h.short()}) exceeds the head's activations ({act})"
 
 
+def expert_parallelism_only_where_experts_are(p: Probe) -> Iterator[str]:
+    """``layer_cost`` refuses ep > 1 on a layer type without experts, or whose expert count ep does not
+    divide, with a ``ValueError`` carrying a HINT: the runtime rejects such a plan (``parallel/expert.py``),
+    so a model that priced it would let a caller build plans that cannot run. (The search never asks.)"""
+    ctx = p.table_ctx
+    asked = 0
+    for t, layer in p.first_of_type().items():
+        lt = p.profile.layer(layer)
+        tries = [s for s in p.layers if s.ep > 1 and not p.applies(layer, s)]
+        if not tries:  # a dense model's probe has no ep at all: try the smallest ep the data group allows
+            tries = [replace(s, ep=divisors(s.data_group)[1]) for s in p.layers if s.data_group > 1 and s.ep == 1]
+            tries = [s for s in tries if not p.applies(layer, s)]
+        for s in tries[:6]:
+            asked += 1
+            try:
+                c = p.cost.layer_cost(layer, s, ctx)
+            except ValueError as exc:
+                if "HINT:" not in str(exc):
+                    yield f"layer_cost(layer {layer} ({lt.name}), {s.short()}) raised {exc!r} without a HINT"
+            else:
+                yield (f"layer_cost(layer {layer} ({lt.name}), {s.short()}) = {c}: ep={s.ep} on a layer with "
+                       f"{lt.moe.num_experts if lt.moe else 'no'} experts must be a ValueError")
+
+
+def expert_states_do_not_grow_with_ep(p: Probe) -> Iterator[str]:
+    """For an MoE layer type, at fixed tp, dp, sp, ZeRO stage, checkpointing and rank order, a larger ep
+    never keeps more bytes of model states (each rank holds E/ep experts, ZeRO shards them over the
+    |D|/ep expert-data ranks: at worst equal, under ZeRO-3) and never changes the activations kept
+    (balanced routing hands every rank tokens x top_k rows whatever ep is). A model breaking it would make
+    the search buy expert parallelism for memory it does not save."""
+    ctx = p.table_ctx
+    for t, layer in p.first_of_type().items():
+        if p.profile.layer(layer).moe is None:
+            continue
+        ladders: dict[LayerStrategy, list[LayerStrategy]] = {}
+        for s in p.layers:
+            if p.applies(layer, s):
+                ladders.setdefault(replace(s, ep=1), []).append(s)
+        for group in ladders.values():
+            costs = [(s, p.cost.layer_cost(layer, s, ctx)) for s in sorted(group, key=lambda s: s.ep)]
+            for (a, ca), (b, cb) in zip(costs, costs[1:]):
+                if not _at_most(cb.states, ca.states):
+                    yield (f"layer_cost(layer {layer}, ...): {b.short()} keeps {cb.states:.6g} bytes of states, "
+                           f"more than {a.short()} ({ca.states:.6g})")
+                if not _close(ca.act, cb.act):
+                    yield (f"layer_cost(layer {layer}, ...): activations differ between {a.short()} ({ca.act:.6g}) "
+                           f"and {b.short()} ({cb.act:.6g})")
+
+
 def evaluate_is_the_sum_of_its_parts(p: Probe) -> Iterator[str]:
     """``evaluate`` agrees with the parts the search optimized: per stage, the fixed part plus every layer's
     time, per-step extra and memory (with the transitions between unequal neighbours and the largest
@@ -292,7 +362,8 @@ def predict_fills_the_prediction(p: Probe) -> Iterator[str]:
 RULES: tuple[Callable[[Probe], Iterator[str]], ...] = (
     finite_and_non_negative, layer_cost_depends_on_type_and_stage_shape_only, model_states_shrink_with_zero,
     transitions_follow_batch_layout, stage_fixed_sees_only_its_ends, dominated_ends_stay_dominated,
-    backward_freed_is_the_heads, evaluate_is_the_sum_of_its_parts, predict_fills_the_prediction)
+    backward_freed_is_the_heads, evaluate_is_the_sum_of_its_parts, predict_fills_the_prediction,
+    expert_parallelism_only_where_experts_are, expert_states_do_not_grow_with_ep)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -309,8 +380,8 @@ def _probe_plans(p: Probe) -> list[ParallelPlan]:
     S, mb, m, L = p.stage_size, p.micro_batch, p.micro_batches, p.profile.num_layers
     G = mb * m
     ends = p.ends
-    plans = [ParallelPlan(world_size=S, layers=(s,) * L, micro_batches=m, global_batch=G, embed=ends[j % len(ends)],
-                          head=ends[(j + 1) % len(ends)]) for j, s in enumerate(p.layers)]
+    plans = [ParallelPlan(world_size=S, layers=p.plan_layers(lambda i, s=s: s), micro_batches=m, global_batch=G,
+                          embed=ends[j % len(ends)], head=ends[(j + 1) % len(ends)]) for j, s in enumerate(p.layers)]
     rep: dict[tuple[int, bool], LayerStrategy] = {}
     for s in p.layers:
         rep.setdefault(batch_layout(s), s)
@@ -318,15 +389,16 @@ def _probe_plans(p: Probe) -> list[ParallelPlan]:
     for a in reps:
         for b in reps:
             if a != b and L >= 2:
-                plans.append(ParallelPlan(world_size=S, layers=tuple(a if i % 2 == 0 else b for i in range(L)),
+                plans.append(ParallelPlan(world_size=S, layers=p.plan_layers(lambda i, a=a, b=b: a if i % 2 == 0 else b),
                                           micro_batches=m, global_batch=G, embed=ends[0], head=ends[-1]))
     # pipelines: the same stage size on two stages (world 2S), even and interleaved
     for s in p.layers[:: max(1, len(p.layers) // 6)]:
+        layers = p.plan_layers(lambda i, s=s: s)
         if L >= 2:
-            plans.append(ParallelPlan(world_size=2 * S, layers=(s,) * L, pp=2, micro_batches=m, global_batch=G,
+            plans.append(ParallelPlan(world_size=2 * S, layers=layers, pp=2, micro_batches=m, global_batch=G,
                                       embed=ends[0], head=ends[-1]))
         if L >= 4 and m % 2 == 0:
-            plans.append(ParallelPlan(world_size=2 * S, layers=(s,) * L, pp=2, micro_batches=m, global_batch=G,
+            plans.append(ParallelPlan(world_size=2 * S, layers=layers, pp=2, micro_batches=m, global_batch=G,
                                       pipeline_schedule="interleaved_1f1b", virtual_stages=2, embed=ends[0],
                                       head=ends[-1]))
     return plans
@@ -371,7 +443,7 @@ def make_probe(cost: CostModel, profile: ModelProfile, world_size: int = 4, micr
     if mb < 1 or micro_batches < 1:
         raise bad_value(f"micro_batch={mb}, micro_batches={micro_batches}", "must be >= 1", "e.g. micro_batch=4.")
     space = SearchSpace(heuristic_pruning=False)
-    layers = tuple(candidate_strategies(profile.shape, world_size, mb, space))
+    layers = tuple(candidate_strategies(profile.shape, world_size, mb, space, experts=profile.num_experts))
     ends = tuple(end_strategies(profile.shape, world_size, mb, space))
     if not layers or not ends:
         raise bad_value(f"world_size={world_size}, micro_batch={mb}",

@@ -9,6 +9,12 @@ implementation against what the search assumes of it.
 Every formula is a short function with a one-line comment naming the source it follows. Units are
 seconds and bytes; ``mb`` is the number of samples in one pipeline micro-batch (the whole stage's),
 ``b = mb / dp`` the samples one rank sees.
+
+Mixture-of-Experts layer types (``LayerTypeProfile.moe``) are priced with the runtime's expert
+parallelism (``parallel/expert.py``): the measured block time already holds the expert compute (balanced
+routing gives every EP rank tokens x top_k rows whatever ep is), so ep changes only what moves between
+ranks -- the dispatch / combine all-to-alls, the count exchange, the expert gradients' smaller group --
+and where the expert states live (E/ep experts per rank, ZeRO over the expert-data group).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Mapping
 
 from ..errors import bad_value
 from ..plan import LayerStrategy, ModelShape, ParallelPlan, Prediction
-from .profiles import HardwareProfile, LayerTypeProfile, ModelProfile
+from .profiles import HardwareProfile, LayerTypeProfile, MoELayerFacts, ModelProfile, act_key, transient_key
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -263,17 +269,108 @@ def ulysses_comm(hw: HardwareProfile, nbytes: float, sp: int, stride: int, kv_ra
     return passes * per_pass
 
 
-def block_comm_time(hw: HardwareProfile, shape: ModelShape, s: LayerStrategy, act_bytes: float) -> float:
-    """Collectives of one forward pass of a block under ``s`` (the backward mirrors them): tp/sp only."""
+def block_comm_time(hw: HardwareProfile, shape: ModelShape, s: LayerStrategy, act_bytes: float,
+                    moe: MoELayerFacts | None = None) -> float:
+    """Collectives of one forward pass of a block under ``s`` (the backward mirrors them): tp/sp only;
+    ``moe``: the block's feed-forward is that MoE layer, replicated over tp (:func:`moe_block_tp_comm`)."""
     t = s.tp
     if t == 1:
         return 0.0
     stride = 1 if s.tp_consecutive else s.dp
+    if moe is not None and not s.ulysses:
+        return moe_block_tp_comm(hw, act_bytes, t, stride, s.sp == "megatron")
     if s.sp == "none":
         return megatron_tp_comm(hw, act_bytes, t, stride, 2)
     if s.sp == "megatron":
         return megatron_sp_comm(hw, act_bytes, t, stride, 2)
     return ulysses_comm(hw, act_bytes, t, stride, shape.num_kv_heads / shape.num_heads, 1)
+
+
+def moe_block_tp_comm(hw: HardwareProfile, nbytes: float, tp: int, stride: int, megatron_sp: bool) -> float:
+    """An MoE block's tp collectives per forward: attention's half of a dense block's, and nothing for the MoE layer, which runs replicated on the full tokens -- but under Megatron-SP its input chunk is all-gathered (its output slice is free) (Megatron-LM MoE with expert tensor parallelism 1; Korthikanti '22 for attention)."""
+    if megatron_sp:
+        return megatron_sp_comm(hw, nbytes, tp, stride, 1) + hw.collective_time("allgather", nbytes, tp, stride)
+    return megatron_tp_comm(hw, nbytes, tp, stride, 1)
+
+
+def moe_compute_share(lt: LayerTypeProfile) -> float:
+    """Share of an MoE block's per-token FLOPs in its MoE layer: 2 FLOPs per weight a token passes through -- router, top_k experts, shared expert -- against the block's other weights (Kaplan et al. '20, C = 2N per token; Fedus et al. JMLR'22 for sparse layers)."""
+    assert lt.moe is not None
+    dense = max(0, lt.params - lt.moe.params)
+    active = lt.moe.active_params
+    return active / (dense + active) if dense + active > 0 else 0.0
+
+
+def moe_sharded_compute(fit_const: float, per_token: float, ctx_term: float, tp: int, share: float) -> float:
+    """Per-rank time of an MoE block under tp (TP / Megatron-SP): attention's math splits over tp, the replicated MoE layer's does not, launch overhead is not shared (Megatron-LM SC'21; parallel/tensor.py "replicated")."""
+    return fit_const + per_token * (share + (1.0 - share) / tp) + ctx_term / tp
+
+
+def moe_block_activation(lt: LayerTypeProfile, tp: int, sp: str, checkpoint: bool, seq: int, el: int) -> float:
+    """Bytes per local sample of an MoE block: measured when profiled at (tp, sp); else the MoE layer's share (MoELayerFacts.saved_bytes_per_token) stays whole under TP and Megatron-SP -- it holds the full sequence -- and is split by Ulysses, while the rest shrinks by the dense rule (Korthikanti et al. '22, Table 2)."""
+    if lt.moe is None or checkpoint or tp == 1 or act_key(tp, sp, False) in lt.activation_bytes:
+        return lt.activation(tp, sp, checkpoint)
+    full = lt.activation_bytes[act_key(1, "none", False)]
+    moe = min(full, seq * lt.moe.saved_bytes_per_token(el))
+    rest = (full - moe) * (lt.activation(tp, sp, False) / full) if full > 0 else 0.0
+    return rest + (moe / tp if sp == "ulysses" else moe)
+
+
+def expert_local_params(moe: MoELayerFacts, ep: int) -> float:
+    """Routed-expert parameters one rank holds: E/ep whole experts (GShard, Lepikhin et al. ICLR'21, Sec. 2.2; DeepSpeed-MoE, Rajbhandari et al. ICML'22, Sec. 4.1)."""
+    return moe.routed_params / ep
+
+
+def ep_alltoall_bytes(tokens: float, moe: MoELayerFacts, el: int) -> float:
+    """Bytes a rank puts into one dispatch (or combine) all-to-all: every routed copy of its tokens, tokens x top_k rows of dim (GShard Sec. 2.2; DeepSpeed-MoE Sec. 4.1); (ep-1)/ep of it leaves the rank when routing is balanced."""
+    return tokens * moe.top_k * moe.dim * el
+
+
+def ep_forward_comm(hw: HardwareProfile, a2a_bytes: float, num_experts: int, ep: int, stride: int) -> float:
+    """One MoE forward under ep: all-gather of the ep x E int64 expert counts (the uneven split sizes), then dispatch and combine all-to-alls, all on the critical path -- experts wait for their tokens (Megatron-LM all-to-all token dispatcher; NetMoE, Liu et al. ICLR'25: all-to-all dominates MoE training time)."""
+    return hw.collective_time("allgather", 8.0 * num_experts * ep, ep, stride) + \
+        2.0 * hw.collective_time("alltoall", a2a_bytes, ep, stride)
+
+
+def ep_backward_comm(hw: HardwareProfile, a2a_bytes: float, ep: int, stride: int) -> float:
+    """One MoE backward under ep: the gradients of combine and dispatch travel back by two all-to-alls of the same size (DeepSpeed-MoE Sec. 4.1; parallel/expert.py _AllToAll)."""
+    return 2.0 * hw.collective_time("alltoall", a2a_bytes, ep, stride)
+
+
+def router_stats_time(hw: HardwareProfile, num_experts: int, d: int, stride: int) -> float:
+    """Per MoE forward, with or without ep: all-reduces of E+1 int64 counts and E+1 fp32 probability / z sums over the data group, so the balancing loss is the global batch's (Switch, Fedus et al. JMLR'22, eq. 4; parallel/expert.py GlobalRouterStats) -- latency-bound."""
+    return hw.collective_time("allreduce", 8.0 * (num_experts + 1), d, stride) + \
+        hw.collective_time("allreduce", 4.0 * (num_experts + 1), d, stride)
+
+
+def moe_layer_comm(hw: HardwareProfile, lt: LayerTypeProfile, s: LayerStrategy, b: float, seq: int, el: int,
+                   stride: int) -> tuple[float, float]:
+    """(forward, backward) seconds of an MoE layer's own collectives per micro-batch on ``b`` local samples:
+    router statistics over the data group, and under ep the count exchange and the four all-to-alls of the
+    tokens entering this rank's MoE layer (a Ulysses rank holds 1/tp of the sequence); (0, 0) for a dense layer."""
+    moe = lt.moe
+    if moe is None:
+        return 0.0, 0.0
+    fwd = router_stats_time(hw, moe.num_experts, s.data_group, stride)
+    if s.ep == 1:
+        return fwd, 0.0
+    tokens = b * seq / (s.tp if s.ulysses else 1)
+    nbytes = ep_alltoall_bytes(tokens, moe, el)
+    return fwd + ep_forward_comm(hw, nbytes, moe.num_experts, s.ep, stride), ep_backward_comm(hw, nbytes, s.ep, stride)
+
+
+def layer_compute(lt: LayerTypeProfile, kind: str, s: LayerStrategy, b: float, seq: int) -> float:
+    """Per-rank compute of one ``"forward"`` / ``"backward"`` / ``"recompute"`` pass of a layer under ``s``: the
+    measured sharded fit if profiled, else the unsharded fit divided by tp (:func:`sharded_compute`; an MoE
+    layer's own share undivided under TP / Megatron-SP, :func:`moe_sharded_compute`)."""
+    fit = lt.sharded_fit("forward" if kind == "recompute" else kind, s.tp, s.sp if s.tp > 1 else "none")
+    if fit is not None:
+        return fit(b, seq)
+    full = {"forward": lt.forward, "backward": lt.backward, "recompute": lt.recompute_fit()}[kind]
+    if lt.moe is not None and s.tp > 1 and not s.ulysses:  # the MoE layer is replicated over tp
+        return moe_sharded_compute(full.const, full.per_token * b * seq, full.per_token_ctx * b * seq * seq,
+                                   s.tp, moe_compute_share(lt))
+    return sharded_compute(full.const, full(b, seq), s.tp)
 
 
 def vocab_parallel_head(hw: HardwareProfile, logit_bytes: float, tokens: float, tp: int, stride: int,
@@ -360,21 +457,55 @@ class GalvatronCostModel(CostModel):
 
     # -- per layer --------------------------------------------------------------------------------------
     def layer_cost(self, layer: int, s: LayerStrategy, ctx: StageContext) -> LayerCost:
+        """Raises ``ValueError`` for ep > 1 on a layer type without experts (or whose expert count ep does not
+        divide): the runtime refuses such a plan, so pricing it would only hide the mistake."""
         key = (self.model.layer_type_of[layer], s, ctx.stage_size, ctx.micro_batch)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._block_cost(self.model.layer(layer), s, ctx.micro_batch)
+            lt = self.model.layer(layer)
+            if s.ep > 1 and lt.moe is None:
+                raise bad_value(f"layers[{layer}] ({lt.name}): ep={s.ep}", "expert parallelism splits a layer's "
+                                "experts and this layer type has none", "keep ep=1 on dense layers; the search "
+                                "proposes ep > 1 only for MoE layer types (LayerTypeProfile.moe).")
+            if s.ep > 1 and lt.moe is not None and lt.moe.num_experts % s.ep:
+                raise bad_value(f"layers[{layer}] ({lt.name}): ep={s.ep}", f"must divide the layer's "
+                                f"{lt.moe.num_experts} experts", "pick ep from the common divisors of the experts "
+                                "and the data group.")
+            hit = self._block_cost(lt, s, ctx.micro_batch)
             self._cache[key] = hit
         return hit
 
-    def _compute(self, lt: LayerTypeProfile, kind: str, s: LayerStrategy, b: float) -> float:
-        """Per-rank compute of one pass: the measured sharded profile if there is one, else the divided fit."""
-        seq = self.model.seq_len
-        fit = lt.sharded_fit(kind, s.tp, s.sp if s.tp > 1 else "none")
-        if fit is not None:
-            return fit(b, seq)
-        full = {"forward": lt.forward, "backward": lt.backward, "recompute": lt.recompute_fit()}[kind]
-        return sharded_compute(full.const, full(b, seq), s.tp)
+    def _activation(self, lt: LayerTypeProfile, s: LayerStrategy, checkpoint: bool) -> float:
+        """Activation bytes per local sample (MoE layer types: :func:`moe_block_activation`)."""
+        if lt.moe is None:
+            return lt.activation(s.tp, s.sp, checkpoint)
+        return moe_block_activation(lt, s.tp, s.sp, checkpoint, self.model.seq_len, self.model.act_dtype_bytes)
+
+    def _recompute_peak(self, lt: LayerTypeProfile, s: LayerStrategy) -> float:
+        if lt.moe is None or transient_key(s.tp, s.sp) in lt.activation_bytes:
+            return lt.recompute_peak(s.tp, s.sp)
+        return self._activation(lt, s, False)
+
+    def _moe_comm(self, lt: LayerTypeProfile, s: LayerStrategy, b: float, stride: int) -> tuple[float, float]:
+        """(forward, backward) seconds of an MoE layer's own collectives per micro-batch (:func:`moe_layer_comm`)."""
+        return moe_layer_comm(self.hw, lt, s, b, self.model.seq_len, self.model.act_dtype_bytes, stride)
+
+    def _param_groups(self, lt: LayerTypeProfile, s: LayerStrategy, d: int,
+                      stride: int) -> list[tuple[float, int, int, int]]:
+        """This rank's parameters of the layer by the group that reduces their gradients, as (parameters,
+        ranks, stride, separate collectives). Dense: one group, the data group. MoE: attention split by
+        tp, router and shared expert replicated over tp (parallel/tensor.py "replicated"); with ep > 1 the
+        routed experts form their own group, the expert-data group of |D|/ep ranks ep positions apart,
+        where FSDP2 (ZeRO-2/3) shards each expert on its own (parallel/parallelize.py)."""
+        moe = lt.moe
+        if moe is None:
+            return [(lt.params / s.tensor_parallel, d, stride, 1)]
+        dense = (lt.params - moe.params) / s.tensor_parallel + moe.shared_params + moe.router_params
+        experts = expert_local_params(moe, s.ep)
+        if s.ep == 1:  # the experts are ordinary block parameters: same bucket / same FSDP unit
+            return [(dense + experts, d, stride, 1)]
+        pieces = moe.num_experts // s.ep if s.zero >= 2 else 1
+        return [(dense, d, stride, 1), (experts, d // s.ep, stride * s.ep, pieces)]
 
     def _overlap(self, compute: float, comm: float) -> float:
         """Overlapped when the hardware runs collectives beside compute, else one after the other."""
@@ -386,26 +517,31 @@ class GalvatronCostModel(CostModel):
         m, hw = self.model, self.hw
         b = mb / s.dp
         t = s.tp
-        fwd = self._compute(lt, "forward", s, b)
-        bwd = self._compute(lt, "backward", s, b)
+        seq = m.seq_len
+        fwd = layer_compute(lt, "forward", s, b, seq)
+        bwd = layer_compute(lt, "backward", s, b, seq)
         if s.checkpoint:
             measured = lt.sharded_fit("forward", t, s.sp if t > 1 else "none") is not None
-            rec = self._compute(lt, "forward" if measured or lt.recompute is None else "recompute", s, b)
+            rec = layer_compute(lt, "forward" if measured or lt.recompute is None else "recompute", s, b, seq)
         else:
             rec = 0.0
         act_bytes = b * m.seq_len * lt.hidden * m.act_dtype_bytes
         fwd_passes = 2 if s.checkpoint else 1  # recomputation repeats the forward collectives
-        fwd_comm = block_comm_time(hw, m.shape, s, act_bytes)
+        fwd_comm = block_comm_time(hw, m.shape, s, act_bytes, lt.moe)
         fwd_t = fwd + fwd_comm
         bwd_t = bwd + rec + fwd_comm * fwd_passes  # backward mirrors the forward collectives
         # data parallel: gradients of this rank's weight shard over the data group
         d = s.data_group
         dp_stride = 1 if (s.ulysses or t == 1 or not s.tp_consecutive) else t
-        local_params = lt.params / s.tensor_parallel
+        if lt.moe is not None:  # synchronous in the forward path: added, never overlapped
+            moe_f, moe_b = self._moe_comm(lt, s, b, dp_stride)
+            fwd_t += moe_f
+            bwd_t += moe_b + (moe_f if s.checkpoint else 0.0)
+        groups = self._param_groups(lt, s, d, dp_stride)
+        local_params = groups[0][0] if len(groups) == 1 else groups[0][0] + groups[1][0]
         grad_el = 4.0 if m.precision == "fp32" else 2.0
-        grad_bytes = local_params * grad_el
         precision = "fp32" if m.precision == "fp32" else "mixed"
-        fwd_t, bwd_t, extra = self._data_parallel(local_params, s.zero, d, dp_stride, fwd_t, bwd_t)
+        fwd_t, bwd_t, extra = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t)
         native = self.runtime == "native"
         over = lt.zero_overhead.get(f"zero{s.zero}") if native and d > 1 else None
         if over is not None:  # FSDP2's own work around its collectives, on this rank's share of the layer
@@ -415,40 +551,63 @@ class GalvatronCostModel(CostModel):
                 fwd_t, bwd_t = fwd_t + of, bwd_t + ob
             else:  # ZeRO-2 gathers once per step and reduce-scatters on the last micro-batch
                 extra += of + ob
-        states = local_params * state_bytes_per_param(s.zero, d, precision)
-        act = lt.activation(t, s.sp, s.checkpoint) * b
+        states = 0.0
+        for p, g, _, _ in groups:
+            states += p * state_bytes_per_param(s.zero, g, precision)
+        act = (lt.activation(t, s.sp, s.checkpoint) if lt.moe is None else self._activation(lt, s, s.checkpoint)) * b
         # recomputing a checkpointed layer briefly holds its activations again (+ gradient temporaries)
-        transient = max(0.0, lt.recompute_peak(t, s.sp) * b - act) if s.checkpoint else 0.0
-        if native and d > 1 and s.zero == 2:  # FSDP2: sharded parameter + the gathered one it keeps
-            states += grad_bytes / d
-        if native and d > 1 and s.zero == 3:  # FSDP2: gathered params of this layer + the prefetched one
-            transient += 2.0 * grad_bytes * (1.0 - 1.0 / d)
+        transient = max(0.0, self._recompute_peak(lt, s) * b - act) if s.checkpoint else 0.0
+        for p, g, _, _ in groups:
+            if native and g > 1 and s.zero == 2:  # FSDP2: sharded parameter + the gathered one it keeps
+                states += p * grad_el / g
+            if native and g > 1 and s.zero == 3:  # FSDP2: gathered params of this layer + the prefetched one
+                transient += 2.0 * (p * grad_el) * (1.0 - 1.0 / g)
         return LayerCost(fwd_t, bwd_t, extra, states, act, transient)
 
     def _data_parallel(self, local_params: float, zero: int, d: int, stride: int, fwd: float,
                        bwd: float) -> tuple[float, float, float]:
         """(fwd, bwd, per-step extra) once this rank's ``local_params`` are data parallel over ``d`` ranks."""
+        return self._data_parallel_groups([(local_params, d, stride, 1)], zero, fwd, bwd)
+
+    def _data_parallel_groups(self, groups: list[tuple[float, int, int, int]], zero: int, fwd: float,
+                              bwd: float) -> tuple[float, float, float]:
+        """(fwd, bwd, per-step extra) of parameter groups each data parallel over its own ranks, given as
+        (parameters, ranks, stride, separate collectives): the collectives of all groups share one overlap
+        with the compute (they queue on the same link), each pays its own latency."""
         hw = self.hw
-        grad_bytes = local_params * (4.0 if self.model.precision == "fp32" else 2.0)
-        extra = self._optimizer_time(local_params, zero, d)
-        if d == 1 or local_params == 0:
-            return fwd, bwd, extra
         native = self.runtime == "native"
-        if zero == 1 and native:  # owners broadcast updated parameters (data.OptimizerStateSharding)
-            extra += hw.collective_time("allgather", grad_bytes, d, stride)
-        if zero == 3:
-            gather = zero3_gather_time(hw, grad_bytes, d, stride)
-            scatter = hw.collective_time("reducescatter", grad_bytes, d, stride)
-            return self._overlap(fwd, gather), self._overlap(bwd, gather + scatter), extra
-        if native and zero <= 1:  # data.GradientSync: one bucketed all-reduce after the last backward
-            return fwd, bwd, extra + dp_sync_bytes_time(hw, grad_bytes, d, stride) + \
-                bucket_copy_time(grad_bytes, hw.memory_bandwidth)
-        if native:  # ZeRO-2 with FSDP2: parameters gathered before forward, gradients reduce-scattered in backward
-            comm = hw.collective_time("allgather", grad_bytes, d, stride) + \
-                hw.collective_time("reducescatter", grad_bytes, d, stride)
-        else:
-            comm = dp_sync_bytes_time(hw, grad_bytes, d, stride)
-        return fwd, bwd, extra + self._overlap(bwd, comm) - bwd
+        el = 4.0 if self.model.precision == "fp32" else 2.0
+        extra = 0.0
+        fwd_comm = bwd_comm = last_comm = 0.0
+        gathered = overlapped_last = False
+        for params, d, stride, pieces in groups:
+            extra += self._optimizer_time(params, zero, d)
+            if d == 1 or params == 0:
+                continue
+            grad_bytes = params * el
+            nb = grad_bytes / pieces  # ``pieces`` equal collectives over the group (FSDP2 per expert)
+            if zero == 1 and native:  # owners broadcast updated parameters (data.OptimizerStateSharding)
+                extra += pieces * hw.collective_time("allgather", nb, d, stride)
+            if zero == 3:
+                gather = pieces * zero3_gather_time(hw, nb, d, stride)
+                fwd_comm += gather
+                bwd_comm += gather + pieces * hw.collective_time("reducescatter", nb, d, stride)
+                gathered = True
+            elif native and zero <= 1:  # data.GradientSync: one bucketed all-reduce after the last backward
+                extra = extra + pieces * dp_sync_bytes_time(hw, nb, d, stride) + \
+                    bucket_copy_time(grad_bytes, hw.memory_bandwidth)
+            elif native:  # ZeRO-2 with FSDP2: parameters gathered before forward, gradients reduce-scattered in backward
+                last_comm += pieces * hw.collective_time("allgather", nb, d, stride) + \
+                    pieces * hw.collective_time("reducescatter", nb, d, stride)
+                overlapped_last = True
+            else:
+                last_comm += pieces * dp_sync_bytes_time(hw, nb, d, stride)
+                overlapped_last = True
+        if gathered:
+            return self._overlap(fwd, fwd_comm), self._overlap(bwd, bwd_comm), extra
+        if overlapped_last:
+            return fwd, bwd, extra + self._overlap(bwd, last_comm) - bwd
+        return fwd, bwd, extra
 
     def _optimizer_time(self, local_params: float, zero: int, d: int) -> float:
         """Memory-bound optimizer update of this rank's shard (ZeRO SC'20: stages >= 1 shard the update)."""

@@ -6,6 +6,7 @@ the finished plans and the search's counters.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Sequence
 
 from ..plan import ParallelPlan
@@ -29,6 +30,7 @@ def explain(plans: Sequence[ParallelPlan], profile: ModelProfile, stats: dict[st
     if best.pp > 1 and len(set(counts)) > 1:
         lines.append(f"  uneven stages {counts}: stages differ in memory (in-flight micro-batches, embedding/head), "
                      "so balancing the step time moved layers between them")
+    lines += _expert_lines(best, profile, stats)
     ck = sum(s.checkpoint for s in best.layers)
     if ck:
         lines.append(f"  {ck} layers recompute activations: without it the stage would not fit {budget / GiB:.2f} GiB")
@@ -44,6 +46,23 @@ def explain(plans: Sequence[ParallelPlan], profile: ModelProfile, stats: dict[st
                      f"{summary(p)}: {p.prediction.step_time_s * 1e3:.1f} ms, {p.prediction.throughput:.2f} samples/s "
                      f"({p.prediction.throughput / best.prediction.throughput:.3f}x)")
     return "\n".join(lines)
+
+
+def _expert_lines(plan: ParallelPlan, profile: ModelProfile, stats: dict[str, float]) -> list[str]:
+    """How the winner placed the experts of the MoE layers (nothing for a dense model)."""
+    moe = [i for i in range(profile.num_layers) if profile.layer(i).moe is not None]
+    if not moe:
+        return []
+    degrees = Counter(plan.layers[i].ep for i in moe)
+    if set(degrees) == {1}:
+        if stats.get("max_ep", 1) == 1:
+            return [f"  {len(moe)} MoE layers keep every expert on every rank (ep=1): no expert-parallel degree was "
+                    "in the search space (SearchSpace.ep_degrees, or no data group the experts divide)"]
+        return [f"  {len(moe)} MoE layers keep every expert on every rank (ep=1): spreading them was priced slower "
+                "(all-to-all per micro-batch vs. the smaller expert gradient sync and states)"]
+    spread = ", ".join(f"ep{k} x{n}" for k, n in sorted(degrees.items()))
+    return [f"  expert parallelism on the MoE layers ({spread} of {len(moe)}): each rank keeps E/ep experts and "
+            "routes tokens to the others by all-to-all; dense layers keep ep=1"]
 
 
 def summary(plan: ParallelPlan) -> str:

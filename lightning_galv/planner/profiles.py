@@ -328,6 +328,85 @@ def act_key(tp: int, sp: str, checkpoint: bool) -> str:
 
 
 @dataclass(frozen=True)
+class MoELayerFacts:
+    """What the cost model must know of a block's Mixture-of-Experts layer beyond its measured time and memory.
+
+    The profiler measures an MoE block whole, with every expert in one process (balanced routing makes
+    the per-rank expert compute independent of expert parallelism), so the fits need no MoE terms. What
+    they cannot tell is how the *parameters* split and what travels between ranks under ``ep``: routed
+    experts are spread over the EP group, while router and shared expert stay with the block's dense
+    parameters; every routed copy of a token (``top_k`` per token, ``dim`` wide) crosses the all-to-all.
+    Counts mirror :class:`lightning_galv.models.moe.MoELayer` (router ``[dim -> E]``, SwiGLU experts).
+    """
+
+    num_experts: int
+    top_k: int
+    expert_params: int  # one routed expert
+    dim: int  # width of the rows the all-to-alls carry (the model's hidden size)
+    shared_params: int = 0  # always-on shared expert and its gate (replicated like the dense parameters)
+    router_params: int = 0
+    capacity_factor: float | None = None  # None: dropless (every routed copy is dispatched)
+
+    def __post_init__(self) -> None:
+        for attr in ("num_experts", "top_k", "expert_params", "dim"):
+            v = getattr(self, attr)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad_value(f"{attr}={v}", "must be a positive int",
+                                "describe the MoE layer as MoELayerFacts.swiglu(dim, num_experts, top_k, expert_hidden).")
+        for attr in ("shared_params", "router_params"):
+            v = getattr(self, attr)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad_value(f"{attr}={v}", "must be an int >= 0", "use 0 when the layer has none.")
+        if self.top_k > self.num_experts:
+            raise bad_value(f"top_k={self.top_k}", f"cannot exceed num_experts={self.num_experts}",
+                            "a token picks top_k distinct experts.")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise bad_value(f"capacity_factor={self.capacity_factor}", "must be > 0 or None (dropless)",
+                            "use None unless the model drops tokens.")
+
+    @property
+    def routed_params(self) -> int:
+        """All routed experts together (what expert parallelism spreads over the EP group)."""
+        return self.num_experts * self.expert_params
+
+    @property
+    def params(self) -> int:
+        """Every parameter of the MoE layer: routed experts, shared expert, router."""
+        return self.routed_params + self.shared_params + self.router_params
+
+    @property
+    def active_params(self) -> int:
+        """Weights one token multiplies: router, its top_k experts, the shared expert."""
+        return self.top_k * self.expert_params + self.shared_params + self.router_params
+
+    @property
+    def expert_hidden(self) -> float:
+        """Width of one routed SwiGLU expert (3 matrices of dim x width)."""
+        return self.expert_params / (3.0 * self.dim)
+
+    def saved_bytes_per_token(self, el: int) -> float:
+        """Activation bytes the MoE layer keeps per token for backward, when only its parameters are known.
+
+        Counted as Korthikanti et al. '22 count a dense MLP (every matmul / elementwise input that autograd
+        saves): per routed copy the gathered input row, SwiGLU's two projections, the activation and their
+        product (4 x width) and the output row kept for the weighted combine; the shared expert's four
+        width-sized tensors and output; fp32 router logits and probabilities.
+        """
+        routed = self.top_k * el * (2.0 * self.dim + 4.0 * self.expert_hidden)
+        shared_width = max(0.0, (self.shared_params - self.dim) / (3.0 * self.dim)) if self.shared_params else 0.0
+        shared = el * (self.dim + 4.0 * shared_width) if self.shared_params else 0.0
+        return routed + shared + 8.0 * self.num_experts
+
+    @classmethod
+    def swiglu(cls, dim: int, num_experts: int, top_k: int, expert_hidden: int, shared_hidden: int = 0,
+               shared_gate: bool = True, capacity_factor: float | None = None) -> "MoELayerFacts":
+        """The facts of a router ``[dim -> E]`` + E SwiGLU experts (3 matrices each) + an optional shared
+        SwiGLU expert with a sigmoid gate (Mixtral, Qwen-MoE; ``lightning_galv.models.moe``)."""
+        shared = 3 * dim * shared_hidden + (dim if shared_hidden and shared_gate else 0)
+        return cls(num_experts, top_k, 3 * dim * expert_hidden, dim, shared, dim * num_experts, capacity_factor)
+
+
+@dataclass(frozen=True)
 class LayerTypeProfile:
     """One kind of layer (e.g. a decoder block): time fits, parameters, activation memory."""
 
@@ -347,8 +426,16 @@ class LayerTypeProfile:
     # (unsharded) layer beyond the collectives themselves -- copy-in/out of the flat buffers, hooks
     # (measured; scaled by the rank's parameter share under tp; missing = free)
     zero_overhead: Mapping[str, Mapping[str, TimeFit]] = field(default_factory=dict)
+    # the block's Mixture-of-Experts layer, if it has one: only such layer types may take ep > 1 (the
+    # measured times, parameters and activations above are of the whole block, experts included)
+    moe: MoELayerFacts | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, Mapping):
+            object.__setattr__(self, "moe", MoELayerFacts(**self.moe))
+        if self.moe is not None and self.moe.params > self.params:
+            raise bad_value(f"moe.params={self.moe.params}", f"the MoE layer cannot hold more than the block's "
+                            f"{self.params} parameters", "params counts the whole block, experts included.")
         if "tp1/none" not in self.activation_bytes:
             raise bad_value(sorted(self.activation_bytes), "activation_bytes needs the 'tp1/none' entry",
                             "profile at least the unsharded layer.")
@@ -461,6 +548,11 @@ class ModelProfile:
         return 4 if self.precision == "fp32" else 2
 
     @property
+    def num_experts(self) -> tuple[int, ...]:
+        """Expert counts of the MoE layer types (ascending, distinct); empty for a dense model."""
+        return tuple(sorted({lt.moe.num_experts for lt in self.layer_types if lt.moe is not None}))
+
+    @property
     def homogeneous(self) -> bool:
         return len(set(self.layer_type_of)) == 1
 
@@ -481,12 +573,18 @@ class ModelProfile:
     @classmethod
     def from_shape(cls, shape: ModelShape, flops_per_s: float = 150e12, precision: str = "bf16",
                    gated_mlp: bool = True, tied_embeddings: bool = False, launch_s: float = 50e-6,
-                   framework_bytes: float = 1.0 * 2**30, name: str = "analytic") -> "ModelProfile":
+                   framework_bytes: float = 1.0 * 2**30, name: str = "analytic", moe: MoELayerFacts | None = None,
+                   moe_layers: Sequence[int] | None = None) -> "ModelProfile":
         """A profile from the shape alone (no measurement): FLOPs / achieved throughput.
 
         Forward FLOPs follow Narayanan et al. SC'21 (2 x params x tokens + 4 b s^2 h for attention);
         backward is 2x forward (weight + input gradients). Activations follow Korthikanti et al. '22
         with flash attention (no s^2 term): 34 s h bytes per sample in 16-bit precision.
+
+        With ``moe``, the blocks ``moe_layers`` (default: all) replace the dense MLP by that MoE layer
+        (a second layer type): FLOPs count the weights a token is routed through (router, top_k experts,
+        shared expert), activations the attention half of Korthikanti's 34 s h (15 s h with the norms)
+        plus :meth:`MoELayerFacts.saved_bytes_per_token`.
         """
         h, f = shape.hidden, shape.ffn_hidden
         hd = h // shape.num_heads
@@ -501,9 +599,26 @@ class ModelProfile:
         s = shape.seq_len
         acts = {act_key(1, "none", False): 17.0 * el * s * h, act_key(1, "none", True): el * s * h}
         layer = LayerTypeProfile("block", fwd, bwd, params, acts, h)
+        layers, type_of = (layer,), (0,) * shape.num_layers
+        if moe is not None:
+            ids = set(range(shape.num_layers) if moe_layers is None else moe_layers)
+            if not ids or not ids <= set(range(shape.num_layers)):
+                raise bad_value(f"moe_layers={sorted(ids)}", f"must be block indices in 0..{shape.num_layers - 1}",
+                                "list the MoE blocks, or leave moe_layers=None for an all-MoE model.")
+            moe_params = attn_params + moe.params + 4 * h
+            active = 2.0 * (attn_params + moe.active_params + 4 * h) / flops_per_s
+            moe_acts = {act_key(1, "none", False): 7.5 * el * s * h + s * moe.saved_bytes_per_token(el),
+                        act_key(1, "none", True): el * s * h}
+            moe_layer = LayerTypeProfile("moe_block", TimeFit(launch_s, active, per_token_ctx),
+                                         TimeFit(2 * launch_s, 2 * active, 2 * per_token_ctx), moe_params, moe_acts,
+                                         h, moe=moe)
+            if len(ids) == shape.num_layers:
+                layers, type_of = (moe_layer,), (0,) * shape.num_layers
+            else:
+                layers, type_of = (layer, moe_layer), tuple(int(i in ids) for i in range(shape.num_layers))
         vocab_params = shape.vocab_size * h
         head_fwd = TimeFit(launch_s, 2.0 * vocab_params / flops_per_s, 0.0)
-        return cls(name, shape, (layer,), (0,) * shape.num_layers, precision,
+        return cls(name, shape, layers, type_of, precision,
                    embed_params=vocab_params, head_params=0 if tied_embeddings else vocab_params,
                    embed_act_bytes=el * s * h, head_act_bytes=(4 + el) * s * shape.vocab_size,
                    embed_forward=TimeFit(launch_s, 0.0, 0.0), head_forward=head_fwd,
@@ -512,6 +627,9 @@ class ModelProfile:
     # -- serialization ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for lt in d["layer_types"]:  # dense layer types serialize exactly as before MoE existed
+            if lt.get("moe") is None:
+                lt.pop("moe", None)
         d["kind"] = "ModelProfile"
         return d
 

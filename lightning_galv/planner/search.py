@@ -146,9 +146,9 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
         if tab is None or not s.edge_options(S, mb):
             continue
         solvable.append(cfg)
-        if space.uniform:
+        if space.uniform:  # a strategy that does not apply to every layer (ep on dense ones) has no bound
             bounds = s.lower_bounds(cfg, tab, per_strategy=True)
-            units += [replace(cfg, j=j, bound=float(bd)) for j, bd in enumerate(bounds)]
+            units += [replace(cfg, j=j, bound=float(bd)) for j, bd in enumerate(bounds) if math.isfinite(bd)]
         else:
             units.append(replace(cfg, bound=float(s.lower_bounds(cfg, tab, per_strategy=False)[0])))
     units.sort(key=lambda c: c.bound / c.global_batch)

@@ -29,9 +29,12 @@ from .layer_dp import layer_dp
 from .pareto import pareto_keep
 from .partition import place, stage_layer_ranges
 from .profiles import HardwareProfile, ModelProfile
-from .space import SearchSpace, candidate_strategies, end_strategies
+from .space import SearchSpace, applies, candidate_strategies, end_strategies
 
 Edge = tuple[LayerStrategy, LayerStrategy]  # (embedding, head) strategies as one stage sees them
+# memory, in budgets, of a (layer type, strategy) pair that cannot be applied: finite, so the memory grid's
+# integer conversion stays exact, and larger than any budget, so the pair never fits
+NEVER_FITS = 4.0
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,9 @@ class CostTable:
 
     One row per layer type: the search prices the first layer of each type and reuses it (the cost
     model contract: ``layer_cost`` depends on the layer only through its type). Transitions are priced
-    once per pair of activation layouts (``cls``), not per pair of strategies.
+    once per pair of activation layouts (``cls``), not per pair of strategies. A strategy that does not
+    apply to a layer type (ep > 1 on a dense layer) is not priced: its time is infinite and its memory
+    :data:`NEVER_FITS` budgets, so no layer DP ever places it there.
     """
 
     strategies: list[LayerStrategy]
@@ -51,6 +56,7 @@ class CostTable:
     transient: np.ndarray  # [type, j] bytes
     cls: np.ndarray  # [j] layout class
     trans: np.ndarray  # [K, K] seconds per micro-batch
+    partial: bool = False  # some strategy does not apply to some layer type (ep on a model with dense layers)
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,24 @@ class Config:
     def key(self) -> tuple[int, int, str, int, int]:
         """The pipeline configuration, without the strategy: the top-k holds one plan per configuration."""
         return (self.global_batch, self.pp, self.schedule, self.v, self.m)
+
+
+def level_costs(c_all: np.ndarray, r_all: np.ndarray, layer_types: np.ndarray,
+                tau: float) -> tuple[np.ndarray, np.ndarray]:
+    """(strategies usable at transient level ``tau``, their costs per layer position [n, allowed]).
+
+    A (layer, strategy) pair whose recompute transient exceeds ``tau`` is out of this level: infinite cost
+    at that position only. The same strategy may stay in for a layer of another type whose transient is
+    smaller -- excluding it for every layer would lose optima of heterogeneous models (a checkpointed
+    dense block beside an MoE block whose recompute peak is larger).
+    """
+    ok = r_all[layer_types] <= tau + 1e-6  # [n, J]
+    some, every = ok.any(axis=0), ok.all(axis=0)
+    allowed = np.flatnonzero(some)
+    c = c_all[layer_types][:, allowed]
+    if not np.array_equal(some, every):  # only heterogeneous windows can differ by position
+        c = np.where(ok[:, allowed], c, np.inf)
+    return allowed, c
 
 
 class Searcher:
@@ -101,16 +125,24 @@ class Searcher:
         key = (S, mb)
         if key in self.tables:
             return self.tables[key]
-        strategies = candidate_strategies(self.p.shape, S, mb, self.space, self.hw)
+        strategies = candidate_strategies(self.p.shape, S, mb, self.space, self.hw, self.p.num_experts)
         if not strategies:
             self.tables[key] = None
             return None
+        top_ep = max(s.ep for s in strategies)
+        if top_ep > self.stats.get("max_ep", 1):  # for the explanation; dense searches never set it
+            self.stats["max_ep"] = top_ep
         ctx = StageContext(S, mb, 1)
         T, J = len(self.p.layer_types), len(strategies)
         fb, extra, states, act, tr = (np.zeros((T, J)) for _ in range(5))
         first_layer_of_type = {t: self.p.layer_type_of.index(t) for t in self.types}
         for t, li in first_layer_of_type.items():
+            lt = self.p.layer_types[t]
             for j, s in enumerate(strategies):
+                if s.ep > 1 and not applies(lt, s):  # ep on a layer without (enough) experts
+                    fb[t, j] = extra[t, j] = np.inf
+                    states[t, j] = NEVER_FITS * self.budget
+                    continue
                 lc: LayerCost = self.cost.layer_cost(li, s, ctx)
                 fb[t, j], extra[t, j], states[t, j], act[t, j], tr[t, j] = (
                     lc.fwd + lc.bwd, lc.step_extra, lc.states, lc.act, lc.transient)
@@ -128,7 +160,8 @@ class Searcher:
             trans = np.zeros((K, K))
         else:
             trans = np.array([[self.cost.transition_time(a, b, ctx) for b in reps] for a in reps]).reshape(K, K)
-        tab = CostTable(strategies, fb, extra, states, act, tr, cls, trans)
+        partial = not bool(np.isfinite(fb[self.types]).all())
+        tab = CostTable(strategies, fb, extra, states, act, tr, cls, trans, partial)
         self.tables[key] = tab
         return tab
 
@@ -262,10 +295,13 @@ class Searcher:
             capacity = int(math.floor((avail - max(0.0, tau - freed)) / self.grid + 1e-9))
             if capacity < 0:
                 continue
-            allowed = np.flatnonzero((r_all[layer_types] <= tau + 1e-6).all(axis=0))
+            if types is None:  # one layer type: a strategy is in or out of the level for every layer
+                allowed = np.flatnonzero(r_all[layer_types[0]] <= tau + 1e-6)
+                c = c_all[layer_types][:, allowed]
+            else:
+                allowed, c = level_costs(c_all, r_all, layer_types, tau)
             if len(allowed) == 0:
                 continue
-            c = c_all[layer_types][:, allowed]
             # every layer at its fastest allowed strategy, memory and transitions ignored: if even that
             # cannot beat what lower transient levels already reach for n_lo..n_hi, skip this level's DP
             lb = np.concatenate(([0.0], np.cumsum(c.min(axis=1))))
@@ -287,6 +323,12 @@ class Searcher:
                     for n in np.flatnonzero(better):
                         choice["by_n"][int(n)] = ("uniform", int(allowed[j0]), tau)
                     continue
+            elif tab.partial:  # per-type columns: dominated on every layer type of the window (exact too)
+                present = sorted(set(int(x) for x in layer_types))
+                rows = [int(np.flatnonzero(layer_types == t)[0]) for t in present]
+                cols = [col for r, t in zip(rows, present) for col in (c[r], q[r], r_all[t, allowed])]
+                keep = pareto_keep(cols, cl)
+                allowed, c, q, cl = allowed[keep], c[:, keep], q[:, keep], cl[keep]
             self.stats["dp_runs"] += 1
             best, _ = layer_dp(c, q, cl, trans, n_hi, capacity)
             better = best < vals
@@ -308,10 +350,10 @@ class Searcher:
         layer_types = np.array(self.p.layer_type_of[start:start + n])
         c_all = cfg.m * tab.fb + tab.extra
         q_all = np.ceil((tab.states + k * tab.act) / self.grid - 1e-9).astype(np.int64)
-        allowed = np.flatnonzero((tab.transient[layer_types] <= tau + 1e-6).all(axis=0))
+        allowed, c = level_costs(c_all, tab.transient, layer_types, tau)
         capacity = int(math.floor((self.budget - info["fixed_mem"] - max(0.0, tau - info["freed"])) / self.grid + 1e-9))
-        _, path = layer_dp(c_all[layer_types][:, allowed], q_all[layer_types][:, allowed], tab.cls[allowed],
-                           cfg.m * tab.trans, n, capacity, want_path=n)
+        _, path = layer_dp(c, q_all[layer_types][:, allowed], tab.cls[allowed], cfg.m * tab.trans, n, capacity,
+                           want_path=n)
         assert path is not None
         return [tab.strategies[allowed[j]] for j in path]
 
@@ -508,6 +550,16 @@ class Searcher:
             fixed = min(self.fixed(e, e, ctx)[2] for e in edges)  # the leanest embedding/head
             n = sum(division[c] for c in range(i, cfg.pp * cfg.v, cfg.pp))
             mem = tab.states + ctx.inflight * tab.act
+            if not self.p.homogeneous:  # layer types differ in memory (and ep applies to some): each its leanest
+                types_here = [self.p.layer_type_of[li] for c in range(i, cfg.pp * cfg.v, cfg.pp)
+                              for li in range(sum(division[:c]), sum(division[:c + 1]))]
+                need = worst = 0.0
+                for t in sorted(set(types_here)):
+                    k = types_here.count(t)
+                    j = int(np.argmin(k * mem[t] + tab.transient[t]))
+                    need, worst = need + k * mem[t, j], max(worst, float(tab.transient[t, j]))
+                peak = max(peak, fixed + need + worst)
+                continue
             t = self.p.layer_type_of[0]
             j = int(np.argmin(n * mem[t] + tab.transient[t]))
             peak = max(peak, fixed + n * mem[t, j] + tab.transient[t, j])

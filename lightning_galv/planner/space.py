@@ -8,6 +8,13 @@ and an exact dominance rule (a strategy slower *and* larger than another with th
 layout can never be part of an optimum) in the searcher, once costs are known
 (:func:`~lightning_galv.planner.pareto.pareto_keep`). The embedding and the head have a smaller space
 of their own (:func:`end_strategies`): what the runtime can apply to them.
+
+Expert parallelism is one more dimension of the same tree, searched jointly with the others: for a
+model with MoE layer types every (tp, dp, sp, rank order) node branches into each ep that divides the
+layer's data group and some layer type's expert count (:func:`candidate_strategies` with ``experts``).
+The strategy list is shared by all layer types of a stage; a strategy with ep > 1 simply does not apply
+to a layer type without experts (or whose expert count it does not divide, :func:`applies`), and the
+searcher gives such pairs no finite cost. A dense model enumerates exactly what it did before.
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import bad_value
+from typing import Sequence
+
 from ..plan import SCHEDULES, SP_MODES, LayerStrategy, ModelShape, divisors
-from .profiles import HardwareProfile
+from .profiles import HardwareProfile, LayerTypeProfile
 
 
 @dataclass(frozen=True)
@@ -42,8 +51,14 @@ class SearchSpace:
     embed_zero: int | None = None  # ZeRO stage of embedding and head; None: searched over zero_stages
     vocab_padding: bool = False  # allow vocab-parallel degrees that do not divide the vocabulary (Megatron pads it)
     vocab_parallel_loss: bool = False  # the loss takes vocab-sharded logits: priced, and set on the emitted plans
+    ep_degrees: tuple[int, ...] | None = None  # expert-parallel degrees of MoE layers; None: every valid one
 
     def __post_init__(self) -> None:
+        if self.ep_degrees is not None:
+            bad = [k for k in self.ep_degrees if isinstance(k, bool) or not isinstance(k, int) or k < 1]
+            if bad or 1 not in self.ep_degrees:
+                raise bad_value(f"ep_degrees={self.ep_degrees}", "must be positive ints and include 1",
+                                "ep=1 is what dense layers take; e.g. ep_degrees=(1, 2, 4, 8).")
         for s in self.schedules:
             if s not in SCHEDULES:
                 raise bad_value(f"schedule={s}", f"must be one of {SCHEDULES}", "e.g. schedules=('1f1b',).")
@@ -75,12 +90,32 @@ class SearchSpace:
                    uniform=True, **kw)  # type: ignore[arg-type]
 
 
+def applies(layer: LayerTypeProfile, s: LayerStrategy) -> bool:
+    """Whether ``s`` can be applied to a layer of this type: expert parallelism needs the layer's experts,
+    and as many of them on every EP rank (the runtime's rule, ``parallel/expert.py check_ep``)."""
+    if s.ep == 1:
+        return True
+    return layer.moe is not None and layer.moe.num_experts % s.ep == 0
+
+
+def ep_degrees(data_group: int, experts: Sequence[int], space: SearchSpace) -> list[int]:
+    """Expert-parallel degrees a strategy with this data group may take: 1, and every divisor of the data
+    group (EP is carved out of it, Megatron-LM / DeepSpeed-MoE) that divides some MoE layer's expert count."""
+    out = [k for k in divisors(data_group) if k == 1 or any(e % k == 0 for e in experts)]
+    if space.ep_degrees is not None:
+        out = [k for k in out if k in space.ep_degrees]
+    return out
+
+
 def candidate_strategies(shape: ModelShape, stage_size: int, micro_batch: int, space: SearchSpace,
-                         hw: HardwareProfile | None = None) -> list[LayerStrategy]:
+                         hw: HardwareProfile | None = None, experts: Sequence[int] = ()) -> list[LayerStrategy]:
     """Every per-layer strategy of a stage that is valid for this model and micro-batch.
 
     With ``space.heuristic_pruning`` (Galvatron VLDB'23 Sec. 3.2 guidelines): tensor/sequence groups
-    stay inside a node, and tp groups are consecutive ranks.
+    stay inside a node, and tp groups are consecutive ranks. ``experts``: the expert counts of the model's
+    MoE layer types (``ModelProfile.num_experts``); with none, every strategy has ep = 1. Expert-parallel
+    groups are not pruned by a guideline: whether an all-to-all across nodes pays off is what the cost
+    model decides, and dominated ep options are dropped by the exact rule like any other.
     """
     out: list[LayerStrategy] = []
     max_tp = space.max_tp or stage_size
@@ -104,9 +139,10 @@ def candidate_strategies(shape: ModelShape, stage_size: int, micro_batch: int, s
                     if hw is not None and not hw.is_intra_node(tp, 1) and dp > 1:
                         continue
                 d = dp * tp if sp == "ulysses" else dp
-                for zero in ((0,) if d == 1 else space.zero_stages):
-                    for ck in space.checkpoint:
-                        out.append(LayerStrategy(tp, dp, sp, zero, ck, consec))
+                for ep in (ep_degrees(d, experts, space) if experts else (1,)):
+                    for zero in ((0,) if d == 1 else space.zero_stages):
+                        for ck in space.checkpoint:
+                            out.append(LayerStrategy(tp, dp, sp, zero, ck, consec, ep))
     return out
 
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import ModelShape, divisors
-from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, ProfileCache,
-                                TimeFit, act_key, fingerprint, link_key, transient_key)
+from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, MoELayerFacts,
+                                ProfileCache, TimeFit, act_key, fingerprint, link_key, transient_key)
 
 
 def _progress(msg: str, enabled: bool) -> None:
@@ -70,19 +70,58 @@ def buffer_bytes(module: nn.Module) -> float:
     return float(sum(seen.values()))
 
 
-class ModelProfiler:
-    """Profile one block type: ``make_block()`` builds a block called as ``block(x)`` on ``[b, s, h]``."""
+def moe_facts(block: nn.Module) -> MoELayerFacts | None:
+    """The planner's description of ``block``'s MoE layer (:class:`~lightning_galv.models.moe.MoELayer`), or
+    None for a dense block. Read from the module, not measured: how parameters split under expert
+    parallelism and how wide the all-to-all rows are is structure, not speed."""
+    from ..models.moe import MoELayer
 
-    def __init__(self, make_block: Callable[[], nn.Module], shape: ModelShape, batch_sizes: Sequence[int] = (1, 2, 4),
+    layers = [m for m in block.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        return None
+    if len(layers) > 1:
+        raise ValueError(f"{type(block).__name__}: {len(layers)} MoE layers in one block. HINT: the planner prices "
+                         "one MoE layer per block; split the block or profile it with a custom LayerTypeProfile.")
+    layer = layers[0]
+
+    def count(m: nn.Module | None) -> int:
+        return 0 if m is None else sum(p.numel() for p in m.parameters())
+
+    return MoELayerFacts(layer.num_experts, layer.top_k, count(layer.experts[0]), layer.router.in_features,
+                         count(layer.shared_expert) + count(layer.shared_gate), count(layer.router),
+                         layer.capacity_factor)
+
+
+class ModelProfiler:
+    """Profile the block types of a model: ``make_block()`` builds a block called as ``block(x)`` on
+    ``[b, s, h]``; a sequence of them builds one block per layer type, ``layer_type_of`` saying which type
+    each of the model's blocks is (dense and MoE blocks of one model are different types: different time,
+    memory, and only MoE types may take expert parallelism)."""
+
+    def __init__(self, make_block: Callable[[], nn.Module] | Sequence[Callable[[], nn.Module]], shape: ModelShape,
+                 batch_sizes: Sequence[int] = (1, 2, 4),
                  seq_lens: Sequence[int] | None = None, repeats: int = 3, dtype: torch.dtype = torch.float32,
                  cache: ProfileCache | None = None, progress: bool = True,
                  make_head: Callable[[], nn.Module] | None = None, buffer_bytes: float | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", layer_type_of: Sequence[int] | None = None,
+                 kinds: Sequence[str] | None = None) -> None:
         """``buffer_bytes``: bytes of the model's buffers (non-parameter tensors such as RoPE cos/sin
         tables) one rank holds, when the caller knows the whole model (automatic mode counts its distinct
         buffer storages). ``None`` counts the buffers of one block and the head once: the reference models
-        share one RoPE table across blocks, so a per-block count would overstate them L times."""
-        self.make_block, self.shape = make_block, shape
+        share one RoPE table across blocks, so a per-block count would overstate them L times.
+
+        ``kinds``: a name per layer type that says what the block is (class, parameter shapes), part of the
+        cache key -- without it two models of one shape share a cached profile whatever their blocks are."""
+        makes = [make_block] if callable(make_block) else list(make_block)
+        type_of = tuple(layer_type_of) if layer_type_of is not None else (0,) * shape.num_layers
+        if not makes or len(type_of) != shape.num_layers or sorted(set(type_of)) != list(range(len(makes))):
+            raise ValueError(f"ModelProfiler: {len(makes)} block builders, layer_type_of={list(type_of)}. HINT: give "
+                             f"one builder per layer type and one type index (0..{len(makes) - 1}, each used) per "
+                             f"block of the {shape.num_layers}.")
+        if kinds is not None and len(kinds) != len(makes):
+            raise ValueError(f"ModelProfiler: kinds={list(kinds)} for {len(makes)} layer types. HINT: one name each.")
+        self.makes, self.layer_type_of, self.kinds = makes, type_of, None if kinds is None else tuple(kinds)
+        self.make_block, self.shape = makes[0], shape
         self.buffer_bytes = buffer_bytes
         self.device = torch.device(device)  # time the block where training will run it
         self.make_head = make_head  # final norm + output projection, called on [b, s, h] -> logits
@@ -95,10 +134,12 @@ class ModelProfiler:
         # "v": bump when the profile gains fields, so older cache files are measured again instead of
         # loading with defaults (v2: optimizer_bandwidth; v3: buffers in framework_bytes; v4: median
         # times, optimizer bandwidth on the whole model's parameter volume)
-        return fingerprint({"v": 4, "buffers": self.buffer_bytes, "shape": self.shape.to_dict(), "b": self.batch_sizes, "s": self.seq_lens,
-                            "dtype": str(self.dtype), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                            "head": self.make_head is not None,
-                            "device": self.device.type})
+        facts = {"v": 4, "buffers": self.buffer_bytes, "shape": self.shape.to_dict(), "b": self.batch_sizes,
+                 "s": self.seq_lens, "dtype": str(self.dtype), "torch": torch.__version__,
+                 "threads": torch.get_num_threads(), "head": self.make_head is not None, "device": self.device.type}
+        if len(self.makes) > 1 or self.kinds is not None:  # one unnamed block type keeps its old key
+            facts["types"] = {"kinds": self.kinds, "layer_type_of": self.layer_type_of}
+        return fingerprint(facts)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -111,35 +152,16 @@ class ModelProfiler:
                 _progress("model profile from cache", self.progress)
                 self.optimizer_bandwidth = hit.optimizer_bandwidth
                 return hit
-        block = self.make_block().to(self.device, self.dtype)
-        params = sum(p.numel() for p in block.parameters())
-        fixed = buffer_bytes(block) if self.buffer_bytes is None else float(self.buffer_bytes)
         h = self.shape.hidden
-        fwd, bwd, act_at_s = [], [], 0.0
         points = [(b, s) for s in self.seq_lens for b in self.batch_sizes]
-        for i, (b, s) in enumerate(points):
-            _progress(f"block fwd+bwd b={b} s={s} ({i + 1}/{len(points)})", self.progress)
-            tfs, tbs = [], []
-            for _ in range(self.repeats + 1):  # first run warms up
-                x = torch.randn(b, s, h, dtype=self.dtype, device=self.device, requires_grad=True)
-                saved = _SavedBytes(_storages(block))
-                self._sync()
-                t0 = time.perf_counter()
-                with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                    y = block(x)
-                self._sync()
-                t1 = time.perf_counter()
-                y.backward(torch.ones_like(y))
-                self._sync()
-                t2 = time.perf_counter()
-                tfs.append(t1 - t0)
-                tbs.append(t2 - t1)
-                block.zero_grad(set_to_none=True)
-            # median, not min: a training step runs at the machine's typical speed, not its best moment
-            fwd.append((b, s, statistics.median(tfs[1:])))
-            bwd.append((b, s, statistics.median(tbs[1:])))
-            if s == self.shape.seq_len:
-                act_at_s = max(act_at_s, saved.total / b)
+        layers: list[LayerTypeProfile] = []
+        for t, make in enumerate(self.makes):
+            name = "block" if len(self.makes) == 1 else (self.kinds[t] if self.kinds else f"type{t}")
+            lt, built = self._measure(make, name, points, f" type {t + 1}/{len(self.makes)}" if t else "")
+            if t == 0:
+                block = built  # the optimizer step and the buffers are measured on the first type's block
+            layers.append(lt)
+        fixed = buffer_bytes(block) if self.buffer_bytes is None else float(self.buffer_bytes)
         el = torch.finfo(self.dtype).bits // 8
         # Adam step on the block's parameters (grads present): memory bound, priced by the cost model as
         # OPTIMIZER_TRAFFIC_BYTES per parameter / bandwidth, so report the bandwidth that reproduces it.
@@ -172,9 +194,7 @@ class ModelProfiler:
                     # saved for backward + the logits the loop holds + their gradient at the start of backward
                     head_act = saved.total / b + 2 * el * s * self.shape.vocab_size
             head_fit = TimeFit.fit(pts)
-        acts = {act_key(1, "none", False): act_at_s, act_key(1, "none", True): float(el * self.shape.seq_len * h)}
-        lt = LayerTypeProfile("block", TimeFit.fit(fwd), TimeFit.fit(bwd), params, acts, h)
-        prof = ModelProfile("profiled", self.shape, (lt,), (0,) * self.shape.num_layers,
+        prof = ModelProfile("profiled", self.shape, tuple(layers), self.layer_type_of,
                             "fp32" if self.dtype == torch.float32 else "bf16",
                             embed_params=self.shape.vocab_size * h, head_params=self.shape.vocab_size * h,
                             embed_act_bytes=float(el * self.shape.seq_len * h),
@@ -184,6 +204,44 @@ class ModelProfiler:
         if self.cache is not None:
             self.cache.save("model", self.key(), prof)
         return prof
+
+    def _measure(self, make: Callable[[], nn.Module], name: str, points: list[tuple[int, int]],
+                 label: str) -> tuple[LayerTypeProfile, nn.Module]:
+        """Forward / backward time fits and saved activations of one block type, measured whole. An MoE block
+        runs with its local dispatcher (every expert here): with balanced routing a rank computes tokens x
+        top_k expert rows whatever the expert-parallel degree, so this is the per-rank compute under any ep;
+        the load-balancing and z-loss terms are part of the timed forward and backward."""
+        block = make().to(self.device, self.dtype)
+        params = sum(p.numel() for p in block.parameters())
+        h = self.shape.hidden
+        fwd, bwd, act_at_s = [], [], 0.0
+        for i, (b, s) in enumerate(points):
+            _progress(f"block{label} fwd+bwd b={b} s={s} ({i + 1}/{len(points)})", self.progress)
+            tfs, tbs = [], []
+            for _ in range(self.repeats + 1):  # first run warms up
+                x = torch.randn(b, s, h, dtype=self.dtype, device=self.device, requires_grad=True)
+                saved = _SavedBytes(_storages(block))
+                self._sync()
+                t0 = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                    y = block(x)
+                self._sync()
+                t1 = time.perf_counter()
+                y.backward(torch.ones_like(y))
+                self._sync()
+                t2 = time.perf_counter()
+                tfs.append(t1 - t0)
+                tbs.append(t2 - t1)
+                block.zero_grad(set_to_none=True)
+            # median, not min: a training step runs at the machine's typical speed, not its best moment
+            fwd.append((b, s, statistics.median(tfs[1:])))
+            bwd.append((b, s, statistics.median(tbs[1:])))
+            if s == self.shape.seq_len:
+                act_at_s = max(act_at_s, saved.total / b)
+        el = torch.finfo(self.dtype).bits // 8
+        acts = {act_key(1, "none", False): act_at_s, act_key(1, "none", True): float(el * self.shape.seq_len * h)}
+        lt = LayerTypeProfile(name, TimeFit.fit(fwd), TimeFit.fit(bwd), params, acts, h, moe=moe_facts(block))
+        return lt, block
 
 
 def _optimizer_bandwidth(block: nn.Module, num_layers: int, repeats: int, traffic_per_param: float,
@@ -282,7 +340,7 @@ class ShardedLayerProfiler:
             fwd, bwd = [], []
             for b in self.batch_sizes:
                 tf, tb, cf, cb = self._time_passes(block, b)
-                comm = block_comm_time(self.hw, self.shape, s, b * seq * h * el)
+                comm = block_comm_time(self.hw, self.shape, s, b * seq * h * el, layer.moe)  # MoE: replicated over tp
                 # compute = wall minus the collectives' predicted share, but never below the rank's own CPU time
                 times = torch.tensor([max(tf - comm, cf), max(tb - comm, cb)], dtype=torch.float64)
                 dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
