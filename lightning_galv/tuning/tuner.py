@@ -221,7 +221,10 @@ def tune(module_factory: str, data_factory: str, devices: int, n_trials: int = 1
             if nxt is None:
                 break
             pid = _register(study, nxt)
-            study.enqueue_trial({PLAN_PARAM: pid}, user_attrs={"plan": nxt.to_yaml()})
+            attrs: dict[str, Any] = {"plan": nxt.to_yaml()}
+            if nxt not in candidates and "next_base" in study.user_attrs:
+                attrs["base"] = study.user_attrs["next_base"]  # which measured plan it neighbours
+            study.enqueue_trial({PLAN_PARAM: pid}, user_attrs=attrs)
         with warnings.catch_warnings():  # Optuna warns that heartbeats are meant for optimize(); the tuner beats itself
             warnings.filterwarnings("ignore", message="Heartbeat of storage")
             trial = study.ask()
@@ -253,8 +256,10 @@ def _cost(model: Any, hw: Any, calibration: Any) -> Any:
 
 def _next_plan(study: Any, candidates: list[ParallelPlan], model: Any, hw: Any, calibration: Any,
                budget: float) -> ParallelPlan | None:
-    """The next plan to measure: the analytic candidates in order, then the best predicted unmeasured neighbour
-    of the three best measured plans."""
+    """The next plan to measure: the analytic candidates in order, then a neighbour of one of the three best
+    measured plans -- the base that has had the fewest neighbours measured (ties: the faster base), and its
+    neighbour the calibrated model predicts fastest. Rotating over bases keeps one mispriced region (the
+    model is least reliable exactly where it was wrong before) from absorbing every remaining trial."""
     reg = _registry(study)
     seen = {ParallelPlan.from_dict(reg[i]).with_(prediction=None) for i in _scheduled(study) if i in reg}
     for p in candidates:
@@ -262,9 +267,15 @@ def _next_plan(study: Any, candidates: list[ParallelPlan], model: Any, hw: Any, 
             return p
     cost = _cost(model, hw, calibration)
     best = sorted(_completed(study), key=lambda t: -(t.value or 0.0))[:3]
-    pool = []
-    for t in best:
-        base = ParallelPlan.from_dict(reg[int(t.params[PLAN_PARAM])])
+    tried: dict[int, int] = {}
+    for t in study.get_trials(deepcopy=False):
+        if "base" in t.user_attrs:
+            tried[int(t.user_attrs["base"])] = tried.get(int(t.user_attrs["base"]), 0) + 1
+    options = []
+    for rank, t in enumerate(best):
+        bid = int(t.params[PLAN_PARAM])
+        base = ParallelPlan.from_dict(reg[bid])
+        pool = []
         for nb in neighbours(base, model.shape):
             if nb.with_(prediction=None) in seen:
                 continue
@@ -274,8 +285,13 @@ def _next_plan(study: Any, candidates: list[ParallelPlan], model: Any, hw: Any, 
                 continue
             if pc.peak_memory_bytes <= budget:
                 pool.append((pc.step_time_s, nb))
-    pool.sort(key=lambda x: x[0])
-    return pool[0][1] if pool else None
+        if pool:
+            options.append(((tried.get(bid, 0), rank), bid, min(pool, key=lambda x: x[0])[1]))
+    if not options:
+        return None
+    _, bid, plan = min(options, key=lambda o: o[0])
+    study.set_user_attr("next_base", bid)
+    return plan
 
 
 def _completed(study: Any) -> list[Any]:
