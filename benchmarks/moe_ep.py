@@ -15,7 +15,6 @@ the memory are exact.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -28,15 +27,8 @@ from lightning_galv.plan import ParallelPlan  # noqa: E402
 from lightning_galv.testing import run_distributed  # noqa: E402
 
 RUNS = str(HERE / "_moe_ep_runs.py") + "::run_all"
-T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}  # two-sided, n-1 dof
-
-
-def interval(xs: list[float]) -> tuple[float, float, float]:
-    """(mean, low, high) 95 % t-interval of the mean."""
-    n = len(xs)
-    mean = statistics.fmean(xs)
-    half = T95.get(n, 1.96) * statistics.stdev(xs) / math.sqrt(n) if n > 1 else float("nan")
-    return mean, mean - half, mean + half
+sys.path.insert(0, str(HERE))
+from _stats import interval  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> str:

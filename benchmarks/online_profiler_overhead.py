@@ -12,7 +12,6 @@ the repeats. A second row samples every step, the worst case.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -21,7 +20,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}
+sys.path.insert(0, str(HERE))
+from _stats import interval  # noqa: E402
 
 
 def run(steps: int, callback: object | None) -> float:
@@ -67,9 +67,8 @@ def main(argv: list[str] | None = None) -> str:
             plain.append(got[False])
             prof.append(got[True])
             ratios.append(got[True] / got[False])
-        mean = statistics.fmean(ratios)
-        half = T95.get(len(ratios), 1.96) * statistics.stdev(ratios) / math.sqrt(len(ratios))
-        rows.append(f"| {label} | {mean - 1:+.1%} [{mean - half - 1:+.1%}, {mean + half - 1:+.1%}] | "
+        mean, lo, hi = interval(ratios)
+        rows.append(f"| {label} | {mean - 1:+.1%} [{lo - 1:+.1%}, {hi - 1:+.1%}] | "
                     f"{statistics.median(plain):.2f} / {statistics.median(prof):.2f} |")
     body = ("## OnlineProfiler overhead (benchmarks/online_profiler_overhead.py)\n\n"
             f"One process, 1 thread, LLaMA dim 256 x 4 layers, seq 128, batch 8; {args.steps} Trainer steps per run, "
