@@ -76,7 +76,7 @@ def test_analytic_order_resume_and_calibration(tmp_path) -> None:
     states = [t.state.name for t in study.trials]
     assert states[:2] == ["COMPLETE", "COMPLETE"] and states[2] == "FAIL", states  # kept; the stale one failed
     retried = [t for t in study.trials if t.system_attrs.get("failed_trial") == 2]
-    assert len(retried) == 1 and retried[0].state.name == "COMPLETE"  # retried once
+    assert len(retried) == 1 and retried[0].state.name in ("COMPLETE", "PRUNED")  # retried once, and it ran
     ids = [t.params["plan_id"] for t in study.trials if t.state.name == "COMPLETE"]
     assert len(ids) - len(set(ids)) <= 1  # only the retry repeats a plan
     assert len(second.trials) >= 5 and first.best_plan is not None
