@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -83,23 +85,18 @@ class LlamaBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
-            raise ValueError(f"LlamaConfig(dim={cfg.dim}, n_heads={cfg.n_heads}, n_kv_heads={cfg.n_kv_heads}): "
-                             "dim must be divisible by n_heads and n_heads by n_kv_heads. "
-                             "HINT: e.g. dim=64, n_heads=4, n_kv_heads=2.")
-        self.cfg = cfg
-        rope = Rotary(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(LlamaBlock(cfg, rope) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        init_weights(self)
-        assign_sites(self)
+class DecoderLayout(nn.Module):
+    """The LLaMA layout -- ``tok_embeddings``, ``layers``, ``norm``, ``output`` -- with its forward and the block
+    protocol (:mod:`.protocol`) on it. :class:`Llama` and the MoE decoder (``models/moe.py``) share it: they
+    differ only in which blocks ``layers`` holds. Subclasses set ``cfg`` (n_layers, dim, n_heads, n_kv_heads,
+    ffn_hidden, vocab_size, max_seq_len) and the four modules."""
 
-    # -- galvatron protocol --
+    cfg: Any
+    tok_embeddings: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    output: nn.Linear
+
     @property
     def galv_blocks(self) -> nn.ModuleList:
         return self.layers
@@ -117,6 +114,7 @@ class Llama(nn.Module):
         return self.output
 
     def galv_shape(self, seq_len: int | None = None) -> ModelShape:
+        """Dense facts: attention and the dense blocks' ffn width (an MoE decoder describes its experts apart)."""
         c = self.cfg
         return ModelShape(c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.ffn_hidden, c.vocab_size,
                           seq_len or c.max_seq_len)
@@ -126,3 +124,20 @@ class Llama(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.output(self.norm(h))  # [b, s, vocab]
+
+
+class Llama(DecoderLayout):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
+            raise ValueError(f"LlamaConfig(dim={cfg.dim}, n_heads={cfg.n_heads}, n_kv_heads={cfg.n_kv_heads}): "
+                             "dim must be divisible by n_heads and n_heads by n_kv_heads. "
+                             "HINT: e.g. dim=64, n_heads=4, n_kv_heads=2.")
+        self.cfg = cfg
+        rope = Rotary(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(LlamaBlock(cfg, rope) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        init_weights(self)
+        assign_sites(self)

@@ -92,7 +92,7 @@ from torch import nn
 from ..plan import ModelShape
 from .common import RMSNorm, Rotary, init_weights
 from .dropout import KeyedDropout, assign_sites
-from .llama import LlamaAttention, LlamaBlock, LlamaConfig, SwiGLU
+from .llama import DecoderLayout, LlamaAttention, LlamaBlock, LlamaConfig, SwiGLU
 
 __all__ = ["MoEConfig", "MoEShape", "MoEDecoder", "MoEBlock", "MoELayer", "RouterSums", "RouterStatsReducer",
            "LocalStatsReducer", "AllReduceStatsReducer", "RoutingStats", "RoutingLog", "TokenDispatcher",
@@ -632,7 +632,7 @@ class MoEBlock(nn.Module):
         return h + self.moe_drop(self.moe(self.ffn_norm(h)))
 
 
-class MoEDecoder(nn.Module):
+class MoEDecoder(DecoderLayout):
     """LLaMA-style decoder whose blocks ``cfg.moe_layer_ids()`` are :class:`MoEBlock` (the rest
     :class:`~.llama.LlamaBlock`). Implements the block protocol (:mod:`.protocol`)."""
 
@@ -682,32 +682,3 @@ class MoEDecoder(nn.Module):
         c = self.cfg
         return MoEShape(c.moe_layer_ids(), c.num_experts, c.top_k, c.expert_width, c.shared_expert_hidden,
                         c.capacity_factor)
-
-    # -- galvatron protocol ----------------------------------------------------------------------
-    @property
-    def galv_blocks(self) -> nn.ModuleList:
-        return self.layers
-
-    @property
-    def galv_embedding(self) -> nn.Embedding:
-        return self.tok_embeddings
-
-    @property
-    def galv_final_norm(self) -> nn.Module:
-        return self.norm
-
-    @property
-    def galv_head(self) -> nn.Linear:
-        return self.output
-
-    def galv_shape(self, seq_len: int | None = None) -> ModelShape:
-        """Dense facts (attention, dense blocks' ffn width); the experts are described by ``galv_moe_shape``."""
-        c = self.cfg
-        return ModelShape(c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.ffn_hidden, c.vocab_size,
-                          seq_len or c.max_seq_len)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)  # [b, s, dim]
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))  # [b, s, vocab]
