@@ -8,10 +8,10 @@ so both planners can be run on identical inputs. Pure: no torch.
 
 Caveats carried over from the data (see the reference README):
 
-* computation profiles hold **forward** time per sample only; backward is taken as 2x forward, as
-  Galvatron assumes (our own profiler measures it);
-* "other" (embedding/head) memory was measured for vocab-TP 1 only;
-* the gpt profiles use the pre-2.4 layout (``..._seqlen1024.json``), which is what we read;
+* computation profiles hold **forward** time only; backward is taken as 2x forward, as Galvatron
+  assumes (our own profiler measures it);
+* model profiles come in several layouts (legacy ``..._seqlen{S}.json``, 2.4 ``..._hidden{H}_head{A}.json``
+  / ``..._{model}.json``, raw memory runs): :mod:`.galvatron_profiles` reads them all;
 * bandwidths are GB/s (10^9 bytes) bus bandwidths; ``consec_1`` groups of at most one node are
   intra-node, ``consec_0`` groups on several nodes are inter-node.
 """
@@ -25,8 +25,9 @@ from typing import Any, Mapping
 
 from ..errors import bad_value
 from ..plan import LayerStrategy, ModelShape, ParallelPlan
-from ..planner.profiles import (HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, TimeFit, act_key,
-                                link_key)
+from ..planner.profiles import HardwareProfile, LinkFit, link_key
+from .galvatron_profiles import (LayerGroup, MetaConfig, find_profile_files, load_json, process_raw_memory,  # noqa: F401
+                                 read_meta, read_model_profile, write_model_profile)
 
 MB = float(2**20)
 GB = 1e9
@@ -34,34 +35,15 @@ _DP_TYPES = {"ddp": 0, "zero2": 2, "zero3": 3}
 _PIPELINES = {"pipedream_flush": "1f1b", "gpipe": "gpipe"}
 
 
-def _load(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise bad_value(str(p), "file does not exist", "point at Galvatron's configs/ or hardware_configs/ directory.")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise bad_value(str(p), f"is not valid JSON ({exc})", "re-copy the file from Galvatron.") from exc
-    if not isinstance(data, dict):
-        raise bad_value(str(p), "top level must be a JSON object", "is this a Galvatron profile?")
-    return data
+_load = load_json
 
 
 # ---------------------------------------------------------------------------------------------------
-# model
+# model (the readers live in galvatron_profiles.py)
 # ---------------------------------------------------------------------------------------------------
 def read_meta_config(path: str | Path, seq_len: int | None = None) -> ModelShape:
-    """Galvatron's GPT meta config (n_layer, n_embd, n_head, vocab_size, n_positions) as a ModelShape."""
-    d = _load(path)
-    try:
-        h = int(d["n_embd"])
-        heads = int(d["n_head"])
-        return ModelShape(num_layers=int(d["n_layer"]), hidden=h, num_heads=heads,
-                          num_kv_heads=int(d.get("n_kv_head", heads)), ffn_hidden=int(d.get("n_inner") or 4 * h),
-                          vocab_size=int(d["vocab_size"]), seq_len=int(seq_len or d["n_positions"]))
-    except KeyError as exc:
-        raise bad_value(str(path), f"meta config lacks {exc}",
-                        "expected GPT keys n_layer, n_embd, n_head, vocab_size.") from None
+    """Any Galvatron meta config (GPT, LLaMA / Qwen, BERT, ViT, T5, Swin) as a ModelShape (:func:`read_meta`)."""
+    return read_meta(path, seq_len).shape
 
 
 def profile_paths(config_dir: str | Path, shape: ModelShape, precision: str = "bf16") -> tuple[Path, Path]:
@@ -69,49 +51,6 @@ def profile_paths(config_dir: str | Path, shape: ModelShape, precision: str = "b
     stem = f"{precision}_hidden{shape.hidden}_head{shape.num_heads}_seqlen{shape.seq_len}.json"
     d = Path(config_dir)
     return d / f"computation_profiling_{stem}", d / f"memory_profiling_{stem}"
-
-
-def read_model_profile(meta_config: str | Path, config_dir: str | Path, precision: str = "bf16",
-                       seq_len: int | None = None, name: str | None = None) -> ModelProfile:
-    """Build a ModelProfile from Galvatron's meta config + computation/memory profiles."""
-    shape = read_meta_config(meta_config, seq_len)
-    comp_path, mem_path = profile_paths(config_dir, shape, precision)
-    comp, mem = _load(comp_path), _load(mem_path)
-    s = shape.seq_len
-    if "layertype_0" not in comp or "layertype_0" not in mem:
-        raise bad_value(str(comp_path), "no 'layertype_0' entry (only the pre-2.4 layout is understood)",
-                        "re-key a 2.4 profile to 'layertype_0' (ms per sample) or profile with ModelProfiler.")
-    fwd_ms = float(comp["layertype_0"])  # forward ms per sample per layer
-    fwd = TimeFit(0.0, fwd_ms / 1e3 / s, 0.0)
-    bwd = fwd.scaled(2.0)  # Galvatron's assumption: backward = 2x forward
-    # "layernum[n]_bsz{b}": whole-model forward ms; the part not explained by n layers is embedding + head
-    other_ms_per_sample = []
-    for k, v in comp.items():
-        mt = re.fullmatch(r"layernum\[(\d+)\]_bsz(\d+)", k)
-        if mt:
-            n, b = int(mt.group(1)), int(mt.group(2))
-            other_ms_per_sample.append(max(0.0, float(v) / b - n * fwd_ms))
-    other_ms = min(other_ms_per_sample) if other_ms_per_sample else 0.0
-    lt_mem = mem["layertype_0"]
-    acts = {act_key(int(t), "none", False): float(v) * MB for t, v in lt_mem["tp_activation_per_bsz_dict"].items()
-            if t != "checkpoint"}
-    if "checkpoint" in lt_mem["tp_activation_per_bsz_dict"]:
-        acts[act_key(1, "none", True)] = float(lt_mem["tp_activation_per_bsz_dict"]["checkpoint"]) * MB
-    params = int(float(lt_mem["parameter_size"]) * MB / 4)  # fp32 MB
-    layer = LayerTypeProfile("layertype_0", fwd, bwd, params, acts, shape.hidden)
-    first = mem.get("other_memory_pp_on_first", {})
-    last = mem.get("other_memory_pp_on_last", {})
-    off = mem.get("other_memory_pp_off", {})
-    state_bytes = 16.0  # model states per parameter at ZeRO-0 (2+2+12 mixed, 4+4+8 fp32)
-    embed_params = int(float(first.get("model_states", 0.0)) * MB / state_bytes)
-    head_params = int(float(last.get("model_states", 0.0)) * MB / state_bytes)
-    embed_act = float(first.get("activation", 0.0)) * MB
-    head_act = max(float(last.get("activation", 0.0)), float(off.get("activation", 0.0)) - float(first.get("activation", 0.0))) * MB
-    return ModelProfile(name or Path(meta_config).stem, shape, (layer,), (0,) * shape.num_layers, precision,
-                        embed_params=embed_params, head_params=head_params, embed_act_bytes=embed_act,
-                        head_act_bytes=head_act, embed_forward=TimeFit(),
-                        head_forward=TimeFit(0.0, other_ms / 1e3 / s, 0.0),
-                        framework_bytes=0.0, source=f"galvatron:{comp_path.name}")
 
 
 # ---------------------------------------------------------------------------------------------------
