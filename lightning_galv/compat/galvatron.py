@@ -97,6 +97,23 @@ def read_hardware_profile(hardware_dir: str | Path, num_nodes: int, gpus_per_nod
                            name=f"galvatron:{tag}")
 
 
+def read_galvatron_hardware(hardware_dir: str | Path, num_nodes: int, gpus_per_node: int) -> "GalvatronHardware":
+    """Galvatron's own hardware coefficients (ms per MB per group key, p2p per pipeline degree, overlap) for
+    :class:`~lightning_galv.planner.galvatron_accounting.GalvatronAccounting`."""
+    from ..planner.galvatron_accounting import GalvatronHardware
+
+    d = Path(hardware_dir)
+    tag = f"{num_nodes}nodes_{gpus_per_node}gpus_per_node"
+    ar = _load(d / f"allreduce_bandwidth_{tag}.json")
+    p2p = _load(d / f"p2p_bandwidth_{tag}.json")
+    overlap = float(_load(d / "overlap_coefficient.json").get("overlap_coe", 1.0))
+    try:
+        return GalvatronHardware.from_bandwidths(ar, p2p, overlap, num_nodes * gpus_per_node)
+    except KeyError as exc:
+        raise bad_value(f"allreduce_bandwidth_{tag}.json", f"lacks {exc}", "re-profile the cluster with "
+                        "Galvatron's hardware profiler.") from None
+
+
 def _fit_sp_time(sp: Mapping[str, Any]) -> dict[tuple[str, int], LinkFit]:
     """alpha-beta fits of the all-reduce / all-to-all times per group size (ms per message size)."""
     points: dict[tuple[str, int], list[tuple[float, float]]] = {}

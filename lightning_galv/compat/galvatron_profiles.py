@@ -449,7 +449,7 @@ def sequence_scaled_tables(mem: Mapping[str, Any], path: Path, seq: int) -> Memo
     t_lo = memory_tables(mem, path, 1, lo, True)
     assert t_hi is not None and t_lo is not None
     k = seq / seqs[-1]
-    acts = {t: (v * k if t != "checkpoint" else v) for t, v in t_hi.act_mb[0].items()}
+    acts = {t: v * k for t, v in t_hi.act_mb[0].items()}  # the checkpointed input too
     ends_act = {"pp_off": {t: v * (2 / 3 + k / 3) for t, v in t_hi.ends_act["pp_off"].items()},
                 "first": dict(t_hi.ends_act["first"]),
                 "last": {t: v * k for t, v in t_hi.ends_act["last"].items()}}
