@@ -52,6 +52,9 @@ def _cases4() -> list[tuple[str, dict, dict]]:
                                         L(tp=2, dp=2, sp="megatron"), layers=5, embed=L(dp=4), head=L(dp=4)),
          {**shuffle, "layers": 5, "clip": 0.05}),
         ("place_pp2", pp6, {**shuffle, "layers": 6, "steps": 5}),
+        # both at once: samples move and experts are replicated in the same all-to-alls
+        ("both_ep4_accum", _plan(4, L(dp=4, ep=4), L(dp=4), layers=5, embed=L(dp=4), head=L(dp=4)),
+         {**shuffle, "layers": 5, "relayout": True, "accumulate": 2}),
         ("negative/place_no_restore", _plan(4, L(dp=4, ep=4), L(dp=4), embed=L(dp=4), head=L(dp=4)),
          {**moe, "placement": 2, "placement_shuffle": "no_restore"}),
     ]

@@ -65,6 +65,20 @@ def replica_pieces(table: np.ndarray, layout: ExpertLayout) -> np.ndarray:
     return pieces
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """How one rank's routed rows travel in a dispatch: ``place`` indexes the rank's expert-sorted rows in send
+    order, ``regroup`` orders the arriving (source-major) rows by the local slot expert, ``splits`` are the
+    rows per slot expert ``slots``."""
+
+    place: np.ndarray
+    send: list[int]
+    recv: list[int]
+    regroup: np.ndarray
+    splits: list[int]
+    slots: list[int]
+
+
 @dataclass
 class _RelayoutState:
     place: torch.Tensor  # [A] position, in the sorted-by-expert rows, of each sent row (send order)
@@ -90,10 +104,6 @@ class RelayoutDispatcher(AllToAllDispatcher):
         self._table = np.zeros((size, layer.num_experts), dtype=np.int64)
         self._rank_tokens = np.zeros(size, dtype=np.int64)
         self._moved_bytes = 0
-
-    @classmethod
-    def from_ep(cls, d: AllToAllDispatcher, layer: MoELayer) -> "RelayoutDispatcher":
-        return cls(d.group, d.size, d.rank, layer)
 
     def owner(self, expert: int) -> int:
         return expert // (self.num_experts // self.size)
@@ -137,46 +147,63 @@ class RelayoutDispatcher(AllToAllDispatcher):
                 per = num_experts // self.size
                 self._rank_tokens += table.sum(0).reshape(self.size, per).sum(1)
             return result
-        k, me = self.size, self.rank
         order = torch.argsort(expert_ids, stable=True)  # [A] grouped by expert
         counts = torch.bincount(expert_ids, minlength=num_experts)  # [E]
-        gathered = [torch.empty_like(counts) for _ in range(k)]
+        gathered = [torch.empty_like(counts) for _ in range(self.size)]
         torch.distributed.all_gather(gathered, counts, group=self.group)
-        table = torch.stack(gathered).numpy().astype(np.int64)  # [k sources, E]
-        pieces = replica_pieces(table, self.layout)  # [k src, E, k dst]
-        mine = pieces[me]  # [E, k dst] what this rank sends
-        cstart = np.concatenate([[0], np.cumsum(table[me])])  # [E + 1] first sorted row of each expert
-        offset = cstart[:-1].copy()  # next unsent sorted row of each expert
-        runs: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * (k * num_experts)
-        for e in range(num_experts):  # replica pieces of e, in ascending rank = sorted-row order
-            for r, _ in self.layout.shares[e]:
-                n = int(mine[e, r])
-                runs[r * num_experts + e] = np.arange(offset[e], offset[e] + n)
-                offset[e] += n
-        place = np.concatenate(runs)  # destination-major, expert-ascending inside
-        send = mine.sum(0).tolist()  # [k] rows to each destination
-        got_pieces = pieces[:, :, me]  # [k src, E] rows arriving, source-major then expert
-        recv = got_pieces.sum(1).tolist()
-        slots = list(self.layout.slots[me])
-        slot_of = {e: i for i, e in enumerate(slots)}
-        labels = np.repeat(np.tile(np.arange(num_experts), k), got_pieces.reshape(-1))  # [N] expert per row
-        regroup = np.argsort(np.array([slot_of[e] for e in labels], dtype=np.int64), kind="stable")
-        place_t = torch.from_numpy(place).to(x.device)
+        table = torch.stack(gathered).cpu().numpy().astype(np.int64)  # [k sources, E]
+        plan = self.plan_rows(table)
+        place_t = torch.from_numpy(plan.place).to(x.device)
         rows = x.index_select(0, token_ids.index_select(0, order.index_select(0, place_t)))  # [A, hidden]
-        # The expert copies travel first, and the token exchange depends on them through an exact zero: so
-        # in backward every rank runs the token exchange's transpose before the copies' one (two independent
-        # collectives could otherwise run in a different order on different ranks and deadlock).
-        copy_of, copies = self._materialize(self.layer)
-        rows = rows + 0.0 * copies.sum()
-        got = _AllToAll.apply(rows, send, recv, self.group)  # [N, hidden]
-        regroup_t = torch.from_numpy(regroup).to(x.device)
-        splits = got_pieces[:, slots].sum(0).tolist()  # rows per slot expert
+        copy_of, rows = self.materialize_before(rows)
+        got = _AllToAll.apply(rows, plan.send, plan.recv, self.group)  # [N, hidden]
+        regroup_t = torch.from_numpy(plan.regroup).to(x.device)
+        return DispatchResult(got.index_select(0, regroup_t), plan.splits,
+                              _RelayoutState(place_t, order, plan.send, plan.recv, regroup_t, copy_of),
+                              tuple(tuple(int(v) for v in row) for row in table), tuple(plan.send), tuple(plan.recv))
+
+    def plan_rows(self, table: np.ndarray) -> RowPlan:
+        """Where this rank's expert-sorted rows go and how arriving rows regroup, under the current layout
+        (``None``: plain EP), from the gathered ``[k sources, E]`` count table; also counts the step's load."""
+        k, me, num_e = self.size, self.rank, self.num_experts
+        if self.layout is None:
+            per = num_e // k
+            pieces = np.zeros((k, num_e, k), dtype=np.int64)
+            for e in range(num_e):
+                pieces[:, e, e // per] = table[:, e]
+            shares: Sequence[Sequence[tuple[int, float]]] = [((e // per, 1.0),) for e in range(num_e)]
+            slots = list(range(me * per, (me + 1) * per))
+        else:
+            pieces = replica_pieces(table, self.layout)  # [k src, E, k dst]
+            shares, slots = self.layout.shares, list(self.layout.slots[me])
+        mine = pieces[me]  # [E, k dst] what this rank sends
+        offset = np.concatenate([[0], np.cumsum(table[me])])[:-1]  # [E] next unsent sorted row of each expert
+        runs: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * (k * num_e)
+        for e in range(num_e):  # replica pieces of e, in ascending rank = sorted-row order
+            for r, _ in shares[e]:
+                n = int(mine[e, r])
+                runs[r * num_e + e] = np.arange(offset[e], offset[e] + n)
+                offset[e] += n
+        got_pieces = pieces[:, :, me]  # [k src, E] rows arriving, source-major then expert
+        slot_of = {e: i for i, e in enumerate(slots)}
+        labels = np.repeat(np.tile(np.arange(num_e), k), got_pieces.reshape(-1))  # [N] expert of each row
+        regroup = np.argsort(np.array([slot_of[e] for e in labels], dtype=np.int64), kind="stable")
         if not _inside_backward():
             self._table += table
             self._rank_tokens += pieces.sum((0, 1))
-        return DispatchResult(got.index_select(0, regroup_t), splits,
-                              _RelayoutState(place_t, order, send, recv, regroup_t, copy_of),
-                              tuple(tuple(int(v) for v in row) for row in table), tuple(send), tuple(recv))
+        return RowPlan(np.concatenate(runs), mine.sum(0).tolist(), got_pieces.sum(1).tolist(), regroup,
+                       got_pieces[:, slots].sum(0).tolist(), slots)
+
+    def materialize_before(self, rows: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Copies of the experts materialized here (none under plain EP), and ``rows`` made to depend on them.
+
+        The expert copies travel first, and the token exchange depends on them through an exact zero: so in
+        backward every rank runs the token exchange's transpose before the copies' one (two independent
+        collectives could otherwise run in a different order on different ranks and deadlock)."""
+        if self.layout is None:
+            return {}, rows
+        copy_of, copies = self._materialize(self.layer)
+        return copy_of, rows + 0.0 * copies.sum()
 
     def combine(self, expert_output: torch.Tensor, result: DispatchResult) -> torch.Tensor:
         st = result.state
@@ -213,21 +240,29 @@ class RelayoutDispatcher(AllToAllDispatcher):
     def run_experts(self, layer: MoELayer, result: DispatchResult) -> torch.Tensor:
         if not isinstance(result.state, _RelayoutState):
             return super().run_experts(layer, result)
-        me, slots = self.rank, self.layout.slots  # type: ignore[union-attr]
+        return self.run_slots(layer, result.expert_input, result.splits, result.state.copies)
+
+    def run_slots(self, layer: MoELayer, expert_input: torch.Tensor, splits: list[int],
+                  copies: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Each slot expert on its chunk: owned experts as modules, copies through ``functional_call`` on
+        parameter views of the received flat copy (their gradients flow back to the owner)."""
+        if self.layout is None:
+            return layer.run_experts(expert_input, splits, self.local_experts(self.num_experts))
+        me, slots = self.rank, self.layout.slots
         owned = list(AllToAllDispatcher.local_experts(self, self.num_experts))
         template = layer.experts[owned[0]]
         names = [n for n, _ in template.named_parameters()]
         shapes = [p.shape for _, p in template.named_parameters()]
         sizes = [int(np.prod(s)) for s in shapes]
         outs = []
-        for e, chunk in zip(slots[me], result.expert_input.split(result.splits)):
+        for e, chunk in zip(slots[me], expert_input.split(splits)):
             if self.owner(e) == me:
                 outs.append(layer.experts[e](chunk))
                 continue
-            views = result.state.copies[e].split(sizes)
+            views = copies[e].split(sizes)
             params = {n: v.view(s) for n, v, s in zip(names, views, shapes)}
             outs.append(torch.func.functional_call(template, params, (chunk,)))
-        return torch.cat(outs) if outs else result.expert_input[:0]  # [N, hidden]
+        return torch.cat(outs) if outs else expert_input[:0]  # [N, hidden]
 
 
 def attach_relayout(model: nn.Module, plan: Any = None) -> list[tuple[MoELayer, RelayoutDispatcher]]:
@@ -248,27 +283,19 @@ def attach_relayout(model: nn.Module, plan: Any = None) -> list[tuple[MoELayer, 
         raise ValueError("no layer of the plan uses expert parallelism (ep > 1): with every expert on every rank "
                          "there is nothing to re-lay-out. HINT: give the MoE layers ep>=2 in the plan, e.g. "
                          "LayerStrategy(dp=4, ep=4).")
+    from .sample_placement import step_dispatcher
+
     out: list[tuple[MoELayer, RelayoutDispatcher]] = []
     for layer in layers:
-        d = layer.dispatcher
-        if isinstance(d, RelayoutDispatcher):
-            out.append((layer, d))
-            continue
-        if not isinstance(d, AllToAllDispatcher):
-            continue
-        if type(d) is not AllToAllDispatcher:
-            raise ValueError(f"MoE layer {layer.layer_idx} uses {type(d).__name__}; expert re-layout replaces the "
-                             "plain expert-parallel dispatcher and does not yet compose with sample placement on "
-                             "the same layer. HINT: use ExpertRelayout or SamplePlacement, not both.")
+        if not isinstance(layer.dispatcher, AllToAllDispatcher):
+            continue  # ep = 1 here: every expert local
         experts = [m for m in layer.experts if any(True for _ in m.parameters())]
         if any(isinstance(m, FSDPModule) for m in experts):
             raise ValueError(f"MoE layer {layer.layer_idx}: its experts are sharded by ZeRO-2/3 (FSDP2) over the "
                              "expert-data group; expert re-layout sends whole experts from their owners and "
                              "returns the copies' gradients after FSDP2 may already have reduced them. HINT: use "
                              "zero<=1 on the MoE layers with ExpertRelayout (ZeRO-2/3 on the other layers is fine).")
-        rd = RelayoutDispatcher.from_ep(d, layer)
-        layer.dispatcher = rd
-        out.append((layer, rd))
+        out.append((layer, step_dispatcher(layer)))
     return out
 
 

@@ -36,7 +36,7 @@ the user's loss and labels never move -- the price is that the last layer of a r
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -47,6 +47,7 @@ from torch import nn
 from ..models.dropout import coords, set_coords
 from ..models.moe import DispatchResult, MoELayer, _inside_backward
 from .expert import AllToAllDispatcher, _AllToAll
+from .expert_relayout import RelayoutDispatcher
 
 
 def _a2a_ints(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
@@ -71,22 +72,48 @@ class PlacementRecord:
     moved_samples: int = 0
 
 
-@dataclass
-class PlacingDispatcher(AllToAllDispatcher):
-    """EP dispatcher of one MoE layer of a placement run (see the module docstring)."""
+def sample_dest_counts(cnt: np.ndarray, layout: Any, size: int) -> np.ndarray:
+    """Assignments of each sample to each rank of the EP group -> ``[S, size]``.
 
-    group: Any
-    size: int
-    rank: int
-    topology: Any  # planner.topology.Topology over the EP group's positions
-    first: bool  # first MoE layer of its run: starts from the loader's placement
-    restore: bool  # last MoE layer of its run: sends every sample home
-    places_samples: bool = True
-    records: list[PlacementRecord] = field(default_factory=list)
-    # (tokens [S, k], current [S], topology, residual_tokens=[S]) -> object with ``new_rank`` [S]; None =
-    # planner.placement.solve_placement. Must be a pure function of its inputs: every rank of the group solves
-    # on its own, and an activation-checkpoint recompute solves again.
-    solver: Callable[..., Any] | None = None
+    ``cnt[j, e]``: sample ``j``'s (group index, source-major) assignments to expert ``e``. Under plain EP an
+    expert lives on its owner; under an expert layout its assignments, in global (source, sample, token)
+    order, are cut into contiguous runs over its replicas (``parallel/expert_relayout.py``), so a sample's run
+    may straddle two replicas."""
+    n_samples, num_e = cnt.shape
+    per = num_e // size
+    if layout is None:
+        return cnt.reshape(n_samples, size, per).sum(2)
+    from ..planner.relayout import split_counts
+
+    out = np.zeros((n_samples, size), dtype=np.int64)
+    for e in range(num_e):
+        cum = np.concatenate([[0], np.cumsum(cnt[:, e])])  # [S + 1] run of each sample in e's global order
+        bounds = np.concatenate([[0], np.cumsum(split_counts(layout, e, int(cum[-1])))])
+        for j, (r, _) in enumerate(layout.shares[e]):
+            out[:, r] += np.maximum(np.minimum(cum[1:], bounds[j + 1]) - np.maximum(cum[:-1], bounds[j]), 0)
+    return out
+
+
+class PlacingDispatcher(RelayoutDispatcher):
+    """The dispatcher of an EP MoE layer under the per-step MoE callbacks: expert re-layout (``layout``, from
+    :class:`RelayoutDispatcher`) and, once :meth:`enable_placement` ran, NetMoE sample placement. One object
+    per layer, whichever callback attaches first, so the two compose."""
+
+    def __init__(self, group: Any, size: int, rank: int, layer: MoELayer) -> None:
+        super().__init__(group, size, rank, layer)
+        self.places_samples = False
+        self.topology: Any = None
+        self.first = self.restore = False
+        self.solver: Callable[..., Any] | None = None
+        self.records: list[PlacementRecord] = []
+
+    def enable_placement(self, topology: Any, first: bool, restore: bool,
+                         solver: Callable[..., Any] | None = None) -> None:
+        """``first``: the run's first MoE layer (starts from the loader's placement); ``restore``: its last (sends
+        every sample home). ``solver(tokens [S, k], current [S], topology, residual_tokens=[S])`` returns an object
+        with ``new_rank`` [S]; None = planner.placement.solve_placement. It must be a pure function of its
+        inputs: every rank of the group solves on its own, and an activation-checkpoint recompute solves again."""
+        self.places_samples, self.topology, self.first, self.restore, self.solver = True, topology, first, restore, solver
 
     def relocate(self, layer: MoELayer, flat: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                  token_ids: torch.Tensor, bs: tuple[int, int],
@@ -95,19 +122,20 @@ class PlacingDispatcher(AllToAllDispatcher):
         rank now holds, ``carry`` tensors moved the same way, the dispatch facts for the routing stats)."""
         b, s = bs
         big_k, num_e, k, me = layer.top_k, layer.num_experts, self.size, self.rank
-        per, d, dev = num_e // k, flat.shape[1], flat.device
+        d, dev = flat.shape[1], flat.device
         n_samples = k * b
-        # 1. counts: per expert (split sizes) and per (local sample, expert rank) (the solver's input), one gather
-        counts = torch.bincount(expert_ids, minlength=num_e)  # [E]
-        owner = expert_ids // per  # [A]
+        if not carry:
+            raise ValueError(f"MoE layer {layer.layer_idx} relocates samples but got no residual to move with "
+                             "them. HINT: sample placement works on MoE layers inside an MoEBlock (the block "
+                             "hands its residual to the layer).")
+        # 1. per (local sample, expert) counts, one gather: the split sizes and the solver's input
         sample = token_ids // s  # [A] local sample of each assignment
-        ps = torch.bincount(sample * k + owner, minlength=b * k)  # [b * k]
-        mine = torch.cat([counts, ps])
-        gathered = [torch.empty_like(mine) for _ in range(k)]
-        dist.all_gather(gathered, mine, group=self.group)
-        g = torch.stack(gathered).cpu().numpy().astype(np.int64)  # [k, E + b*k]
-        table = g[:, :num_e]  # [k sources, E]
-        tokens = g[:, num_e:].reshape(n_samples, k)  # [S, k]: sample (group index) x expert rank
+        local = torch.bincount(sample * num_e + expert_ids, minlength=b * num_e)  # [b * E]
+        gathered = [torch.empty_like(local) for _ in range(k)]
+        dist.all_gather(gathered, local, group=self.group)
+        cnt = torch.stack(gathered).cpu().numpy().astype(np.int64).reshape(n_samples, num_e)  # [S, E]
+        table = cnt.reshape(k, b, num_e).sum(1)  # [k sources, E]
+        tokens = sample_dest_counts(cnt, self.layout, k)  # [S, k]: sample x rank computing its tokens
         # 2. where each sample goes
         c = coords()
         here = np.arange(n_samples) // b  # current position of each sample (group index j at j // b)
@@ -132,26 +160,23 @@ class PlacingDispatcher(AllToAllDispatcher):
         new_index = np.empty(n_samples, dtype=np.int64)
         new_index[order_new] = np.arange(n_samples)
         placement_out = placement_in[order_new]
-        # 3. dispatch: rows sorted by expert + the routing weight column; keys say where each output goes
-        order = torch.argsort(expert_ids, stable=True)  # [A]
-        send = counts.view(k, per).sum(1).tolist()
-        mine_tab = table[:, me * per:(me + 1) * per]  # [k sources, per]
-        recv = mine_tab.sum(1).tolist()
+        # 3. dispatch (plain EP or the expert layout): + the routing weight column; keys say where outputs go
+        order = torch.argsort(expert_ids, stable=True)  # [A] grouped by expert
+        plan = self.plan_rows(table)
+        idx = order.index_select(0, torch.from_numpy(plan.place).to(dev))  # [A] assignments in send order
         kslot = torch.arange(expert_ids.numel(), device=dev) % big_k  # dropless: token-major, k per token
         ni = torch.from_numpy(new_index).to(dev)[me * b + sample]  # [A] new group index of each sample
         span = b * s * big_k
         key = (ni // b) * span + ((ni % b) * s + token_ids % s) * big_k + kslot  # [A] unique per assignment
         w = weights.reshape(-1).to(flat.dtype)  # [A] token-major like expert_ids
-        rows = torch.cat([flat.index_select(0, token_ids.index_select(0, order)),
-                          w.index_select(0, order).unsqueeze(1)], dim=1)  # [A, d + 1]
-        got = _AllToAll.apply(rows, send, recv, self.group)  # [N, d + 1] source-major
-        keys_got = _a2a_ints(key.index_select(0, order), send, recv, self.group)  # [N]
-        run_expert = torch.arange(per, device=dev).repeat(k).repeat_interleave(
-            torch.from_numpy(mine_tab.reshape(-1)).to(dev))  # [N] local expert of each received row
-        regroup = torch.argsort(run_expert, stable=True)  # expert-major
+        rows = torch.cat([flat.index_select(0, token_ids.index_select(0, idx)),
+                          w.index_select(0, idx).unsqueeze(1)], dim=1)  # [A, d + 1]
+        copies, rows = self.materialize_before(rows)
+        got = _AllToAll.apply(rows, plan.send, plan.recv, self.group)  # [N, d + 1] source-major
+        keys_got = _a2a_ints(key.index_select(0, idx), plan.send, plan.recv, self.group)  # [N]
+        regroup = torch.from_numpy(plan.regroup).to(dev)  # slot-expert-major
         x_in = got.index_select(0, regroup)  # [N, d + 1]
-        splits = mine_tab.sum(0).tolist()
-        y = layer.run_experts(x_in[:, :d], splits, self.local_experts(num_e))  # [N, d]
+        y = self.run_slots(layer, x_in[:, :d], plan.splits, copies)  # [N, d]
         yw = y * x_in[:, d:]  # [N, d] weighted by the routing probability
         # 4. combine to each sample's new holder (+ carry rows of the samples that leave this rank)
         k_in = keys_got.index_select(0, regroup)
@@ -159,11 +184,7 @@ class PlacingDispatcher(AllToAllDispatcher):
         out_rows, out_keys = yw.index_select(0, srt), k_in.index_select(0, srt)
         csend = torch.bincount(out_keys // span, minlength=k).tolist()
         dest_pos = new_index // b  # [S] new position of each sample (by current group index)
-        crecv = tokens[dest_pos == me].sum(0).tolist()  # [k] rows arriving from each expert rank
-        if not carry:
-            raise ValueError(f"MoE layer {layer.layer_idx} relocates samples but got no residual to move with "
-                             "them. HINT: sample placement works on MoE layers inside an MoEBlock (the block "
-                             "hands its residual to the layer).")
+        crecv = tokens[dest_pos == me].sum(0).tolist()  # [k] rows arriving from each computing rank
         pack = torch.cat(carry, dim=1)  # [b, carry_rows, d]
         leaving = [j for j in order_new if here[j] == me and dest_pos[j] != me]  # in new-index order
         carry_send = [sum(1 for j in leaving if dest_pos[j] == r) * carry_rows for r in range(k)]
@@ -174,7 +195,7 @@ class PlacingDispatcher(AllToAllDispatcher):
         for r in range(k):
             pieces.append(out_rows[starts[r]:starts[r + 1]])
             pieces += [pack[j - me * b].to(out_rows.dtype) for j in leaving if dest_pos[j] == r]
-        buf = torch.cat(pieces) if pieces else out_rows
+        buf = torch.cat(pieces)
         back = _AllToAll.apply(buf, [a + c_ for a, c_ in zip(csend, carry_send)],
                                [a + c_ for a, c_ in zip(crecv, carry_recv)], self.group)
         keys_back = _a2a_ints(out_keys, csend, crecv, self.group)
@@ -202,8 +223,8 @@ class PlacingDispatcher(AllToAllDispatcher):
             self._record(layer.layer_idx, tokens, placement_in, here, dest_pos, carry_rows, d,
                          flat.element_size(), int(expert_ids.numel()) + len(keys_back), solve_ms,
                          len(leaving))
-        result = DispatchResult(x_in[:, :d], splits, None, tuple(tuple(int(v) for v in row) for row in table),
-                                tuple(send), tuple(recv))
+        result = DispatchResult(x_in[:, :d], plan.splits, None, tuple(tuple(int(v) for v in row) for row in table),
+                                tuple(plan.send), tuple(plan.recv))
         return out, moved, result
 
     def _record(self, layer: int, tokens: np.ndarray, placement_in: np.ndarray, here: np.ndarray,
@@ -295,17 +316,28 @@ def attach_placement(model: nn.Module, plan: Any, gpus_per_node: int,
                 raise ValueError(f"MoE layer {i}: capacity_factor={layer.capacity_factor} drops tokens by their "
                                  "position on a rank, so moving samples would change which tokens are dropped. "
                                  "HINT: sample placement needs dropless routing (capacity_factor=None).")
-            d = layer.dispatcher
-            if type(d) is not AllToAllDispatcher:
-                raise ValueError(f"MoE layer {i} uses {type(d).__name__}; sample placement replaces the plain "
-                                 "expert-parallel dispatcher, and does not yet compose with expert re-layout on "
-                                 "the same layer. HINT: add SamplePlacement once, without ExpertRelayout.")
-            ranks = dist.get_process_group_ranks(d.group)
-            pd = PlacingDispatcher(d.group, d.size, d.rank, group_topology(ranks, gpus_per_node),
-                                   first=pos == 0, restore=pos == len(run) - 1, solver=solver)
-            layer.dispatcher = pd
+            pd = step_dispatcher(layer)
+            if pd.places_samples:
+                raise ValueError(f"MoE layer {i} already places samples. HINT: add SamplePlacement once.")
+            ranks = dist.get_process_group_ranks(pd.group)
+            pd.enable_placement(group_topology(ranks, gpus_per_node), first=pos == 0, restore=pos == len(run) - 1,
+                                solver=solver)
             out.append(pd)
     return out
+
+
+def step_dispatcher(layer: MoELayer) -> PlacingDispatcher:
+    """The layer's per-step dispatcher, installed over its plain EP dispatcher on first use (shared by the
+    expert re-layout and the sample placement callbacks, so that they compose)."""
+    d = layer.dispatcher
+    if isinstance(d, PlacingDispatcher):
+        return d
+    if type(d) is not AllToAllDispatcher:
+        raise ValueError(f"MoE layer {layer.layer_idx} uses {type(d).__name__}: the MoE callbacks build on the plain "
+                         "expert-parallel dispatcher. HINT: do not combine them with another dispatcher.")
+    pd = PlacingDispatcher(d.group, d.size, d.rank, layer)
+    layer.dispatcher = pd
+    return pd
 
 
 @dataclass(frozen=True)
