@@ -260,18 +260,20 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
 
 
 def _shuffle_solver() -> Any:
-    """A placement 'solver' moving samples to random ranks (each keeps its count), seeded by its input: a pure
-    function of the routing, as a real solver is, so every rank and every activation-checkpoint recompute
+    """A placement policy moving samples to random ranks (each keeps its count), seeded by its input: a pure
+    function of the routing, as a real policy must be, so every rank and every activation-checkpoint recompute
     (which solves again) gets the same placement."""
-    import zlib
-    from types import SimpleNamespace
+    from lightning_galv.planner.placement import PlacementPolicy
 
-    import numpy as np
+    class Shuffle(PlacementPolicy):
+        def place(self, tokens: Any, current: Any, topo: Any, residual_tokens: Any = None) -> Any:
+            import zlib
 
-    def solve(tokens: Any, current: Any, topo: Any, **_: Any) -> Any:
-        rng = np.random.default_rng(zlib.crc32(np.ascontiguousarray(tokens).tobytes()))
-        return SimpleNamespace(new_rank=rng.permutation(np.asarray(current)))
-    return solve
+            import numpy as np
+
+            rng = np.random.default_rng(zlib.crc32(np.ascontiguousarray(tokens).tobytes()))
+            return rng.permutation(np.asarray(current))
+    return Shuffle()
 
 
 def _routing_checks(model: MoEDecoder, ref: MoEDecoder, plan: ParallelPlan) -> list[dict[str, bool]]:

@@ -14,11 +14,17 @@ import lightning.pytorch as L
 from ..errors import bad_value
 
 
-def _plan_of(trainer: L.Trainer, who: str) -> Any:
-    plan = getattr(trainer.strategy, "plan", None)
-    if plan is None:
-        raise ValueError(f"strategy {type(trainer.strategy).__name__}: {who} acts on the expert-parallel MoE layers "
-                         "of a Galvatron plan. HINT: Trainer(strategy='galvatron' or GalvatronStrategy(plan=...)).")
+def _plan_of(trainer: L.Trainer, who: str, resolved: bool = True) -> Any:
+    """The strategy's plan (``resolved=False``: only check that the strategy has one, as in ``setup``, before
+    automatic mode has searched it)."""
+    strategy = trainer.strategy
+    if not hasattr(strategy, "plan"):
+        raise ValueError(f"strategy {type(strategy).__name__}: {who} acts on the expert-parallel MoE layers of a "
+                         "Galvatron plan. HINT: Trainer(strategy='galvatron' or GalvatronStrategy(plan=...)).")
+    plan = strategy.plan
+    if resolved and plan is None:
+        raise RuntimeError(f"{who}: the strategy has no plan at train start. HINT: this is a bug; the strategy "
+                           "resolves its plan in setup.")
     return plan
 
 
@@ -74,7 +80,7 @@ class ExpertRelayout(_StepHooks):
         self.records: list[Any] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        _plan_of(trainer, "ExpertRelayout")
+        _plan_of(trainer, "ExpertRelayout", resolved=False)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from ..parallel.expert_relayout import RelayoutController, attach_relayout
@@ -107,13 +113,21 @@ class SamplePlacement(_StepHooks):
         gpus_per_node: ranks per node (default: ``LOCAL_WORLD_SIZE`` / ``SLURM_NTASKS_PER_NODE`` from the
             cluster environment, else one node). On one machine a smaller value simulates several nodes.
         intra_bw / inter_bw: bytes/s per rank for the predicted time saved (default: none, bytes only).
+        policy: a :class:`~lightning_galv.planner.placement.PlacementPolicy` (default: NetMoE's two-stage
+            assignment, :class:`~lightning_galv.planner.placement.NetMoEPlacement`).
         log: log ``placement/*`` (rank 0): inter-node MB before / after, key MB, solver ms, moved samples.
 
     ``steps`` keeps every :class:`~lightning_galv.parallel.sample_placement.PlacementStep` of this rank.
     """
 
     def __init__(self, gpus_per_node: int | None = None, intra_bw: float | None = None,
-                 inter_bw: float | None = None, log: bool = True) -> None:
+                 inter_bw: float | None = None, policy: Any = None, log: bool = True) -> None:
+        from ..planner.placement import PlacementPolicy
+
+        if policy is not None and not isinstance(policy, PlacementPolicy):
+            raise TypeError(f"policy={type(policy).__name__}: must be a PlacementPolicy. HINT: subclass "
+                            "lightning_galv.planner.placement.PlacementPolicy, or leave None for NetMoE's solver.")
+        self.policy = policy
         if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
                                           or gpus_per_node < 1):
             raise bad_value(f"gpus_per_node={gpus_per_node!r}", "must be a positive int or None",
@@ -125,7 +139,7 @@ class SamplePlacement(_StepHooks):
         self.steps: list[Any] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        _plan_of(trainer, "SamplePlacement")
+        _plan_of(trainer, "SamplePlacement", resolved=False)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from ..parallel.sample_placement import PlacementController, attach_placement
@@ -134,8 +148,9 @@ class SamplePlacement(_StepHooks):
         gpn = self.gpus_per_node
         if gpn is None:
             gpn = Topology.from_env(trainer.world_size).gpus_per_node
-        self.controller = PlacementController(attach_placement(pl_module, _plan_of(trainer, "SamplePlacement"), gpn),
-                                              self.intra_bw, self.inter_bw)
+        self.controller = PlacementController(
+            attach_placement(pl_module, _plan_of(trainer, "SamplePlacement"), gpn, self.policy),
+            self.intra_bw, self.inter_bw)
 
     def _after(self, pl_module: L.LightningModule) -> None:
         st = self.controller.after_step()

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -104,16 +104,17 @@ class PlacingDispatcher(RelayoutDispatcher):
         self.places_samples = False
         self.topology: Any = None
         self.first = self.restore = False
-        self.solver: Callable[..., Any] | None = None
+        self.policy: Any = None
         self.records: list[PlacementRecord] = []
 
-    def enable_placement(self, topology: Any, first: bool, restore: bool,
-                         solver: Callable[..., Any] | None = None) -> None:
+    def enable_placement(self, topology: Any, first: bool, restore: bool, policy: Any = None) -> None:
         """``first``: the run's first MoE layer (starts from the loader's placement); ``restore``: its last (sends
-        every sample home). ``solver(tokens [S, k], current [S], topology, residual_tokens=[S])`` returns an object
-        with ``new_rank`` [S]; None = planner.placement.solve_placement. It must be a pure function of its
-        inputs: every rank of the group solves on its own, and an activation-checkpoint recompute solves again."""
-        self.places_samples, self.topology, self.first, self.restore, self.solver = True, topology, first, restore, solver
+        every sample home). ``policy``: a :class:`~lightning_galv.planner.placement.PlacementPolicy` (default
+        NetMoE's two-stage assignment)."""
+        from ..planner.placement import NetMoEPlacement
+
+        self.places_samples, self.topology, self.first, self.restore = True, topology, first, restore
+        self.policy = policy if policy is not None else NetMoEPlacement()
 
     def relocate(self, layer: MoELayer, flat: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
                  token_ids: torch.Tensor, bs: tuple[int, int],
@@ -146,13 +147,11 @@ class PlacingDispatcher(RelayoutDispatcher):
         if self.restore:
             target, tie = placement_in // b, placement_in  # home, in the loader's slot order
         else:
-            from ..planner.placement import solve_placement
-
-            solve = self.solver or solve_placement
             t0 = time.perf_counter()
-            res = solve(tokens, here, self.topology, residual_tokens=np.full(n_samples, carry_rows))
+            target = np.asarray(self.policy.place(tokens, here, self.topology, np.full(n_samples, carry_rows)),
+                                dtype=np.int64)
             solve_ms = (time.perf_counter() - t0) * 1e3
-            target, tie = np.asarray(res.new_rank, dtype=np.int64), np.arange(n_samples)
+            tie = np.arange(n_samples)
         if (np.bincount(target, minlength=k) != b).any():
             raise RuntimeError(f"sample placement gave ranks {np.bincount(target, minlength=k).tolist()} samples, "
                                f"each must keep {b}. HINT: this is a bug in the placement solver.")
@@ -292,7 +291,7 @@ def placement_runs(plan: Any, moe_layers: set[int]) -> list[list[int]]:
 
 
 def attach_placement(model: nn.Module, plan: Any, gpus_per_node: int,
-                     solver: Callable[..., Any] | None = None) -> list[PlacingDispatcher]:
+                     policy: Any = None) -> list[PlacingDispatcher]:
     """Replace the EP dispatchers of the MoE layers of every placement run that this process holds.
 
     ValueError with a HINT for a dense model, a plan without expert parallelism, capacity-factor routing
@@ -321,7 +320,7 @@ def attach_placement(model: nn.Module, plan: Any, gpus_per_node: int,
                 raise ValueError(f"MoE layer {i} already places samples. HINT: add SamplePlacement once.")
             ranks = dist.get_process_group_ranks(pd.group)
             pd.enable_placement(group_topology(ranks, gpus_per_node), first=pos == 0, restore=pos == len(run) - 1,
-                                solver=solver)
+                                policy=policy)
             out.append(pd)
     return out
 

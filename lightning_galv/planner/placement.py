@@ -52,6 +52,7 @@ Our own choices (not taken from the paper, which this module's author could not 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,7 +61,8 @@ from scipy.optimize import linear_sum_assignment
 from ..errors import bad_value
 from .topology import Topology
 
-__all__ = ["PlacementResult", "solve_placement", "placement_bytes", "traffic_matrix"]
+__all__ = ["PlacementResult", "PlacementPolicy", "NetMoEPlacement", "solve_placement", "placement_bytes",
+           "traffic_matrix"]
 
 
 @dataclass(frozen=True)
@@ -189,3 +191,24 @@ def solve_placement(tokens: np.ndarray, current: np.ndarray, topo: Topology, *,
                                        token_bytes=token_bytes)
     new_rank.setflags(write=False)
     return PlacementResult(new_rank, inter_b, inter_a, intra_b, intra_a, seconds)
+
+
+class PlacementPolicy(ABC):
+    """Decides where each sample of an expert-parallel group lives next (the replaceable part of sample
+    placement; the runtime, ``parallel/sample_placement.py``, executes any answer exactly).
+
+    ``place`` must be a pure function of its inputs: every rank of the group calls it on the same numbers and
+    must get the same answer, and an activation-checkpoint recompute calls it again."""
+
+    @abstractmethod
+    def place(self, tokens: np.ndarray, current: np.ndarray, topo: Topology,
+              residual_tokens: np.ndarray | None = None) -> np.ndarray:
+        """New rank of every sample ``[S]`` (each rank keeps ``S / ranks``); see :func:`solve_placement`."""
+
+
+class NetMoEPlacement(PlacementPolicy):
+    """The default: :func:`solve_placement` (NetMoE's two-stage assignment, inter-node first)."""
+
+    def place(self, tokens: np.ndarray, current: np.ndarray, topo: Topology,
+              residual_tokens: np.ndarray | None = None) -> np.ndarray:
+        return solve_placement(tokens, current, topo, residual_tokens=residual_tokens).new_rank
