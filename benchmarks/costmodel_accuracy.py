@@ -8,7 +8,12 @@
    warm-up and the per-rank peak of live tensor bytes (torch MemTracker; see that module).
 3. Print the table with relative errors and write it into benchmarks/RESULTS.md.
 
-    python benchmarks/costmodel_accuracy.py [--quick] [--no-write]
+    python benchmarks/costmodel_accuracy.py [--quick] [--no-write] [--model moe]
+
+``--model moe`` (issue 11: prediction vs measurement for expert parallelism) runs the same procedure on the MoE
+decoder (every block MoE, 8 SwiGLU experts, top-2, dropless) with dp-only, ep=2 and ep=4 plans, profiled as
+automatic mode profiles it (one layer type per block kind, the MoE layer's facts read from the module) and
+written to its own RESULTS.md section.
 
 The cost model is never fitted to the measured step times of the plans below: every number it uses
 comes from the two profiles.
@@ -37,6 +42,24 @@ CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hid
 SEQ = 128
 GLOBAL_BATCH = 8
 MiB = 2**20
+MOE_CFG = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=256, max_seq_len=64,
+               num_experts=8, top_k=2, expert_hidden=256, moe_every=1)
+MOE_SEQ = 64
+
+
+def moe_plans() -> list[tuple[str, ParallelPlan]]:
+    """dp-only vs expert parallelism at equal world size (the plans of benchmarks/moe_ep.py), plus ZeRO and
+    tensor-parallel attention variants so the calibration has more than one plan per world to learn from."""
+    n = MOE_CFG["n_layers"]
+
+    def uni(world: int, s: S) -> ParallelPlan:
+        return ParallelPlan.uniform(world, n, s, global_batch=GLOBAL_BATCH).with_(embed=S(dp=world), head=S(dp=world))
+
+    return [("2r moe dp2", uni(2, S(dp=2))), ("2r moe ep2", uni(2, S(dp=2, ep=2))),
+            ("2r moe ep2·zero1", uni(2, S(dp=2, ep=2, zero=1))), ("2r moe tp2 attn", uni(2, S(tp=2))),
+            ("4r moe dp4", uni(4, S(dp=4))), ("4r moe ep2", uni(4, S(dp=4, ep=2))),
+            ("4r moe ep4", uni(4, S(dp=4, ep=4))), ("4r moe ep4·zero3", uni(4, S(dp=4, ep=4, zero=3))),
+            ("4r moe ep2·tp2 attn", uni(4, S(tp=2, dp=2, ep=2)))]
 
 
 def shape() -> ModelShape:
@@ -80,11 +103,12 @@ def plans() -> list[tuple[str, ParallelPlan]]:
 # ---------------------------------------------------------------------------------------------------
 # profiles
 # ---------------------------------------------------------------------------------------------------
-def profile_world(world: int) -> tuple[ModelProfile, HardwareProfile]:
+def profile_world(world: int, cfg: dict = CFG, seq: int = SEQ, fn: str = "profile_machine"
+                  ) -> tuple[ModelProfile, HardwareProfile]:
     """Hardware + model profile measured with ``world`` ranks busy at once (they share the cores)."""
     from lightning_galv.testing import run_distributed
 
-    r = run_distributed(f"{RANKS}::profile_machine", world, ((1 << 16, 1 << 20, 1 << 22, 1 << 24), 5, CFG, SEQ))[0]
+    r = run_distributed(f"{RANKS}::{fn}", world, ((1 << 16, 1 << 20, 1 << 22, 1 << 24), 5, cfg, seq))[0]
     model = ModelProfile.from_json(r["model"])
     hw = replace(HardwareProfile.from_json(r["hardware"]), memory_bandwidth=r["optimizer_bandwidth"],
                  name=f"cpu-gloo-{world}")
@@ -110,7 +134,12 @@ def main() -> None:
                     help="cache of the profiles (delete to re-profile)")
     ap.add_argument("--reprofile", action="store_true")
     ap.add_argument("--only", nargs="*", help="measure only these plan names (diagnosis; implies --no-write)")
+    ap.add_argument("--model", choices=("llama", "moe"), default="llama")
     args = ap.parse_args()
+    moe = args.model == "moe"
+    cfg, seq, all_plans = (MOE_CFG, MOE_SEQ, moe_plans()) if moe else (CFG, SEQ, plans())
+    if moe and args.profiles == str(HERE / ".costmodel_profiles.json"):
+        args.profiles = str(HERE / ".costmodel_profiles_moe.json")
     t_start = time.perf_counter()
     from lightning_galv.testing import run_distributed
 
@@ -123,19 +152,19 @@ def main() -> None:
     else:
         for w in (2, 4):
             t0 = time.perf_counter()
-            profiles[w] = profile_world(w)
+            profiles[w] = profile_world(w, cfg, seq, "profile_machine_moe" if moe else "profile_machine")
             print(f"profiles on {w} ranks: {time.perf_counter() - t0:.1f} s")
         cache.write_text(json.dumps({w: (m.to_dict(), h.to_dict()) for w, (m, h) in profiles.items()}))
 
     warmup, steps = (1, 2) if args.quick else (2, 7)
     rows = []
     for world in (2, 4):
-        batch = [(n, p) for n, p in plans() if p.world_size == world and (not args.only or n in args.only)]
+        batch = [(n, p) for n, p in all_plans if p.world_size == world and (not args.only or n in args.only)]
         if not batch:
             continue
         t0 = time.perf_counter()
         res = run_distributed(f"{RANKS}::measure_plans", world,
-                              ([(n, p.to_dict()) for n, p in batch], CFG, SEQ, warmup, steps), timeout=900)
+                              ([(n, p.to_dict()) for n, p in batch], cfg, seq, warmup, steps), timeout=900)
         print(f"{len(batch)} plans on {world} ranks: {time.perf_counter() - t0:.1f} s")
         model, hw = profiles[world]
         cm = GalvatronCostModel(model, hw, runtime="native")
@@ -165,7 +194,7 @@ def main() -> None:
         return
     print(f"total {time.perf_counter() - t_start:.0f} s")
     if not args.no_write:
-        write_results(report)
+        write_results(report, moe)
 
 
 def calibrate_leave_one_out(rows: list[dict], profiles: dict[int, tuple[ModelProfile, HardwareProfile]]) -> None:
@@ -247,9 +276,21 @@ and per-step work vs the measured wall time of the forward/backward loop and of 
 (a collective absorbs the other ranks' lag, so the split is indicative; the total is what is scored)."""
 
 
-def write_results(report: str) -> None:
+MOE_NOTES = """Model: the MoE decoder, dim 128, 4 blocks all MoE (8 SwiGLU experts of width 256, top-2, dropless,
+aux/z-loss on), attention 4 heads (2 kv), vocab 256, seq 64, fp32, Adam, global batch 8, random tokens (the
+router then spreads tokens nearly evenly, which is what the cost model assumes: balanced routing). Profiles as
+automatic mode takes them (HardwareProfiler incl. all-to-all, ModelProfiler per block kind with the MoE facts),
+no ShardedLayerProfiler; everything else as in the dense section above (probe normalization, MemTracker peak,
+leave-one-out calibration)."""
+
+
+def write_results(report: str, moe: bool = False) -> None:
     from _results import write_section
 
+    if moe:
+        write_section("costmodel_moe", "## Cost-model accuracy for MoE / expert parallelism "
+                      f"(benchmarks/costmodel_accuracy.py --model moe)\n\n{MOE_NOTES}\n\n{report}")
+        return
     write_section("costmodel", "## Cost-model accuracy on this machine (benchmarks/costmodel_accuracy.py)\n\n"
                   f"{NOTES}\n\n{report}")
 

@@ -29,9 +29,39 @@ from lightning_galv.models import Llama, LlamaConfig
 from lightning_galv.plan import LayerStrategy, ParallelPlan
 
 
-def make_model(cfg: dict, seed: int = 0) -> Llama:
+def make_model(cfg: dict, seed: int = 0) -> torch.nn.Module:
+    """The reference LLaMA, or the MoE decoder when ``cfg`` has ``num_experts``."""
     torch.manual_seed(seed)
+    if "num_experts" in cfg:
+        from lightning_galv.models import MoEConfig, MoEDecoder
+
+        return MoEDecoder(MoEConfig(**cfg))
     return Llama(LlamaConfig(**cfg))
+
+
+def dense_cfg(cfg: dict) -> dict:
+    """The LLaMA part of a (possibly MoE) config: the probe block is always a dense LLaMA block."""
+    keys = LlamaConfig.__dataclass_fields__
+    return {k: v for k, v in cfg.items() if k in keys}
+
+
+def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -> dict[str, Any]:
+    """Profiles for the MoE decoder, the way automatic mode takes them: HardwareProfiler on this launch (the
+    all-to-all included), and the ModelProfiler per block kind (dense and MoE) through ``auto.profile_model``
+    (which reads each MoE layer's facts: experts, top-k, expert parameters)."""
+    from lightning_galv.auto import profile_model
+    from lightning_galv.models.protocol import find_parts
+    from lightning_galv.profiling import HardwareProfiler
+
+    probes = [probe(cfg, seq, repeats=1)]
+    hw = HardwareProfiler(sizes_bytes=sizes, repeats=repeats, progress=False).fit()
+    model = make_model(cfg)
+    parts = find_parts(model)
+    dist.barrier()
+    prof = profile_model(model, parts)
+    probes += [probe(cfg, seq, repeats=1) for _ in range(4)]
+    return {"hardware": hw.to_json(), "model": prof.to_json(), "optimizer_bandwidth": prof.optimizer_bandwidth,
+            "probe_s": statistics.median(probes)}
 
 
 def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -> dict[str, Any]:
@@ -85,7 +115,7 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 5) -> float:
     from lightning_galv.models.common import Rotary
     from lightning_galv.models.llama import LlamaBlock
 
-    lcfg = LlamaConfig(**cfg)
+    lcfg = LlamaConfig(**dense_cfg(cfg))
     torch.manual_seed(0)
     blk = LlamaBlock(lcfg, Rotary(lcfg.dim // lcfg.n_heads, lcfg.max_seq_len))
     x = torch.randn(b, seq, lcfg.dim, requires_grad=True)

@@ -155,6 +155,16 @@ class PlacingDispatcher(RelayoutDispatcher):
         if (np.bincount(target, minlength=k) != b).any():
             raise RuntimeError(f"sample placement gave ranks {np.bincount(target, minlength=k).tolist()} samples, "
                                f"each must keep {b}. HINT: this is a bug in the placement solver.")
+        if (target == here).all() and (placement_in == np.arange(n_samples)).all():
+            # nothing moves and nothing is away from home: the plain exchange, without weight column and keys
+            out, plan = self._in_place(layer, flat, weights, expert_ids, token_ids, table)
+            set_coords(placement=None, row_source=None)
+            if not _inside_backward():
+                self._record(layer.layer_idx, tokens, placement_in, here, here, carry_rows, d, flat.element_size(),
+                             0, solve_ms, 0)
+            result = DispatchResult(flat[:0], plan.splits, None, tuple(tuple(int(v) for v in row) for row in table),
+                                    tuple(plan.send), tuple(plan.recv))
+            return out, list(carry), result
         order_new = np.lexsort((tie, target))  # current group index of the sample at each new group index
         new_index = np.empty(n_samples, dtype=np.int64)
         new_index[order_new] = np.arange(n_samples)
@@ -225,6 +235,26 @@ class PlacingDispatcher(RelayoutDispatcher):
         result = DispatchResult(x_in[:, :d], plan.splits, None, tuple(tuple(int(v) for v in row) for row in table),
                                 tuple(plan.send), tuple(plan.recv))
         return out, moved, result
+
+    def _in_place(self, layer: MoELayer, flat: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                  token_ids: torch.Tensor, table: np.ndarray) -> tuple[torch.Tensor, Any]:
+        """Dispatch, compute and combine back to the sending ranks (the plain EP path, or the expert layout's)
+        -> (``[T, d]`` weighted and summed over the k choices exactly as a non-placing layer does, the row plan)."""
+        t, big_k, d = flat.shape[0], layer.top_k, flat.shape[1]
+        order = torch.argsort(expert_ids, stable=True)  # [A] grouped by expert
+        plan = self.plan_rows(table)
+        idx = order.index_select(0, torch.from_numpy(plan.place).to(flat.device))  # [A] in send order
+        rows = flat.index_select(0, token_ids.index_select(0, idx))  # [A, d]
+        copies, rows = self.materialize_before(rows)
+        got = _AllToAll.apply(rows, plan.send, plan.recv, self.group)  # [N, d] source-major
+        regroup = torch.from_numpy(plan.regroup).to(flat.device)
+        y = self.run_slots(layer, got.index_select(0, regroup), plan.splits, copies)  # [N, d]
+        back = torch.empty_like(y)
+        back[regroup] = y  # source-major again
+        rows_back = _AllToAll.apply(back, plan.recv, plan.send, self.group)  # [A, d] in send order
+        y_assign = torch.empty_like(rows_back)
+        y_assign[idx] = rows_back  # assignment (token-major) order
+        return (y_assign.view(t, big_k, d) * weights.to(y_assign.dtype).unsqueeze(-1)).sum(dim=1), plan  # [T, d]
 
     def _record(self, layer: int, tokens: np.ndarray, placement_in: np.ndarray, here: np.ndarray,
                 dest: np.ndarray, carry_rows: int, d: int, elsize: int, key_rows: int, solve_ms: float,
