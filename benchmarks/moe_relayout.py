@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> str:
             f"placement, water-filled shares). Before = plain EP (one expert per rank); imbalance = max / mean "
             f"expected tokens per rank. Planner time: median per problem, 95 % t-interval over {args.repeats} "
             f"repeats, 2 shared CPU cores. \"Added materializations\": (rank, expert) pairs a step's layout holds "
-            f"that the previous step's layout of the same layer did not (each an all-gather of one expert's "
-            f"shards): the planner starts from scratch every step, it does not try to keep last step's "
-            f"placement.\n\n{table}\n")
+            f"that the previous step's layout of the same layer did not: the planner starts from scratch every "
+            f"step. With fully sharded experts every materialized expert is all-gathered each step anyway, so "
+            f"this is only what a runtime caching last step's experts would have to fetch anew.\n\n{table}\n")
     print(body)
     if not args.no_write:
         from _results import write_section
