@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> str:
             f"all problems. \"moves charged\": a sample that changes rank also ships its 64 residual rows (in the "
             f"after bytes); \"free\": folded into the combine. Predicted a2a time per problem: Topology.a2a_time "
             f"(max over ranks of intra bytes / intra bw + inter bytes / inter bw) with Galvatron's A100 profile "
-            f"({hw_dir.name}/, 2 nodes x 8): inter {bx4 / 1e9:.2f} GB/s (p2p across nodes), intra "
+            f"({hw_dir}, 2 nodes x 8 files): inter {bx4 / 1e9:.2f} GB/s (p2p across nodes), intra "
             f"{bi4 / 1e9:.0f} GB/s (all-to-all in 4 GPUs) for 2x4, {bi8 / 1e9:.0f} GB/s (in 8) for 8x8 and 128x8. "
             f"Solve time = the two assignment stages (median per problem, 95 % t-interval over {args.repeats} "
             f"repeats); whole call adds validation and byte accounting. For comparison, one dense 256 x 256 solve "

@@ -192,6 +192,17 @@ def test_relayout_balances_skewed_load() -> None:
     assert plan_relayout(SKEWED, 8, 2) == layout  # deterministic
 
 
+def test_relayout_joins_disjoint_replica_groups() -> None:
+    """A step of the recorded corpus trace: LPT puts both hot experts 6 and 7 on ranks {5, 6, 7} (2000 tokens
+    over 3 ranks, 1.30 x the mean whatever the shares); the swap search links them to expert 0's ranks."""
+    load = [2034, 0, 62, 0, 0, 0, 1179, 821]
+    layout = plan_relayout(load, 8, 2)
+    _check_layout(layout, 8, 8, 2)
+    assert ExpertLayout.static(8, 8).with_load(load).imbalance >= 3.9
+    assert layout.imbalance <= 1.05
+    assert layout.rank_load == pytest.approx(layout.loads_for(load))
+
+
 @pytest.mark.parametrize("load,ranks,slots", [
     ([2, 0, 41, 0, 46, 42, 45, 0, 0], 4, 8),  # full slots: the placement needs its swap repair
     ([0, 9, 24, 0, 9, 0, 7, 0], 4, 7),

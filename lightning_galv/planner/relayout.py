@@ -16,7 +16,11 @@ The planner (our greedy, following the issue's recipe; the paper's own planner i
    go to the least-loaded rank (ties: rank id) that has a free slot and does not hold that expert yet (LPT
    scheduling; a swap repairs the rare dead end where only ranks already holding the expert have room);
 3. **balancing shares**: two passes over the replicated experts, each re-splitting its tokens over its
-   replicas by water-filling against the other load on those ranks (coordinate descent on the max load).
+   replicas by water-filling against the other load on those ranks (coordinate descent on the max load);
+4. **swap search**, only while max/mean > ``SWAP_TARGET`` (1.05): LPT can put two hot experts' replicas on
+   the *same* few ranks (they are the least loaded when the second one comes), a closed group no share can
+   relieve; exchanging a replica of the most loaded rank with one of a least-loaded rank joins the groups,
+   and the swap is kept when the max load drops after re-filling the experts involved.
 
 Every rank computes the same layout from the same (globally reduced) counts: the planner is deterministic.
 """
@@ -35,6 +39,8 @@ from ..errors import bad_value
 __all__ = ["ExpertLayout", "plan_relayout", "split_counts", "new_materializations"]
 
 _SUM_TOL = 1e-9
+# The swap search runs until max/mean <= this: it is the planner's costly step, and the goal it serves is 1.10.
+SWAP_TARGET = 1.05
 
 
 @dataclass(frozen=True)
@@ -225,47 +231,116 @@ def _swap_in(x: int, held: list[set[int]], free: list[int], load: np.ndarray, n:
     raise AssertionError("no swap found: replicas exceed ranks")  # unreachable by the argument above
 
 
-def _balance_shares(load: np.ndarray, held: list[set[int]], passes: int = 2) -> list[dict[int, float]]:
-    """Token fractions per (expert, rank): equal at first, then water-filled expert by expert.
+class _Shares:
+    """Tokens per (expert, rank) for a placement, with the two moves the planner makes on it.
 
-    Plain Python lists, not numpy: an expert has a handful of replicas, and per-call numpy overhead would
-    dominate the planner's latency budget (1 ms at 64 ranks). Two passes: measured on lognormal loads at
-    8 / 64 / 1024 ranks, later passes lower the mean max/mean by < 0.005 while costing ~0.1 ms each at 64
-    ranks; what imbalance remains comes from unreplicated experts, which no split can move. Stops early
-    when a pass no longer lowers the max load or the max is within 0.01 % of the mean."""
-    e, k = load.size, len(held)
-    lv = load.tolist()
-    holders: list[list[int]] = [[] for _ in range(e)]
-    for r in range(k):
-        for x in held[r]:
-            holders[x].append(r)
-    for h in holders:
-        h.sort()
-    amount = [[lv[x] / len(h)] * len(h) for x, h in enumerate(holders)]  # tokens per replica, holders order
-    rl = [0.0] * k
-    for x, h in enumerate(holders):
-        for r, v in zip(h, amount[x]):
-            rl[r] += v
-    mean = sum(lv) / k
-    multi = sorted((x for x in range(e) if len(holders[x]) > 1 and lv[x] > 0), key=lambda x: (-lv[x], x))
-    for _ in range(passes if multi else 0):
-        before = max(rl)
-        if before <= mean * (1 + 1e-4):
-            break
-        for x in multi:
-            h, cur = holders[x], amount[x]
-            other = [rl[r] - a for r, a in zip(h, cur)]  # load on each holder without x
-            level = _water_level(other, lv[x])
-            new = [level - o if level > o else 0.0 for o in other]
-            scale = lv[x] / sum(new)  # exact total despite rounding
-            for i, r in enumerate(h):
-                v = new[i] * scale
-                rl[r] += v - cur[i]
-                cur[i] = v
-        if before - max(rl) <= 1e-9 * max(1.0, before):
-            break
-    return [{r: (a / lv[x] if lv[x] > 0 else 1.0 / len(h)) for r, a in zip(h, amount[x])}
-            for x, h in enumerate(holders)]
+    Plain Python lists and dicts, not numpy: an expert has a handful of replicas, and per-call numpy overhead
+    would dominate the latency budget (1 ms at 64 ranks)."""
+
+    def __init__(self, load: np.ndarray, held: list[set[int]]) -> None:
+        self.lv = load.tolist()
+        self.held = held
+        self.k = len(held)
+        self.holders: list[list[int]] = [[] for _ in self.lv]
+        for r in range(self.k):
+            for x in held[r]:
+                self.holders[x].append(r)
+        self.amount = [dict.fromkeys(h, self.lv[x] / len(h)) for x, h in enumerate(self.holders)]  # tokens
+        self.rl = [0.0] * self.k
+        for a in self.amount:
+            for r, v in a.items():
+                self.rl[r] += v
+        self.mean = sum(self.lv) / self.k
+
+    def fill(self, x: int) -> None:
+        """Re-split expert ``x``'s tokens over its replicas by water-filling against the other load there."""
+        a = self.amount[x]
+        if len(a) < 2 or self.lv[x] <= 0:
+            return
+        rl = self.rl
+        ranks = list(a)
+        other = [rl[r] - a[r] for r in ranks]
+        level = _water_level(other, self.lv[x])
+        new = [level - o if level > o else 0.0 for o in other]
+        scale = self.lv[x] / sum(new)  # exact total despite rounding
+        for r, v in zip(ranks, new):
+            v *= scale
+            rl[r] += v - a[r]
+            a[r] = v
+
+    def passes(self, experts: Sequence[int], n: int) -> None:
+        """Up to ``n`` water-filling passes over ``experts``; stops once a pass no longer lowers the max."""
+        for _ in range(n):
+            before = max(self.rl)
+            if before <= self.mean * (1 + 1e-4):
+                return
+            for x in experts:
+                self.fill(x)
+            if before - max(self.rl) <= 1e-9 * max(1.0, before):
+                return
+
+    def move(self, x: int, src: int, dst: int) -> None:
+        """Replica of ``x`` from rank ``src`` to rank ``dst`` (its tokens there go along)."""
+        v = self.amount[x].pop(src)
+        self.amount[x][dst] = v
+        self.rl[src] -= v
+        self.rl[dst] += v
+        self.held[src].remove(x)
+        self.held[dst].add(x)
+
+    def improve(self, max_swaps: int, target: float, candidates: int = 3) -> None:
+        """Swap-based local search on the most loaded rank ``p``: exchange one of its replicas ``y`` (largest
+        first) with a replica ``z`` (smallest first) of one of the ``candidates`` least-loaded ranks ``q``,
+        re-fill the experts now on ``p`` and ``q``, keep the swap if the max load drops. This is what joins
+        replica groups the first placement left disjoint (two hot experts replicated on the same few ranks
+        cannot trade load with anything else, whatever the shares)."""
+        for _ in range(max_swaps):
+            rl = self.rl
+            p = max(range(self.k), key=rl.__getitem__)
+            top = rl[p]
+            if top <= self.mean * target:
+                return
+            qs = sorted(range(self.k), key=lambda r: (rl[r], r))[:candidates]
+            if self._try_swaps(p, qs, top):
+                continue
+            return
+
+    def _try_swaps(self, p: int, qs: list[int], top: float) -> bool:
+        ys = sorted(self.held[p], key=lambda y: (-self.amount[y][p], y))
+        for q in qs:
+            if q == p:
+                continue
+            zs = sorted(self.held[q], key=lambda z: (self.amount[z][q], z))
+            for y in ys:
+                if y in self.held[q]:
+                    continue
+                for z in zs:
+                    if z in self.held[p]:
+                        continue
+                    saved_rl = self.rl[:]
+                    touched = sorted(self.held[p] | self.held[q] | {y, z})
+                    saved = {x: dict(self.amount[x]) for x in touched}
+                    self.move(y, p, q)
+                    self.move(z, q, p)
+                    for x in touched:
+                        for r in self.amount[x]:
+                            for w in self.held[r]:
+                                if w not in saved:
+                                    saved[w] = dict(self.amount[w])
+                    group = sorted(saved)
+                    self.passes(group, 4)
+                    if max(self.rl) < top * (1 - 1e-6):
+                        return True
+                    self.move(y, q, p)  # undo
+                    self.move(z, p, q)
+                    for x, a in saved.items():
+                        self.amount[x] = a
+                    self.rl = saved_rl
+        return False
+
+    def fractions(self) -> list[dict[int, float]]:
+        return [{r: (v / self.lv[x] if self.lv[x] > 0 else 1.0 / len(a)) for r, v in a.items()}
+                for x, a in enumerate(self.amount)]
 
 
 def _water_level(other: list[float], total: float) -> float:
@@ -297,7 +372,12 @@ def plan_relayout(load: Sequence[int], ranks: int, slots_per_rank: int) -> Exper
                         "at most once", f"use slots_per_rank <= {e}.")
     n = _replica_counts(arr, k, k * spr)
     held = _place(arr, n, k, spr)
-    frac = _balance_shares(arr, held)
+    state = _Shares(arr, held)
+    multi = sorted((x for x in range(e) if n[x] > 1 and arr[x] > 0), key=lambda x: (-arr[x], x))
+    state.passes(multi, 2)
+    if state.rl and max(state.rl) > state.mean * SWAP_TARGET:  # worth it: join replica groups
+        state.improve(max_swaps=min(2 * k, 64), target=SWAP_TARGET)
+    frac = state.fractions()
     slots = tuple(tuple(sorted(h)) for h in held)
     shares = tuple(tuple(sorted(frac[x].items())) for x in range(e))
     loads = np.zeros(k)
