@@ -20,9 +20,10 @@ from lightning_galv.demo.corpus import DEFAULT_CORPUS, TokenWindows, load_byte_t
 from lightning_galv.layout import MeshFactory, RankLayout
 from lightning_galv.loss import cross_entropy
 from lightning_galv.models import MoEConfig, MoEDecoder
-from lightning_galv.parallel.expert_relayout import RelayoutController, attach_relayout
+from lightning_galv.parallel.expert_relayout import RelayoutController
+from lightning_galv.parallel.moe_step import attach_placement, attach_relayout
 from lightning_galv.parallel.parallelize import parallelize
-from lightning_galv.parallel.sample_placement import PlacementController, attach_placement
+from lightning_galv.parallel.sample_placement import PlacementController
 from lightning_galv.plan import ParallelPlan
 
 

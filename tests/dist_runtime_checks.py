@@ -144,13 +144,15 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     rt = parallelize(model, plan, factory)
     controller = None
     if relayout:
-        from lightning_galv.parallel.expert_relayout import RelayoutController, attach_relayout
+        from lightning_galv.parallel.expert_relayout import RelayoutController
+        from lightning_galv.parallel.moe_step import attach_relayout
 
         controller = RelayoutController(attach_relayout(model, plan), None if relayout is True else int(relayout))
     relayout_records: list[dict] = []
     placer = None
     if placement:
-        from lightning_galv.parallel.sample_placement import PlacementController, attach_placement
+        from lightning_galv.parallel.moe_step import attach_placement
+        from lightning_galv.parallel.sample_placement import PlacementController
 
         placer = PlacementController(attach_placement(model, plan, int(placement),
                                                       _shuffle_solver() if placement_shuffle else None))

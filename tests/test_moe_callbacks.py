@@ -41,6 +41,11 @@ def _cases4() -> list[tuple[str, dict, dict]]:
                                          embed=L(dp=4), head=L(dp=4)), {**moe, "relayout": True, "dropout": 0.1}),
         # 6 layers under pp=2 for 5 steps: the plan *without* callbacks drifts from one process to 4.7e-5 after 10
         # steps at lr 0.2 (fp32 rounding grows through 6 layers; 2e-6 after 5), so 5 steps keep the check tight
+        # experts sharded by FSDP2 over their expert-data group (ep=2 of dp=4: two copies of each expert)
+        ("relayout_ep2_zero3", _plan(4, L(dp=4, ep=2, zero=3), L(dp=4), embed=L(dp=4), head=L(dp=4)),
+         {**moe, "relayout": True}),
+        ("relayout_ep2_zero2_accum_clip", _plan(4, L(dp=4, ep=2, zero=2), L(dp=4), embed=L(dp=4), head=L(dp=4)),
+         {**moe, "relayout": True, "accumulate": 2, "clip": 0.05}),
         ("relayout_pp2", pp6, {**moe, "layers": 6, "relayout": True, "steps": 5}),
         # NetMoE: samples change ranks inside a run of same-layout blocks and go home at its last MoE layer
         ("place_solver_ep4", _plan(4, L(dp=4, ep=4), L(dp=4), embed=L(dp=4), head=L(dp=4)),
@@ -55,6 +60,10 @@ def _cases4() -> list[tuple[str, dict, dict]]:
         # both at once: samples move and experts are replicated in the same all-to-alls
         ("both_ep4_accum", _plan(4, L(dp=4, ep=4), L(dp=4), layers=5, embed=L(dp=4), head=L(dp=4)),
          {**shuffle, "layers": 5, "relayout": True, "accumulate": 2}),
+        # 5 steps: this plan drifts from one process by 2.3e-5 after 10 steps *without* callbacks (1.6e-6 after 5)
+        ("both_ep2_zero3_ckpt", _plan(4, L(dp=4, ep=2, zero=3, checkpoint=True), L(dp=4, zero=3), layers=5,
+                                      embed=L(dp=4), head=L(dp=4)), {**shuffle, "layers": 5, "relayout": True,
+                                                                     "steps": 5}),
         ("negative/place_no_restore", _plan(4, L(dp=4, ep=4), L(dp=4), embed=L(dp=4), head=L(dp=4)),
          {**moe, "placement": 2, "placement_shuffle": "no_restore"}),
     ]
@@ -141,8 +150,7 @@ def test_callback_runtimes_exact_8_ranks() -> None:
 # -- pure: refusals and run boundaries ---------------------------------------------------------------------
 def test_dense_model_and_plans_without_ep_are_refused() -> None:
     from lightning_galv.models import Llama, LlamaConfig, MoEConfig, MoEDecoder
-    from lightning_galv.parallel.expert_relayout import attach_relayout
-    from lightning_galv.parallel.sample_placement import attach_placement
+    from lightning_galv.parallel.moe_step import attach_placement, attach_relayout
 
     dense = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, n_kv_heads=2, ffn_hidden=16,
                               max_seq_len=8))

@@ -83,7 +83,8 @@ class ExpertRelayout(_StepHooks):
         _plan_of(trainer, "ExpertRelayout", resolved=False)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from ..parallel.expert_relayout import RelayoutController, attach_relayout
+        from ..parallel.expert_relayout import RelayoutController
+        from ..parallel.moe_step import attach_relayout
 
         self.controller = RelayoutController(attach_relayout(pl_module, _plan_of(trainer, "ExpertRelayout")),
                                              self.slots_per_rank)
@@ -142,7 +143,8 @@ class SamplePlacement(_StepHooks):
         _plan_of(trainer, "SamplePlacement", resolved=False)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from ..parallel.sample_placement import PlacementController, attach_placement
+        from ..parallel.moe_step import attach_placement
+        from ..parallel.sample_placement import PlacementController
         from ..planner.topology import Topology
 
         gpn = self.gpus_per_node

@@ -184,7 +184,7 @@ class KeyedDropout(nn.Dropout):
 
     def __init__(self, p: float = 0.5, inplace: bool = False, site: int | None = None) -> None:
         super().__init__(p, inplace)
-        self.site = int(torch.randint(0, 1 << 31, (1,))) if site is None else int(site)
+        self.site = int(torch.randint(0, 1 << 31, (1,), device="cpu")) if site is None else int(site)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:

@@ -500,7 +500,8 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
         # Experts carry no dropout of their own: their rows are permuted tokens, not batch rows. The block
         # applies the residual dropout to the combined [b, s, dim] output, at true global coordinates.
-        self.experts = nn.ModuleList(SwiGLU(cfg.dim, cfg.expert_width) for _ in range(cfg.num_experts))
+        self.expert_dims = (cfg.dim, cfg.expert_width)
+        self.experts = nn.ModuleList(SwiGLU(*self.expert_dims) for _ in range(cfg.num_experts))
         self.shared_expert = SwiGLU(cfg.dim, cfg.shared_expert_hidden) if cfg.shared_expert_hidden else None
         self.shared_gate = (nn.Linear(cfg.dim, 1, bias=False)
                             if cfg.shared_expert_hidden and cfg.shared_expert_gate else None)
@@ -514,6 +515,17 @@ class MoELayer(nn.Module):
         # block-level tensors a relocating dispatcher moves with the samples (set by MoEBlock per forward)
         self.carry_in: list[torch.Tensor] | None = None
         self.carry_out: list[torch.Tensor] | None = None
+
+    def expert_template(self) -> nn.Module:
+        """An expert of this layer's shape on the meta device (no memory; built once, outside the module tree,
+        without touching torch's random state): a runtime computing an expert from parameters it holds
+        elsewhere (a copy, a flat view) calls it through ``torch.func.functional_call``."""
+        t = self.__dict__.get("_expert_template")
+        if t is None:
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                t = SwiGLU(*self.expert_dims)
+            object.__setattr__(self, "_expert_template", t)  # not a submodule: no state-dict entry
+        return t
 
     # -- routing ---------------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -28,8 +28,10 @@ expert's tokens over its replicas. The planner is pure (``planner/relayout.py``,
   replica computes which token does not change the result beyond float summation order; the layout is
   fixed for a whole optimizer step (all micro-batches, and activation-checkpoint recomputes).
 
-Experts sharded by ZeRO-2/3 (FSDP2 over the expert-data group) are refused: FSDP2 reduces a module's
-gradients when its own backward ends, which may come before the gradients of the copies arrive.
+Experts sharded by ZeRO-2/3 (FSDP2 over the expert-data group) are read through an FSDP2 "forward method"
+that returns their flat parameters, and computed only from flat copies -- also on their owners -- so FSDP2
+gathers them for the copy and reduces their gradients after the whole backward (a module ``forward`` would
+let FSDP2 reduce when the owner's own use is done, before the copies' gradients arrive).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class RelayoutDispatcher(AllToAllDispatcher):
     def __init__(self, group: Any, size: int, rank: int, layer: MoELayer) -> None:
         super().__init__(group, size, rank)
         self.layer = layer  # whose owned experts this dispatcher copies to other ranks
+        self.fsdp_experts = False  # set by attach_relayout when the owned experts are FSDP2 modules
         self.num_experts = layer.num_experts
         self.layout: ExpertLayout | None = None
         self._table = np.zeros((size, layer.num_experts), dtype=np.int64)
@@ -218,24 +221,39 @@ class RelayoutDispatcher(AllToAllDispatcher):
 
     # -- parameters ----------------------------------------------------------------------------------
     def _materialize(self, layer: MoELayer) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """Copies of the experts this rank materializes but does not own -> ({expert: flat [P]}, the received
-        ``[copies, P]`` tensor). One uneven all-to-all of whole flattened experts from their owners."""
+        """Flat parameters ``[P]`` of every expert this rank computes under the layout, by expert id, and the
+        received ``[copies, P]`` tensor. Copies come from their owners in one uneven all-to-all of whole
+        flattened experts. Experts sharded by FSDP2 (ZeRO-2/3) are read through their registered ``galv_flat``
+        method, so FSDP2 gathers them for it and reduces their gradients once the whole backward is done (the
+        copies' gradients arrive through the exchange's transpose, later than the owner's own use); their owners
+        compute them from that flat copy too, never through the module's ``forward``."""
         k, me, slots = self.size, self.rank, self.layout.slots  # type: ignore[union-attr]
         need = [[e for e in slots[r] if self.owner(e) != r] for r in range(k)]
         owned = list(AllToAllDispatcher.local_experts(self, self.num_experts))
-
-        def flat(e: int) -> torch.Tensor:
-            return torch.cat([p.reshape(-1) for p in layer.experts[e].parameters()])  # [P]
+        used = {e for r in range(k) for e in need[r] if self.owner(e) == me}
+        if self.fsdp_experts:
+            used |= {e for e in slots[me] if self.owner(e) == me}
+        flats: dict[int, torch.Tensor] = {}
+        for e in sorted(used):
+            m = layer.experts[e]
+            flats[e] = m.galv_flat() if self.fsdp_experts else torch.cat([p.reshape(-1) for p in m.parameters()])
 
         outgoing = [e for r in range(k) for e in need[r] if self.owner(e) == me]
         send = [sum(1 for e in need[r] if self.owner(e) == me) for r in range(k)]
         recv = [sum(1 for e in need[me] if self.owner(e) == q) for q in range(k)]
-        # always part of the graph (an empty slice when nothing is sent), so every rank runs the backward
-        buf = torch.stack([flat(e) for e in outgoing]) if outgoing else flat(owned[0]).unsqueeze(0)[:0]
+        if outgoing:
+            buf = torch.stack([flats[e] for e in outgoing])  # [rows, P]; autograd sums repeated rows' grads
+        else:  # still part of the graph, so every rank runs the exchange's backward
+            anchor = flats[min(flats)] if flats else torch.cat([p.reshape(-1) for p in
+                                                               layer.experts[owned[0]].parameters()])
+            buf = anchor.unsqueeze(0)[:0]
         copies = _AllToAll.apply(buf, send, recv, self.group)  # [len(need[me]), P], ascending expert order
         if not _inside_backward():
             self._moved_bytes += sum(len(n) for n in need) * buf.shape[1] * buf.element_size()
-        return {e: copies[i] for i, e in enumerate(need[me])}, copies
+        out = {e: copies[i] for i, e in enumerate(need[me])}
+        if self.fsdp_experts:
+            out.update({e: flats[e] for e in slots[me] if self.owner(e) == me})
+        return out, copies
 
     def run_experts(self, layer: MoELayer, result: DispatchResult) -> torch.Tensor:
         if not isinstance(result.state, _RelayoutState):
@@ -244,19 +262,18 @@ class RelayoutDispatcher(AllToAllDispatcher):
 
     def run_slots(self, layer: MoELayer, expert_input: torch.Tensor, splits: list[int],
                   copies: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Each slot expert on its chunk: owned experts as modules, copies through ``functional_call`` on
-        parameter views of the received flat copy (their gradients flow back to the owner)."""
+        """Each slot expert on its chunk: owned experts as modules (unless FSDP-sharded), everything else through
+        ``functional_call`` on parameter views of its flat copy (gradients flow back to the owner)."""
         if self.layout is None:
             return layer.run_experts(expert_input, splits, self.local_experts(self.num_experts))
         me, slots = self.rank, self.layout.slots
-        owned = list(AllToAllDispatcher.local_experts(self, self.num_experts))
-        template = layer.experts[owned[0]]
+        template = layer.expert_template()
         names = [n for n, _ in template.named_parameters()]
         shapes = [p.shape for _, p in template.named_parameters()]
         sizes = [int(np.prod(s)) for s in shapes]
         outs = []
         for e, chunk in zip(slots[me], expert_input.split(splits)):
-            if self.owner(e) == me:
+            if self.owner(e) == me and e not in copies:
                 outs.append(layer.experts[e](chunk))
                 continue
             views = copies[e].split(sizes)
@@ -265,38 +282,21 @@ class RelayoutDispatcher(AllToAllDispatcher):
         return torch.cat(outs) if outs else expert_input[:0]  # [N, hidden]
 
 
-def attach_relayout(model: nn.Module, plan: Any = None) -> list[tuple[MoELayer, RelayoutDispatcher]]:
-    """Put a :class:`RelayoutDispatcher` (plain EP until a layout is set) on every EP MoE layer of ``model``
-    held by this process (under a pipeline a stage may hold none: an empty list).
+def _flat_params(module: nn.Module) -> torch.Tensor:
+    """All of ``module``'s parameters as one flat tensor ``[P]`` (called as an FSDP2 forward method)."""
+    return torch.cat([p.reshape(-1) for p in module.parameters()])
 
-    Refuses, with a ValueError naming the reason and a HINT, a dense model, a ``plan`` (when given) in which
-    no layer has expert parallelism (nothing to re-lay-out), and experts sharded by ZeRO-2/3. The plan
-    decides the first two so that every rank, whatever its pipeline stage, answers the same."""
-    from torch.distributed.fsdp import FSDPModule
 
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    is_moe = bool(layers) or any(callable(getattr(m, "galv_moe_shape", None)) for m in model.modules())
-    if not is_moe:
-        raise ValueError(f"{type(model).__name__} has no MoE layer: expert re-layout balances the experts of MoE "
-                         "layers. HINT: drop the MoE callbacks for a dense model, or use an MoE model (kind='moe').")
-    if plan is not None and not any(s.ep > 1 for s in plan.layers):
-        raise ValueError("no layer of the plan uses expert parallelism (ep > 1): with every expert on every rank "
-                         "there is nothing to re-lay-out. HINT: give the MoE layers ep>=2 in the plan, e.g. "
-                         "LayerStrategy(dp=4, ep=4).")
-    from .sample_placement import step_dispatcher
+def _register_flat(module: nn.Module) -> None:
+    """Give an FSDP2-sharded expert a ``galv_flat()`` that FSDP2 treats like ``forward``: parameters gathered
+    before, resharded after, gradients reduced after the backward."""
+    import types
 
-    out: list[tuple[MoELayer, RelayoutDispatcher]] = []
-    for layer in layers:
-        if not isinstance(layer.dispatcher, AllToAllDispatcher):
-            continue  # ep = 1 here: every expert local
-        experts = [m for m in layer.experts if any(True for _ in m.parameters())]
-        if any(isinstance(m, FSDPModule) for m in experts):
-            raise ValueError(f"MoE layer {layer.layer_idx}: its experts are sharded by ZeRO-2/3 (FSDP2) over the "
-                             "expert-data group; expert re-layout sends whole experts from their owners and "
-                             "returns the copies' gradients after FSDP2 may already have reduced them. HINT: use "
-                             "zero<=1 on the MoE layers with ExpertRelayout (ZeRO-2/3 on the other layers is fine).")
-        out.append((layer, step_dispatcher(layer)))
-    return out
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if not hasattr(module, "galv_flat"):
+        module.galv_flat = types.MethodType(_flat_params, module)  # type: ignore[attr-defined]
+        register_fsdp_forward_method(module, "galv_flat")
 
 
 @dataclass(frozen=True)

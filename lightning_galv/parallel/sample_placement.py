@@ -320,55 +320,6 @@ def placement_runs(plan: Any, moe_layers: set[int]) -> list[list[int]]:
     return [r for r in runs if len(r) >= 2]
 
 
-def attach_placement(model: nn.Module, plan: Any, gpus_per_node: int,
-                     policy: Any = None) -> list[PlacingDispatcher]:
-    """Replace the EP dispatchers of the MoE layers of every placement run that this process holds.
-
-    ValueError with a HINT for a dense model, a plan without expert parallelism, capacity-factor routing
-    (not exact under placement) and EP groups that straddle nodes unevenly."""
-    layers = {m.layer_idx: m for m in model.modules() if isinstance(m, MoELayer)}
-    shape_fn = next((m.galv_moe_shape for m in model.modules() if callable(getattr(m, "galv_moe_shape", None))), None)
-    if shape_fn is None and not layers:
-        raise ValueError(f"{type(model).__name__} has no MoE layer: sample placement cuts the all-to-all traffic of "
-                         "MoE layers. HINT: drop SamplePlacement for a dense model, or use an MoE model.")
-    moe_ids = set(shape_fn().moe_layers) if shape_fn is not None else set(layers)
-    if not any(plan.layers[i].ep > 1 for i in moe_ids):
-        raise ValueError("no MoE layer of the plan uses expert parallelism (ep > 1): without an all-to-all there "
-                         "is no traffic to cut. HINT: give the MoE layers ep>=2, e.g. LayerStrategy(dp=4, ep=4).")
-    out: list[PlacingDispatcher] = []
-    for run in placement_runs(plan, moe_ids):
-        for pos, i in enumerate(run):
-            layer = layers.get(i)
-            if layer is None:
-                continue  # another pipeline stage holds it
-            if layer.capacity_factor is not None:
-                raise ValueError(f"MoE layer {i}: capacity_factor={layer.capacity_factor} drops tokens by their "
-                                 "position on a rank, so moving samples would change which tokens are dropped. "
-                                 "HINT: sample placement needs dropless routing (capacity_factor=None).")
-            pd = step_dispatcher(layer)
-            if pd.places_samples:
-                raise ValueError(f"MoE layer {i} already places samples. HINT: add SamplePlacement once.")
-            ranks = dist.get_process_group_ranks(pd.group)
-            pd.enable_placement(group_topology(ranks, gpus_per_node), first=pos == 0, restore=pos == len(run) - 1,
-                                policy=policy)
-            out.append(pd)
-    return out
-
-
-def step_dispatcher(layer: MoELayer) -> PlacingDispatcher:
-    """The layer's per-step dispatcher, installed over its plain EP dispatcher on first use (shared by the
-    expert re-layout and the sample placement callbacks, so that they compose)."""
-    d = layer.dispatcher
-    if isinstance(d, PlacingDispatcher):
-        return d
-    if type(d) is not AllToAllDispatcher:
-        raise ValueError(f"MoE layer {layer.layer_idx} uses {type(d).__name__}: the MoE callbacks build on the plain "
-                         "expert-parallel dispatcher. HINT: do not combine them with another dispatcher.")
-    pd = PlacingDispatcher(d.group, d.size, d.rank, layer)
-    layer.dispatcher = pd
-    return pd
-
-
 @dataclass(frozen=True)
 class PlacementStep:
     """One optimizer step of sample placement on this rank (sums over its placing layers and forwards)."""
