@@ -123,7 +123,9 @@ class CostModel(ABC):
     * ``backward_freed`` is 0 without the head and at most the head's activations;
     * ``evaluate`` of a plan equals the sums of its parts per stage, and its step time is never
       below the pipeline formula (:func:`pipeline_time`) of those stages -- the search's bounds
-      and partition assume it.
+      and partition assume it -- unless the model declares ``step_time_vs_pipeline = "at_most"``
+      (its own whole-plan formula, never above that objective: Galvatron 2.4's);
+    * ``admits`` says which (stage size, micro-batch) pairs the model prices at all.
     """
 
     @abstractmethod
