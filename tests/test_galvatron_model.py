@@ -163,3 +163,15 @@ def test_native_model_stays_the_default() -> None:
                  space=SearchSpace(max_tp=8, max_pp=2, schedules=("1f1b",), vocab_padding=True))
     assert res[0].prediction.step_time_s == pytest.approx(
         GalvatronCostModel(prof, hw, SearchSpace().default_embed_zero).evaluate(res[0]).step_time_s, rel=1e-12)
+
+
+def test_refining_on_galvatrons_1mb_grid_finds_the_memory_tight_plan() -> None:
+    """gpt-2.7b 2x8 24 GB: Galvatron's plan leaves 2 MB free; the 4 MB grid misses it, the refined search does not."""
+    hw, g2 = read_hardware_profile(DATA / "hardware", 2, 8), ghw(2)
+    coarse = galvatron_search(profile(), hw, g2, 24, 32, contexts=[(1, 8)])
+    fine = galvatron_search(profile(), hw, g2, 24, 32, contexts=[(1, 8)], refine_mb=1.0)
+    assert coarse.plan is not None and fine.plan is not None
+    assert fine.plan.prediction.throughput >= coarse.plan.prediction.throughput
+    assert fine.plan.prediction.throughput == pytest.approx(68.6456, rel=1e-5)  # Galvatron's plan, by the judge: 68.646
+    check = GalvatronAccounting(profile(), g2, 24).score(fine.plan).best
+    assert check is not None and check.within_budget
