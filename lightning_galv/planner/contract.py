@@ -45,6 +45,7 @@ class Probe:
     micro_batches: int
     layers: tuple[LayerStrategy, ...]
     ends: tuple[LayerStrategy, ...]
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b")  # of the probe's pipeline plans
 
     @property
     def table_ctx(self) -> StageContext:
@@ -314,9 +315,15 @@ def expert_states_do_not_grow_with_ep(p: Probe) -> Iterator[str]:
 def evaluate_is_the_sum_of_its_parts(p: Probe) -> Iterator[str]:
     """``evaluate`` agrees with the parts the search optimized: per stage, the fixed part plus every layer's
     time, per-step extra and memory (with the transitions between unequal neighbours and the largest
-    recompute transient not covered by ``backward_freed``); without a pipeline the step is m * stage time +
-    extra, and with one never below :func:`~lightning_galv.planner.cost.pipeline_time` of its stages (the
-    search's bounds and partition assume that formula)."""
+    recompute transient not covered by ``backward_freed``). Its step time relates to the objective the search
+    optimizes, :func:`~lightning_galv.planner.cost.pipeline_time` of the stages (without a pipeline: m * stage
+    time + extra), the way the model declares (``CostModel.step_time_vs_pipeline``): never below it (the
+    search's bounds and partition assume that), or -- a model with its own whole-plan formula -- never above
+    it, so no plan is priced worse than the search saw it."""
+    at_least = p.cost.step_time_vs_pipeline == "at_least"
+    if p.cost.step_time_vs_pipeline not in ("at_least", "at_most"):
+        yield f"step_time_vs_pipeline = {p.cost.step_time_vs_pipeline!r}: must be 'at_least' or 'at_most'"
+        return
     for plan in _probe_plans(p):
         got = p.cost.evaluate(plan)
         want_t, want_e, want_mem = _stage_sums(p, plan)
@@ -325,11 +332,15 @@ def evaluate_is_the_sum_of_its_parts(p: Probe) -> Iterator[str]:
             if len(g) != plan.pp or not all(_close(x, y) for x, y in zip(g, w)):
                 yield f"evaluate({_name(plan)}): stage {name} {tuple(g)}, the parts sum to {tuple(w)}"
         m, v = plan.micro_batches, plan.virtual_stages
-        if plan.pp == 1 and not _close(got.step_time_s, m * want_t[0] + want_e[0]):
+        formula = pipeline_time(want_t, want_e, m, v)
+        if at_least and plan.pp == 1 and not _close(got.step_time_s, m * want_t[0] + want_e[0]):
             yield f"evaluate({_name(plan)}).step_time_s = {got.step_time_s}, parts give {m * want_t[0] + want_e[0]}"
-        if not _at_most(pipeline_time(want_t, want_e, m, v), got.step_time_s):
+        if at_least and not _at_most(formula, got.step_time_s):
             yield (f"evaluate({_name(plan)}).step_time_s = {got.step_time_s} is below the pipeline formula "
-                   f"{pipeline_time(want_t, want_e, m, v)} of its stages")
+                   f"{formula} of its stages")
+        if not at_least and not _at_most(got.step_time_s, formula):
+            yield (f"evaluate({_name(plan)}).step_time_s = {got.step_time_s} is above the pipeline formula "
+                   f"{formula} of its stages, which the model declares it never exceeds")
 
 
 def predict_fills_the_prediction(p: Probe) -> Iterator[str]:
@@ -376,28 +387,36 @@ def _name(plan: ParallelPlan) -> str:
 
 def _probe_plans(p: Probe) -> list[ParallelPlan]:
     """Uniform single-stage plans of every layer strategy (ends taken round-robin), plans alternating two
-    strategies of different layouts (transitions), and uniform two-stage 1F1B and interleaved plans."""
+    strategies of different layouts (transitions), and uniform two-stage 1F1B and interleaved plans -- of the
+    probe's schedules, and for a model bound to one world size (``CostModel.world_size``) only the plans of
+    that size."""
     S, mb, m, L = p.stage_size, p.micro_batch, p.micro_batches, p.profile.num_layers
     G = mb * m
     ends = p.ends
-    plans = [ParallelPlan(world_size=S, layers=p.plan_layers(lambda i, s=s: s), micro_batches=m, global_batch=G,
-                          embed=ends[j % len(ends)], head=ends[(j + 1) % len(ends)]) for j, s in enumerate(p.layers)]
-    rep: dict[tuple[int, bool], LayerStrategy] = {}
-    for s in p.layers:
-        rep.setdefault(batch_layout(s), s)
-    reps = list(rep.values())
-    for a in reps:
-        for b in reps:
-            if a != b and L >= 2:
-                plans.append(ParallelPlan(world_size=S, layers=p.plan_layers(lambda i, a=a, b=b: a if i % 2 == 0 else b),
-                                          micro_batches=m, global_batch=G, embed=ends[0], head=ends[-1]))
+    world = p.cost.world_size
+    plans: list[ParallelPlan] = []
+    if world in (None, S):
+        plans += [ParallelPlan(world_size=S, layers=p.plan_layers(lambda i, s=s: s), micro_batches=m, global_batch=G,
+                               embed=ends[j % len(ends)], head=ends[(j + 1) % len(ends)])
+                  for j, s in enumerate(p.layers)]
+        rep: dict[tuple[int, bool], LayerStrategy] = {}
+        for s in p.layers:
+            rep.setdefault(batch_layout(s), s)
+        reps = list(rep.values())
+        for a in reps:
+            for b in reps:
+                if a != b and L >= 2:
+                    plans.append(ParallelPlan(world_size=S, layers=p.plan_layers(lambda i, a=a, b=b: a if i % 2 == 0 else b),
+                                              micro_batches=m, global_batch=G, embed=ends[0], head=ends[-1]))
+    if world not in (None, 2 * S):
+        return plans
     # pipelines: the same stage size on two stages (world 2S), even and interleaved
     for s in p.layers[:: max(1, len(p.layers) // 6)]:
         layers = p.plan_layers(lambda i, s=s: s)
-        if L >= 2:
+        if L >= 2 and "1f1b" in p.schedules:
             plans.append(ParallelPlan(world_size=2 * S, layers=layers, pp=2, micro_batches=m, global_batch=G,
                                       embed=ends[0], head=ends[-1]))
-        if L >= 4 and m % 2 == 0:
+        if L >= 4 and m % 2 == 0 and "interleaved_1f1b" in p.schedules:
             plans.append(ParallelPlan(world_size=2 * S, layers=layers, pp=2, micro_batches=m, global_batch=G,
                                       pipeline_schedule="interleaved_1f1b", virtual_stages=2, embed=ends[0],
                                       head=ends[-1]))
@@ -434,28 +453,29 @@ def _stage_sums(p: Probe, plan: ParallelPlan) -> tuple[list[float], list[float],
 # entry points
 # ---------------------------------------------------------------------------------------------------
 def make_probe(cost: CostModel, profile: ModelProfile, world_size: int = 4, micro_batch: int | None = None,
-               micro_batches: int = 2) -> Probe:
+               micro_batches: int = 2, space: SearchSpace | None = None) -> Probe:
     """The probe of ``cost`` on ``profile`` for a stage of ``world_size`` ranks (micro-batch: the stage
-    size, so every dp degree divides it)."""
+    size, so every dp degree divides it), over the strategies ``space`` enumerates (default: the whole space
+    without guideline pruning; a model that prices only part of it -- Galvatron's -- is probed on its own)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise bad_value(f"world_size={world_size}", "must be a positive int", "e.g. world_size=4.")
     mb = world_size if micro_batch is None else micro_batch
     if mb < 1 or micro_batches < 1:
         raise bad_value(f"micro_batch={mb}, micro_batches={micro_batches}", "must be >= 1", "e.g. micro_batch=4.")
-    space = SearchSpace(heuristic_pruning=False)
+    space = space or SearchSpace(heuristic_pruning=False)
     layers = tuple(candidate_strategies(profile.shape, world_size, mb, space, experts=profile.num_experts))
     ends = tuple(end_strategies(profile.shape, world_size, mb, space))
     if not layers or not ends:
         raise bad_value(f"world_size={world_size}, micro_batch={mb}",
                         f"no layer or end strategy is valid for this model (tp degrees {divisors(world_size)})",
                         "probe with a micro-batch divisible by the world size and a model whose heads divide it.")
-    return Probe(cost, profile, world_size, mb, micro_batches, layers, ends)
+    return Probe(cost, profile, world_size, mb, micro_batches, layers, ends, tuple(space.schedules))
 
 
 def contract_violations(cost: CostModel, profile: ModelProfile, world_size: int = 4, micro_batch: int | None = None,
-                        micro_batches: int = 2) -> list[str]:
+                        micro_batches: int = 2, space: SearchSpace | None = None) -> list[str]:
     """Every broken rule as ``rule: detail`` lines (at most 5 per rule); empty when ``cost`` keeps the contract."""
-    probe = make_probe(cost, profile, world_size, micro_batch, micro_batches)
+    probe = make_probe(cost, profile, world_size, micro_batch, micro_batches, space)
     out: list[str] = []
     for rule in RULES:
         found = list(rule(probe))
@@ -466,8 +486,8 @@ def contract_violations(cost: CostModel, profile: ModelProfile, world_size: int 
 
 
 def check_cost_model(cost: CostModel, profile: ModelProfile, world_size: int = 4, micro_batch: int | None = None,
-                     micro_batches: int = 2) -> None:
+                     micro_batches: int = 2, space: SearchSpace | None = None) -> None:
     """Raise ``AssertionError`` listing every rule ``cost`` breaks on ``profile`` (see :data:`RULES`)."""
-    problems = contract_violations(cost, profile, world_size, micro_batch, micro_batches)
+    problems = contract_violations(cost, profile, world_size, micro_batch, micro_batches, space)
     if problems:
         raise AssertionError(f"{type(cost).__name__} breaks the cost-model contract:\n  " + "\n  ".join(problems))

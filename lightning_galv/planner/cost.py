@@ -123,7 +123,9 @@ class CostModel(ABC):
     * ``backward_freed`` is 0 without the head and at most the head's activations;
     * ``evaluate`` of a plan equals the sums of its parts per stage, and its step time is never
       below the pipeline formula (:func:`pipeline_time`) of those stages -- the search's bounds
-      and partition assume it.
+      and partition assume it -- unless the model declares ``step_time_vs_pipeline = "at_most"``
+      (its own whole-plan formula, never above that objective: Galvatron 2.4's);
+    * ``admits`` says which (stage size, micro-batch) pairs the model prices at all.
     """
 
     @abstractmethod
@@ -145,6 +147,22 @@ class CostModel(ABC):
                     vocab_parallel_loss: bool = False) -> tuple[float, float, float]:
         """(seconds per micro-batch, seconds per step, bytes) of everything on stage ``ctx.stage`` that is
         not a transformer block: the ends it holds, its pipeline sends, the framework's own memory."""
+
+    #: How :meth:`evaluate`'s step time relates to :func:`pipeline_time` of the stages' parts, the objective the
+    #: search's bounds and partition optimize: ``"at_least"`` (the default assembly) -- the bounds are valid and
+    #: the search never overrates a plan; ``"at_most"`` -- the model's own formula is never worse than that
+    #: objective (Galvatron 2.4's, whose bubble counts only the first and the last stage), so a returned plan
+    #: is priced no worse than the search saw it, but bound pruning is a heuristic for it.
+    step_time_vs_pipeline: str = "at_least"
+    #: The one world size the model prices plans for (a model whose hardware coefficients are keyed by group
+    #: sizes, like Galvatron's); None: any.
+    world_size: int | None = None
+
+    def admits(self, stage_size: int, micro_batch: int) -> bool:
+        """Whether the model prices stages of ``stage_size`` ranks at ``micro_batch`` samples at all; the
+        search skips the (pipeline degree, micro-batch) pairs it does not (default: every pair). Galvatron's
+        model, for one, is defined only where its micro-batches split evenly over its min_tp-wide groups."""
+        return True
 
     def backward_freed(self, plan_head: LayerStrategy, ctx: StageContext, vocab_parallel_loss: bool = False) -> float:
         """Bytes of the head's activations (logits, loss) of one micro-batch, freed before any block runs

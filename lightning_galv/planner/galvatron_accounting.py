@@ -200,6 +200,20 @@ class GalvatronAccounting:
                             "Galvatron needs every tp degree profiled.")
         return v / MB
 
+    def layer_states_mb(self, i: int, s: LayerStrategy, chunks: int) -> float:
+        """Model states of one layer in MB: 4x the parameters, sharded by ZeRO-3 or the default ZeRO-2 over the data group (cost_model.py MemoryCostModel.estimate_model_states_size)."""
+        z2, z3 = zero_ratios(chunks, self.mixed)
+        ms = 4 * self._param_mb(i, s)
+        if s.dp > 1 and s.zero == 3:
+            return ms * z3(s.data_group)
+        if s.dp > 1 and self.zero2:
+            return ms * z2(s.data_group)
+        return ms
+
+    def layer_act_mb(self, i: int, s: LayerStrategy) -> float:
+        """Activation MB per local sample of one layer (cost_model.py MemoryCostModel.estimate_activation_size)."""
+        return self._act_mb(i, s.tp, s.checkpoint)
+
     def layer_memory(self, i: int, s: LayerStrategy, pp: int, stage: int, gbs: int, mbsz: int, min_tp: int,
                      schedule: str) -> float:
         """Model states + activations in MB (cost_model.py MemoryCostModel: estimate_model_states_size, estimate_activation_size)."""
@@ -211,13 +225,7 @@ class GalvatronAccounting:
             bsz = sum(micro[:end]) / sum(micro) * gbs / dp
         else:
             bsz = micro[0]
-        z2, z3 = zero_ratios(chunks, self.mixed)
-        ms = 4 * self._param_mb(i, s)
-        if dp > 1 and s.zero == 3:
-            ms *= z3(s.data_group)
-        elif dp > 1 and self.zero2:
-            ms *= z2(s.data_group)
-        return ms + self._act_mb(i, tp, s.checkpoint) * bsz
+        return self.layer_states_mb(i, s, chunks) + self.layer_act_mb(i, s) * bsz
 
     def layer_time(self, i: int, s: LayerStrategy, pp: int, gbs_chunk: float, no_comm: bool) -> float:
         """Seconds of one layer for one (global) micro-batch (cost_model.py TimeCostModel.gen_result)."""
@@ -270,25 +278,38 @@ class GalvatronAccounting:
             out[place] = per
         return out
 
+    def ends_memory(self, pp: int, stage_size: int, gbs: int, chunks: int, vtp: int, vsp: bool, esdp: bool,
+                    schedule: str = "1f1b") -> tuple[tuple[float, float], tuple[float, float]]:
+        """((states MB, activation MB) of the first stage's ends, same for the last stage's); with pp = 1 both are
+        the one-stage table (pp_off), given once as the first; activations already scaled by the micro-batches
+        Galvatron keeps -- pp of them on the first stage under 1F1B (cost_model.py MemoryCostModel.estimate_other_memory_cost)."""
+        z2, z3 = zero_ratios(chunks, self.mixed)
+        obsz = gbs * vtp / stage_size / chunks
+        group = stage_size if vsp else stage_size // vtp
+        ratio = z3(group) if esdp else (z2(group) if self.zero2 else 1.0)
+        model_tp = 1 if vsp else vtp
+        ms, act = self._ends("model_states"), self._ends("activation")
+        if pp == 1:
+            return (ms["pp_off"][model_tp] / MB * ratio, act["pp_off"][vtp] / MB * obsz), (0.0, 0.0)
+        first = obsz * pp if schedule == "1f1b" else obsz
+        return ((ms["first"][model_tp] / MB * ratio, act["first"][vtp] / MB * first),
+                (ms["last"][model_tp] / MB * ratio, act["last"][vtp] / MB * obsz))
+
     def other_memory(self, plan: ParallelPlan, vtp: int, vsp: bool, esdp: bool, mbsz: int, min_tp: int) -> list[float]:
         """MB per stage of the ends + the fixed context (cost_model.py MemoryCostModel.estimate_other_memory_cost)."""
         s0, gbs, pp = plan.layers[0], plan.global_batch or 0, plan.pp
         chunks = layer_chunks(gbs, s0.tp, s0.dp, mbsz, min_tp)
-        z2, z3 = zero_ratios(chunks, self.mixed)
-        stage = s0.tp * s0.dp
-        obsz = gbs * vtp / stage / chunks
-        group = stage if vsp else stage // vtp
-        ratio = z3(group) if esdp else (z2(group) if self.zero2 else 1.0)
-        model_tp = 1 if vsp else vtp
-        ms, act = self._ends("model_states"), self._ends("activation")
+        first, last = self.ends_memory(pp, s0.tp * s0.dp, gbs, chunks, vtp, vsp, esdp, plan.pipeline_schedule)
         out = [0.0] * pp
-        if pp == 1:
-            out[0] = ms["pp_off"][model_tp] / MB * ratio + act["pp_off"][vtp] / MB * obsz
-        else:
-            first = obsz * pp if plan.pipeline_schedule == "1f1b" else obsz
-            out[0] += ms["first"][model_tp] / MB * ratio + act["first"][vtp] / MB * first
-            out[-1] += ms["last"][model_tp] / MB * ratio + act["last"][vtp] / MB * obsz
+        out[0] += sum(first)
+        out[-1] += sum(last)
         return [o + CONTEXT_MB for o in out]
+
+    def global_buffer_mb(self, mbsz: int, min_tp: int, max_tp: int) -> int:
+        """Megatron-SP's global memory buffer on every stage, 0 without SP (dynamic_programming.py _build_dp_and_run_multi_layer_type)."""
+        if not self.sp:
+            return 0
+        return int(mbsz / min_tp * max_tp * self.m.shape.hidden * self.m.seq_len * 4 / MB / (2 if self.mixed else 1))
 
     def other_time(self, pp: int, vtp: int, vsp: bool, esdp: bool, mbsz: int, min_tp: int) -> list[float]:
         """Seconds per micro-batch of the ends on the first / last stage, without the gradient reduction (cost_model.py OtherTimeCostModel.gen_result, no-comm part)."""
@@ -347,9 +368,7 @@ class GalvatronAccounting:
             why.append(f"vtp={vtp} not among the vocab-tp degrees searched here")
             return ContextScore(min_tp, max_tp, math.inf, (), self.usable_mb, tuple(why))
         other = [math.ceil(o) for o in self.other_memory(plan, vtp, vsp, esdp, mbsz, min_tp)]
-        gm = 0
-        if self.sp:  # Megatron-SP global buffer (dynamic_programming.py _build_dp_and_run_multi_layer_type)
-            gm = int(mbsz / min_tp * max_tp * self.m.shape.hidden * self.m.seq_len * 4 / MB / (2 if self.mixed else 1))
+        gm = self.global_buffer_mb(mbsz, min_tp, max_tp)
         used = []
         for st in range(pp):
             layers = sum(math.ceil(self.layer_memory(i, plan.layers[i], pp, st, gbs, mbsz, min_tp, plan.pipeline_schedule))

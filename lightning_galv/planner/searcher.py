@@ -125,6 +125,9 @@ class Searcher:
         key = (S, mb)
         if key in self.tables:
             return self.tables[key]
+        if not self.cost.admits(S, mb):
+            self.tables[key] = None
+            return None
         strategies = candidate_strategies(self.p.shape, S, mb, self.space, self.hw, self.p.num_experts)
         if not strategies:
             self.tables[key] = None
@@ -193,7 +196,7 @@ class Searcher:
             hit = self.edge_cache[key] = end_strategies(self.p.shape, S, mb, self.space, self.hw)
         return hit
 
-    def edge_front(self, S: int, mb: int, first: bool, uniform: LayerStrategy | None) -> list[LayerStrategy]:
+    def edge_front(self, S: int, mb: int, first: bool) -> list[LayerStrategy]:
         """Options of one end (embedding or head) that no other option beats in time, extra and memory.
 
         Dominance is checked on the end's own cost (``end_cost``), which is exact whenever embedding
@@ -201,14 +204,11 @@ class Searcher:
         options share a dp degree. Across dp degrees it is not, with a pipeline: the stage's boundary
         sends are sized by the embedding's (head's) dp and are not part of ``end_cost``, so an option
         dominated here can still have the faster stage (the contract checks the same-dp case only).
-        In the uniform (3-D) space the ends take the layers' tensor-parallel degree, as Galvatron's
-        3-D plans do.
+        The uniform (3-D) space searches the ends' degree too: tying it to the layers' tp would leave
+        out plans Galvatron's 3-D search has (its vtp is searched beside the layers' tp).
         """
         opts = self.edge_options(S, mb)
-        if uniform is not None:
-            same = [e for e in opts if e.tp == uniform.tensor_parallel]
-            opts = same or opts
-        key = ("front", S, mb, first, uniform.tensor_parallel if uniform is not None else 0)
+        key = ("front", S, mb, first)
         hit = self.edge_cache.get(key)
         if hit is not None:
             return hit
@@ -219,7 +219,19 @@ class Searcher:
         self.edge_cache[key] = keep
         return keep
 
-    def stage_edges(self, cfg: Config, S: int, mb: int, uni: LayerStrategy | None) -> list[list[list[Edge]]]:
+    def tied_edges(self, cfg: Config, S: int, mb: int) -> list[list[list[Edge]]]:
+        """``SearchSpace.tied_ends``: one strategy for both ends (Galvatron's one vtp / vsp / embed_sdp), each
+        option its own group, minus options another is no worse than on the first, a middle and the last stage."""
+        p = cfg.pp
+        opts = self.edge_options(S, mb)
+        if not opts:
+            return []
+        ctxs = [StageContext(S, mb, cfg.m, p, i, cfg.schedule, cfg.v) for i in sorted({0, min(1, p - 1), p - 1})]
+        vec = np.array([[x for c in ctxs for x in self.fixed(e, e, c)] for e in opts]).reshape(len(opts), -1)
+        keep = [e for e, kept in zip(opts, pareto_keep(vec.T)) if kept]
+        return [[[(e, e)] for _ in range(p)] for e in keep]
+
+    def stage_edges(self, cfg: Config, S: int, mb: int) -> list[list[list[Edge]]]:
         """Candidate (embedding, head) strategies per stage, in groups that are solved one by one.
 
         The embedding only costs on stage 0 and the head only on the last stage, so each stage picks
@@ -228,8 +240,10 @@ class Searcher:
         each group is solved separately. With pp = 1 both ends share the stage: pairs are priced jointly.
         """
         p = cfg.pp
-        emb = self.edge_front(S, mb, True, uni)
-        head = self.edge_front(S, mb, False, uni)
+        if self.space.tied_ends:
+            return self.tied_edges(cfg, S, mb)
+        emb = self.edge_front(S, mb, True)
+        head = self.edge_front(S, mb, False)
         if not emb or not head:
             return []
         if p == 1:
@@ -390,8 +404,7 @@ class Searcher:
         tab = self.table(S, mb)
         if tab is None:
             return None
-        uni = tab.strategies[cfg.j] if cfg.j >= 0 else None
-        groups = self.stage_edges(cfg, S, mb, uni)
+        groups = self.stage_edges(cfg, S, mb)
         if not groups:
             return None
         if cfg.j >= 0 and self.p.homogeneous:

@@ -52,8 +52,17 @@ class SearchSpace:
     vocab_padding: bool = False  # allow vocab-parallel degrees that do not divide the vocabulary (Megatron pads it)
     vocab_parallel_loss: bool = False  # the loss takes vocab-sharded logits: priced, and set on the emitted plans
     ep_degrees: tuple[int, ...] | None = None  # expert-parallel degrees of MoE layers; None: every valid one
+    # Galvatron's search context (search_engine.py parallelism_optimization): layer and vocabulary tp degrees
+    # from min_tp to max_tp. It changes what Galvatron's cost model charges (its micro-batch size is the one
+    # of a min_tp-wide group), so a Galvatron-compatible search runs once per context.
+    min_tp: int = 1
+    tied_ends: bool = False  # one strategy for embedding and head, as Galvatron's one vtp / vsp / embed_sdp
 
     def __post_init__(self) -> None:
+        if isinstance(self.min_tp, bool) or not isinstance(self.min_tp, int) or self.min_tp < 1 or \
+                (self.max_tp is not None and self.min_tp > self.max_tp):
+            raise bad_value(f"min_tp={self.min_tp}, max_tp={self.max_tp}", "min_tp must be a positive int <= max_tp",
+                            "e.g. min_tp=1 (every degree) or min_tp=2, max_tp=8.")
         if self.ep_degrees is not None:
             bad = [k for k in self.ep_degrees if isinstance(k, bool) or not isinstance(k, int) or k < 1]
             if bad or 1 not in self.ep_degrees:
@@ -85,7 +94,9 @@ class SearchSpace:
 
     @classmethod
     def three_d(cls, zero: int = 2, **kw: object) -> "SearchSpace":
-        """Galvatron's "3-D" space: one (pp, tp, dp) for all layers, one ZeRO stage, no SP or recomputation."""
+        """Galvatron's "3-D" space: one (pp, tp, dp) for all layers, one ZeRO stage, no SP or recomputation.
+        The vocabulary's tp degree is searched on its own, as Galvatron searches vtp beside the layers' tp
+        (search_engine.py: vtp from min_tp to max_tp); ``embed_tp=`` fixes it."""
         return cls(sp_modes=("none",), zero_stages=(zero,), checkpoint=(False,), tp_consecutive=(True,),
                    uniform=True, **kw)  # type: ignore[arg-type]
 
@@ -121,7 +132,7 @@ def candidate_strategies(shape: ModelShape, stage_size: int, micro_batch: int, s
     max_tp = space.max_tp or stage_size
     for tp in divisors(stage_size):
         dp = stage_size // tp
-        if tp > max_tp or micro_batch % dp:
+        if tp > max_tp or tp < space.min_tp or micro_batch % dp:
             continue
         for sp in (("none",) if tp == 1 else space.sp_modes):
             need = [shape.num_heads, shape.num_kv_heads]
@@ -160,7 +171,7 @@ def end_strategies(shape: ModelShape, stage_size: int, micro_batch: int, space: 
     out: list[LayerStrategy] = []
     for vtp in divisors(S):
         dp = S // vtp
-        if mb % dp or (vtp > 1 and vocab % vtp and not sp.vocab_padding):
+        if mb % dp or vtp < sp.min_tp or (vtp > 1 and vocab % vtp and not sp.vocab_padding):
             continue
         if sp.embed_tp is not None:
             if vtp < sp.embed_tp and S % sp.embed_tp == 0:
