@@ -33,6 +33,7 @@ from torch import nn
 
 from .models.protocol import ModelParts
 from .plan import LayerStrategy, ParallelPlan
+from .units import format_bytes, format_bytes_list
 
 if TYPE_CHECKING:  # pragma: no cover
     from .planner import HardwareProfile, ModelProfile, ProfileCache
@@ -221,7 +222,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
                 found += result
                 notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): {result.explanation.splitlines()[0]}")
             if not found:
-                raise ValueError(f"memory_budget={budget:.0f} bytes: no plan fits this run. "
+                raise ValueError(f"memory_budget={budget:.0f} bytes ({format_bytes(budget)}): no plan fits this run. "
                                  + " | ".join(failures) + " HINT: raise memory_budget, lower the batch size, or "
                                  "give the LightningModule the pipeline hooks so pipeline stages can be searched.")
             found.sort(key=rank_key)
@@ -232,7 +233,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
                 notes.append("pipelines not searched: the LightningModule lacks galv_pipeline_batch/galv_pipeline_loss")
             box[0] = (best.to_dict(), profile.to_json(), hw.to_json(), "\n".join(notes))
             if verbose:
-                _say(True, f"auto plan, searched under {budget / 2**20:.2f} MiB per rank less a {margin:.0%} margin:\n  " + "\n  ".join(notes)
+                _say(True, f"auto plan, searched under {format_bytes(budget)} per rank less a {margin:.0%} margin:\n  " + "\n  ".join(notes)
                      + "\n" + best.describe() + "\n" + _prediction_line(best, budget))
         except Exception as exc:  # noqa: BLE001 - every kind must reach the other ranks, not only ValueError
             error = exc
@@ -311,9 +312,8 @@ def _prediction_line(plan: ParallelPlan, budget: float) -> str:
     p = plan.prediction
     if p is None:
         return "  (no prediction)"
-    mem = ", ".join(f"{m / 2**20:.2f}" for m in p.stage_memory_bytes)
     return (f"  prediction: {p.step_time_s * 1e3:.1f} ms/step, {p.throughput:.1f} samples/s, per-stage peak "
-            f"memory [{mem}] MiB (budget {budget / 2**20:.2f} MiB)")
+            f"memory {format_bytes_list(p.stage_memory_bytes)} (budget {format_bytes(budget)})")
 
 
 def _say(enabled: bool, msg: str) -> None:
