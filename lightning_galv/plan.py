@@ -415,7 +415,7 @@ class ParallelPlan:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"plan file {str(path)!r}: does not exist. HINT: write one with "
-                             "ParallelPlan.save(), e.g. with a plan from lightning_galv.planner.search().")
+                             "galv search --out PLAN.yaml, or ParallelPlan.save().")
         text = path.read_text()
         return cls.from_json(text) if path.suffix == ".json" else cls.from_yaml(text)
 
