@@ -23,6 +23,7 @@ A tune config is YAML with the arguments of lightning_galv.tuning.tune, e.g.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable
 
@@ -59,7 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         handler(rest)
     except USER_ERRORS as exc:
-        raise SystemExit(one_line_error(f"galv {cmd}", exc)) from None
+        rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK")
+        where = f" [rank {rank}]" if rank not in (None, "0") else ""  # a multi-process run: every rank reports
+        raise SystemExit(one_line_error(f"galv {cmd}{where}", exc)) from None
 
 
 def one_line_error(prefix: str, exc: BaseException) -> str:
@@ -90,9 +93,15 @@ def _demo(args: list[str]) -> None:
 
 def _lightning(cmd: str) -> Callable[[list[str]], None]:
     def run(args: list[str]) -> None:
+        import warnings
+
         from .demo.recipes_cli import cli_main
 
-        cli_main([cmd, *args])
+        with warnings.catch_warnings():
+            # galv hands LightningCLI the arguments it was given (sys.argv less "galv" and --debug), which
+            # Lightning warns about as if they could disagree with sys.argv
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            cli_main([cmd, *args])
 
     return run
 

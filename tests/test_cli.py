@@ -162,4 +162,13 @@ def test_fit_prints_the_loss_from_another_folder(tmp_path: Path) -> None:
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert "step    1  loss" in text and "step    2  loss" in text, text
-    assert "LeafSpec" not in text, text
+    assert "LeafSpec" not in text and "args parameter is intended" not in text, text
+
+
+def test_fit_error_is_one_line_per_rank(tmp_path: Path) -> None:
+    """A plan for 4 ranks on 2: each rank says so in one line (rank 1 marked), no traceback."""
+    out = _galv("fit", "--config", str(RECIPE), "--trainer.devices", "2", cwd=tmp_path)
+    errors = [ln for ln in out.stderr.splitlines() if "error:" in ln]
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert errors[0].startswith("galv fit: error: plan world_size=4") and "HINT:" in errors[0], errors
+    assert all(e.startswith(("galv fit: error:", "galv fit [rank 1]: error:")) for e in errors), errors
