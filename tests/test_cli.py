@@ -172,3 +172,18 @@ def test_fit_error_is_one_line_per_rank(tmp_path: Path) -> None:
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert errors[0].startswith("galv fit: error: plan world_size=4") and "HINT:" in errors[0], errors
     assert all(e.startswith(("galv fit: error:", "galv fit [rank 1]: error:")) for e in errors), errors
+
+
+def test_messages_and_docs_name_only_commands_that_exist() -> None:
+    """Every ``galv WORD`` in the package's text and the README is a real command (HINTs once named a
+    ``galv search`` that did not exist)."""
+    import re
+
+    from lightning_galv.cli import COMMANDS
+
+    named = set()
+    for path in [*sorted((ROOT / "lightning_galv").rglob("*.py")), ROOT / "README.md"]:
+        named |= {(m, path.name) for m in re.findall(r"\bgalv ([a-z]+)\b", path.read_text())}
+    unknown = sorted((word, where) for word, where in named if word not in COMMANDS)
+    assert not unknown, unknown
+    assert {"search", "profile"} <= {word for word, _ in named}

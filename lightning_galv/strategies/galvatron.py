@@ -262,8 +262,8 @@ class GalvatronStrategy(ParallelStrategy):
         if isinstance(self._plan_spec, ParallelPlan) and self._plan_spec.world_size != self.world_size:
             raise ValueError(f"plan world_size={self._plan_spec.world_size}: the Trainer runs {self.world_size} "
                              f"processes (devices x num_nodes). HINT: set devices={self._plan_spec.world_size}, or "
-                             "re-plan for this world size: lightning_galv.planner.search(model_profile, hardware, "
-                             f"{self.world_size}, budget), or strategy='galvatron' to search automatically.")
+                             f"re-plan for this world size (galv search --devices {self.world_size} --out plan.yaml), "
+                             "or strategy='galvatron' to search automatically.")
         assert self.cluster_environment is not None
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
