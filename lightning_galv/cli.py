@@ -98,7 +98,7 @@ def _lightning(cmd: str) -> Callable[[list[str]], None]:
         from .demo.recipes_cli import cli_main
 
         with warnings.catch_warnings():
-            # LightningCLI gets the arguments galv was given (sys.argv less "galv" and --debug), which
+            # LightningCLI gets this command's own arguments (sys.argv less the program and --debug), which
             # Lightning warns about as if they could disagree with sys.argv
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
             cli_main([cmd, *args])
