@@ -153,8 +153,11 @@ def trainer_kwargs(**kw: Any) -> dict[str, Any]:
 
 def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_batch: int = 8,
                 accumulate: int = 1, clip: float | None = None, clip_algorithm: str = "norm", dropout: float = 0.0,
-                strategy_kwargs: dict | None = None) -> dict[str, Any]:
-    """Trainer.fit under ``plan`` vs the single-process loop: losses and final weights."""
+                strategy_kwargs: dict | None = None, moe_callbacks: bool = False) -> dict[str, Any]:
+    """Trainer.fit under ``plan`` vs the single-process loop: losses and final weights.
+
+    ``moe_callbacks`` adds ExpertRelayout and SamplePlacement (2 ranks per simulated node, a seeded random
+    placement policy so that samples really move) and returns what they logged."""
     module = make_module(kind, dropout=dropout)
     ref_module = copy.deepcopy(module)
     strategy = GalvatronStrategy(plan=plan, **(strategy_kwargs or {}))
@@ -162,7 +165,14 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
     data = Windows(steps * accumulate * global_batch)
     loader = DataLoader(data, batch_size=global_batch // shards, shuffle=False)
     rec = LossRecorder()
-    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec], accumulate_grad_batches=accumulate,
+    extra: list[Any] = []
+    if moe_callbacks:
+        from dist_runtime_checks import _shuffle_solver
+        from lightning_galv.callbacks import ExpertRelayout, SamplePlacement
+
+        extra = [ExpertRelayout(), SamplePlacement(gpus_per_node=2, intra_bw=100e9, inter_bw=25e9,
+                                                   policy=_shuffle_solver())]
+    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec, *extra], accumulate_grad_batches=accumulate,
                         gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm, **trainer_kwargs())
     with ShardedLogitsRecorder() as seen:
         trainer.fit(module, loader)
@@ -179,6 +189,9 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
         "keys_equal": set(got) <= set(want), "n_losses": len(loss_rec),
         "sampler": strategy.distributed_sampler_kwargs, "losses": rec.losses, "ref_losses": ref_losses,
         "vocab_parallel_loss": strategy.plan.vocab_parallel_loss, "sharded_seen": seen,
+        "relayout": [r.__dict__ for r in extra[0].records] if extra else [],
+        "placement": [st.__dict__ for st in extra[1].steps] if extra else [],
+        "logged": sorted(k for k in trainer.callback_metrics if "/" in k),
     }
 
 

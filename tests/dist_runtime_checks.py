@@ -77,7 +77,9 @@ def grad_errors(model: torch.nn.Module, ref: torch.nn.Module) -> dict[str, float
 def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: int = 10,
                   global_batch: int = 8, seq: int = 16, clip: float | None = None, clip_algorithm: str = "norm",
                   norm_type: float = 2.0, accumulate: int = 1, dropout: float = 0.0, momentum: float = 0.9,
-                  lr: float = 0.2, galv_loss: bool = False, label_smoothing: float = 0.0) -> dict[str, Any]:
+                  lr: float = 0.2, galv_loss: bool = False, label_smoothing: float = 0.0,
+                  relayout: bool | int = False, placement: int | None = None,
+                  placement_shuffle: bool | str = False) -> dict[str, Any]:
     """Train under ``plan_dict`` and single-process side by side; compare losses, first-step gradients, weights.
 
     ``accumulate`` micro-steps (each of ``global_batch`` samples) make one optimizer step; gradient sync
@@ -90,18 +92,28 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
 
     Warnings raised in this rank while doing so are returned (``warnings``) so a launch can assert that
     none of them is FSDP2's "returned a view tensor" warning (see ``parallel/tensor.py``).
+
+    ``relayout`` runs the LAER-MoE expert re-layout each optimizer step (``True``: default slots per rank,
+    an int: that many), planned from the previous step's loads; its records come back as ``relayout``.
+    ``placement`` (ranks per simulated node) runs NetMoE sample placement; per-step totals: ``placement``.
+    ``placement_shuffle`` replaces its solver by a seeded random balanced placement, so that samples do move
+    (on random tokens the solver rightly keeps most of them home) and every relocation path is exercised;
+    ``"no_restore"`` also keeps the last layer of a run from sending samples home (a negative control).
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = _train_compare(plan_dict, kind, layers, steps, global_batch, seq, clip, clip_algorithm, norm_type,
-                             accumulate, dropout, momentum, lr, galv_loss, label_smoothing)
+                             accumulate, dropout, momentum, lr, galv_loss, label_smoothing, relayout,
+                             placement, placement_shuffle)
     res["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     return res
 
 
 def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_batch: int, seq: int,
                    clip: float | None, clip_algorithm: str, norm_type: float, accumulate: int, dropout: float,
-                   momentum: float, lr: float, galv_loss: bool, label_smoothing: float) -> dict[str, Any]:
+                   momentum: float, lr: float, galv_loss: bool, label_smoothing: float,
+                   relayout: bool | int = False, placement: int | None = None,
+                   placement_shuffle: bool | str = False) -> dict[str, Any]:
     plan = ParallelPlan.from_dict(plan_dict)
     sharded_seen: list[bool] = []  # per loss call: did the loss get vocab-sharded logits?
     if galv_loss:
@@ -130,6 +142,22 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     from lightning_galv.parallel.parallelize import parallelize
 
     rt = parallelize(model, plan, factory)
+    controller = None
+    if relayout:
+        from lightning_galv.parallel.expert_relayout import RelayoutController, attach_relayout
+
+        controller = RelayoutController(attach_relayout(model, plan), None if relayout is True else int(relayout))
+    relayout_records: list[dict] = []
+    placer = None
+    if placement:
+        from lightning_galv.parallel.sample_placement import PlacementController, attach_placement
+
+        placer = PlacementController(attach_placement(model, plan, int(placement),
+                                                      _shuffle_solver() if placement_shuffle else None))
+        if placement_shuffle == "no_restore":  # negative control: samples never go home (labels mismatch)
+            for d in placer.dispatchers:
+                d.restore = False
+    placement_steps: list[dict] = []
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     rt.wrap_optimizer(opt)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
@@ -144,6 +172,10 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
         return loss_fn(logits, y) / accumulate
 
     for step in range(steps):
+        if controller is not None:
+            controller.before_step()
+        if placer is not None:
+            placer.before_step()
         total = torch.zeros(())
         for k in range(accumulate):
             data = torch.randint(0, 64, (global_batch, seq + 1), generator=gen)
@@ -201,6 +233,10 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
+        if controller is not None:
+            relayout_records += [r.__dict__ for r in controller.after_step()]
+        if placer is not None:
+            placement_steps.append(placer.after_step().__dict__)
     got, want = full_state(model), dict(ref.named_parameters())
     if plan.pp > 1 or any(st.ep > 1 for st in plan.layers):
         # each stage holds its own layers, each EP rank its own experts: compare those, and check all were covered
@@ -219,7 +255,25 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     return {"loss_err": loss_err, "weight_err": weight_err, "losses": losses, "ref_losses": ref_losses,
             "experts_held": experts_held, "all_to_all": all_to_all, "routing": routing,
             "keys_equal": sorted(got) == sorted(want), "worst": worst, "grad_err": grad_err, "pp": plan.pp,
-            "norm_err": max(norm_errs, default=0.0), "clipped": clipped, "sharded_seen": sharded_seen}
+            "norm_err": max(norm_errs, default=0.0), "clipped": clipped, "sharded_seen": sharded_seen,
+            "relayout": relayout_records, "placement": placement_steps}
+
+
+def _shuffle_solver() -> Any:
+    """A placement policy moving samples to random ranks (each keeps its count), seeded by its input: a pure
+    function of the routing, as a real policy must be, so every rank and every activation-checkpoint recompute
+    (which solves again) gets the same placement."""
+    from lightning_galv.planner.placement import PlacementPolicy
+
+    class Shuffle(PlacementPolicy):
+        def place(self, tokens: Any, current: Any, topo: Any, residual_tokens: Any = None) -> Any:
+            import zlib
+
+            import numpy as np
+
+            rng = np.random.default_rng(zlib.crc32(np.ascontiguousarray(tokens).tobytes()))
+            return rng.permutation(np.asarray(current))
+    return Shuffle()
 
 
 def _routing_checks(model: MoEDecoder, ref: MoEDecoder, plan: ParallelPlan) -> list[dict[str, bool]]:

@@ -36,7 +36,10 @@ def test_meta_config_and_model_profile_numbers() -> None:
     assert lt.activation(1, "none", True) == pytest.approx(3.619140625 * 2**20)
     # whole-model forward (layernum[12]_bsz4 = 41.48 ms) minus 12 layers x 4 samples: embedding + head
     other = 41.484313583374025 / 4 - 12 * 0.5981169303258261
-    assert prof.head_forward(1, 1024) == pytest.approx(other * 1e-3)
+    assert prof.ends.forward(1, 1024) == pytest.approx(other * 1e-3)
+    # split in halves between the ends, as Galvatron's OtherTimeCostModel gives each end stage half
+    assert prof.embed_forward(1, 1024) == pytest.approx(other * 1e-3 / 2)
+    assert prof.head_forward(1, 1024) == pytest.approx(other * 1e-3 / 2)
     assert prof.per_sample_only
 
 

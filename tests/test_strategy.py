@@ -29,6 +29,7 @@ MIXED = ParallelPlan(4, (L(tp=2, dp=2), L(dp=4, zero=3), L(tp=4, sp="megatron"))
 # MoE (issue 11): expert parallelism with ZeRO-2 experts, and an MoE block under Megatron-SP with ep=2
 MOE_EP = ParallelPlan(4, (L(dp=4, ep=2, zero=2), L(tp=2, dp=2), L(tp=2, dp=2, sp="megatron", ep=2)),
                       head=L(tp=2, dp=2)).to_dict()
+MOE_CB = ParallelPlan(4, (L(dp=4, ep=2, zero=1), L(dp=4), L(dp=4, ep=2)), embed=L(dp=4), head=L(dp=4)).to_dict()
 PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=2),
                    layers=(L(tp=2), L(dp=2, zero=3), L(dp=2, zero=1)), head=L(dp=2)).to_dict()
 
@@ -36,7 +37,8 @@ PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=2),
 # vocab-parallel heads (issue 9, item 5); CausalLM declares galv_vocab_parallel_loss, the plans do not
 VPL = ParallelPlan(4, embed=L(dp=4), layers=(L(dp=4), L(tp=2, dp=2), L(dp=4, zero=2)),
                    head=L(tp=2, dp=2, zero=2)).to_dict()
-VPL_PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=2),
+VPL_MOE_CB = ParallelPlan(4, (L(dp=4, ep=2, zero=1), L(dp=4), L(dp=4, ep=2)), embed=L(dp=4), head=L(dp=4)).to_dict()
+PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=2),
                        layers=(L(tp=2), L(dp=2, zero=3), L(dp=2, zero=1)), head=L(tp=2)).to_dict()
 
 
@@ -105,6 +107,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("unseeded_init", "unseeded_init", dict(plan=HETERO)),
         ("pp2_accum_clip", "fit_compare", dict(plan=PP2, accumulate=2, clip=0.05)),
         ("moe_ep_accum_clip", "fit_compare", dict(plan=MOE_EP, kind="moe", accumulate=2, clip=0.05)),
+        ("moe_callbacks", "fit_compare", dict(plan=MOE_CB, kind="moe", accumulate=2, clip=0.05, moe_callbacks=True)),
         ("pp2_resume", "fit_resume", dict(plan=PP2, tmpdir=tmp + "/pp", full=False)),
         ("pp2_eval_reuse", "fit_then_eval", dict(plan=PP2)),
         ("pp2_partial_batch", "pp_partial_batch", dict(plan=PP2)),
@@ -117,12 +120,26 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["hetero_accum_clip", "tp_zero1", "tp_zero3_value_clip", "tp_zero3_norm_clip",
-                                  "hetero_dropout_accum", "pp2_dropout", "pp2_accum_clip", "moe_ep_accum_clip"])
+                                  "hetero_dropout_accum", "pp2_dropout", "pp2_accum_clip", "moe_ep_accum_clip",
+                                  "moe_callbacks"])
 def test_fit_parity(results: dict, name: str) -> None:
     r = results[name]
     assert r["keys_equal"]
     assert r["loss_err"] < TOL, r
     assert r["weight_err"] < TOL, r
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_moe_callbacks_under_the_trainer(results: dict) -> None:
+    """ExpertRelayout + SamplePlacement as ordinary callbacks: exact (test_fit_parity), acting at optimizer-step
+    boundaries under accumulation (one record per step, layouts from step 2 on), and logging their metrics."""
+    r = results["moe_callbacks"]
+    assert len(r["placement"]) == 10 and sum(st["moved_samples"] for st in r["placement"]) > 0
+    assert all(st["time_saved_s"] is not None for st in r["placement"])
+    steps = sorted({rec["step"] for rec in r["relayout"]})
+    assert steps == list(range(10)) and any(rec["replicas"] > 0 for rec in r["relayout"])
+    assert {"relayout/max_mean_after", "placement/inter_MB_after", "placement/solve_ms"} <= set(r["logged"])
 
 
 @pytest.fixture(scope="module")

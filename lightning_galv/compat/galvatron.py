@@ -8,10 +8,10 @@ so both planners can be run on identical inputs. Pure: no torch.
 
 Caveats carried over from the data (see the reference README):
 
-* computation profiles hold **forward** time per sample only; backward is taken as 2x forward, as
-  Galvatron assumes (our own profiler measures it);
-* "other" (embedding/head) memory was measured for vocab-TP 1 only;
-* the gpt profiles use the pre-2.4 layout (``..._seqlen1024.json``), which is what we read;
+* computation profiles hold **forward** time only; backward is taken as 2x forward, as Galvatron
+  assumes (our own profiler measures it);
+* model profiles come in several layouts (legacy ``..._seqlen{S}.json``, 2.4 ``..._hidden{H}_head{A}.json``
+  / ``..._{model}.json``, raw memory runs): :mod:`.galvatron_profiles` reads them all;
 * bandwidths are GB/s (10^9 bytes) bus bandwidths; ``consec_1`` groups of at most one node are
   intra-node, ``consec_0`` groups on several nodes are inter-node.
 """
@@ -19,49 +19,32 @@ Caveats carried over from the data (see the reference README):
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import bad_value
 from ..plan import LayerStrategy, ModelShape, ParallelPlan
-from ..planner.profiles import (HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, TimeFit, act_key,
-                                link_key)
+from ..planner.profiles import HardwareProfile, LinkFit, link_key
+from .galvatron_profiles import (LayerGroup, MetaConfig, find_profile_files, load_json, process_raw_memory,  # noqa: F401
+                                 read_meta, read_model_profile, write_model_profile)
 
 MB = float(2**20)
 GB = 1e9
-_DP_TYPES = {"ddp": 0, "zero2": 2, "zero3": 3}
+_DP_TYPES = {"ddp": 0, "zero2": 2, "zero3": 3}  # default_dp_type -> ZeRO stage of non-ZeRO-3 layers
 _PIPELINES = {"pipedream_flush": "1f1b", "gpipe": "gpipe"}
 
 
-def _load(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise bad_value(str(p), "file does not exist", "point at Galvatron's configs/ or hardware_configs/ directory.")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise bad_value(str(p), f"is not valid JSON ({exc})", "re-copy the file from Galvatron.") from exc
-    if not isinstance(data, dict):
-        raise bad_value(str(p), "top level must be a JSON object", "is this a Galvatron profile?")
-    return data
+_load = load_json
 
 
 # ---------------------------------------------------------------------------------------------------
-# model
+# model (the readers live in galvatron_profiles.py)
 # ---------------------------------------------------------------------------------------------------
 def read_meta_config(path: str | Path, seq_len: int | None = None) -> ModelShape:
-    """Galvatron's GPT meta config (n_layer, n_embd, n_head, vocab_size, n_positions) as a ModelShape."""
-    d = _load(path)
-    try:
-        h = int(d["n_embd"])
-        heads = int(d["n_head"])
-        return ModelShape(num_layers=int(d["n_layer"]), hidden=h, num_heads=heads,
-                          num_kv_heads=int(d.get("n_kv_head", heads)), ffn_hidden=int(d.get("n_inner") or 4 * h),
-                          vocab_size=int(d["vocab_size"]), seq_len=int(seq_len or d["n_positions"]))
-    except KeyError as exc:
-        raise bad_value(str(path), f"meta config lacks {exc}",
-                        "expected GPT keys n_layer, n_embd, n_head, vocab_size.") from None
+    """Any Galvatron meta config (GPT, LLaMA / Qwen, BERT, ViT, T5, Swin) as a ModelShape (:func:`read_meta`)."""
+    return read_meta(path, seq_len).shape
 
 
 def profile_paths(config_dir: str | Path, shape: ModelShape, precision: str = "bf16") -> tuple[Path, Path]:
@@ -69,49 +52,6 @@ def profile_paths(config_dir: str | Path, shape: ModelShape, precision: str = "b
     stem = f"{precision}_hidden{shape.hidden}_head{shape.num_heads}_seqlen{shape.seq_len}.json"
     d = Path(config_dir)
     return d / f"computation_profiling_{stem}", d / f"memory_profiling_{stem}"
-
-
-def read_model_profile(meta_config: str | Path, config_dir: str | Path, precision: str = "bf16",
-                       seq_len: int | None = None, name: str | None = None) -> ModelProfile:
-    """Build a ModelProfile from Galvatron's meta config + computation/memory profiles."""
-    shape = read_meta_config(meta_config, seq_len)
-    comp_path, mem_path = profile_paths(config_dir, shape, precision)
-    comp, mem = _load(comp_path), _load(mem_path)
-    s = shape.seq_len
-    if "layertype_0" not in comp or "layertype_0" not in mem:
-        raise bad_value(str(comp_path), "no 'layertype_0' entry (only the pre-2.4 layout is understood)",
-                        "re-key a 2.4 profile to 'layertype_0' (ms per sample) or profile with ModelProfiler.")
-    fwd_ms = float(comp["layertype_0"])  # forward ms per sample per layer
-    fwd = TimeFit(0.0, fwd_ms / 1e3 / s, 0.0)
-    bwd = fwd.scaled(2.0)  # Galvatron's assumption: backward = 2x forward
-    # "layernum[n]_bsz{b}": whole-model forward ms; the part not explained by n layers is embedding + head
-    other_ms_per_sample = []
-    for k, v in comp.items():
-        mt = re.fullmatch(r"layernum\[(\d+)\]_bsz(\d+)", k)
-        if mt:
-            n, b = int(mt.group(1)), int(mt.group(2))
-            other_ms_per_sample.append(max(0.0, float(v) / b - n * fwd_ms))
-    other_ms = min(other_ms_per_sample) if other_ms_per_sample else 0.0
-    lt_mem = mem["layertype_0"]
-    acts = {act_key(int(t), "none", False): float(v) * MB for t, v in lt_mem["tp_activation_per_bsz_dict"].items()
-            if t != "checkpoint"}
-    if "checkpoint" in lt_mem["tp_activation_per_bsz_dict"]:
-        acts[act_key(1, "none", True)] = float(lt_mem["tp_activation_per_bsz_dict"]["checkpoint"]) * MB
-    params = int(float(lt_mem["parameter_size"]) * MB / 4)  # fp32 MB
-    layer = LayerTypeProfile("layertype_0", fwd, bwd, params, acts, shape.hidden)
-    first = mem.get("other_memory_pp_on_first", {})
-    last = mem.get("other_memory_pp_on_last", {})
-    off = mem.get("other_memory_pp_off", {})
-    state_bytes = 16.0  # model states per parameter at ZeRO-0 (2+2+12 mixed, 4+4+8 fp32)
-    embed_params = int(float(first.get("model_states", 0.0)) * MB / state_bytes)
-    head_params = int(float(last.get("model_states", 0.0)) * MB / state_bytes)
-    embed_act = float(first.get("activation", 0.0)) * MB
-    head_act = max(float(last.get("activation", 0.0)), float(off.get("activation", 0.0)) - float(first.get("activation", 0.0))) * MB
-    return ModelProfile(name or Path(meta_config).stem, shape, (layer,), (0,) * shape.num_layers, precision,
-                        embed_params=embed_params, head_params=head_params, embed_act_bytes=embed_act,
-                        head_act_bytes=head_act, embed_forward=TimeFit(),
-                        head_forward=TimeFit(0.0, other_ms / 1e3 / s, 0.0),
-                        framework_bytes=0.0, source=f"galvatron:{comp_path.name}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -157,6 +97,23 @@ def read_hardware_profile(hardware_dir: str | Path, num_nodes: int, gpus_per_nod
                            name=f"galvatron:{tag}")
 
 
+def read_galvatron_hardware(hardware_dir: str | Path, num_nodes: int, gpus_per_node: int) -> "GalvatronHardware":
+    """Galvatron's own hardware coefficients (ms per MB per group key, p2p per pipeline degree, overlap) for
+    :class:`~lightning_galv.planner.galvatron_accounting.GalvatronAccounting`."""
+    from ..planner.galvatron_accounting import GalvatronHardware
+
+    d = Path(hardware_dir)
+    tag = f"{num_nodes}nodes_{gpus_per_node}gpus_per_node"
+    ar = _load(d / f"allreduce_bandwidth_{tag}.json")
+    p2p = _load(d / f"p2p_bandwidth_{tag}.json")
+    overlap = float(_load(d / "overlap_coefficient.json").get("overlap_coe", 1.0))
+    try:
+        return GalvatronHardware.from_bandwidths(ar, p2p, overlap, num_nodes * gpus_per_node)
+    except KeyError as exc:
+        raise bad_value(f"allreduce_bandwidth_{tag}.json", f"lacks {exc}", "re-profile the cluster with "
+                        "Galvatron's hardware profiler.") from None
+
+
 def _fit_sp_time(sp: Mapping[str, Any]) -> dict[tuple[str, int], LinkFit]:
     """alpha-beta fits of the all-reduce / all-to-all times per group size (ms per message size)."""
     points: dict[tuple[str, int], list[tuple[float, float]]] = {}
@@ -186,12 +143,40 @@ def _ints(value: Any, n: int | None, key: str) -> list[int]:
     return out
 
 
-def read_plan(source: str | Path | Mapping[str, Any], world_size: int) -> ParallelPlan:
-    """A Galvatron plan JSON (path or dict) as a ParallelPlan for ``world_size`` devices."""
+SIDE_FIELD = "lightning_galv"
+"""Key of the one object we add to a Galvatron plan JSON for what Galvatron cannot express: Galvatron reads
+its plan keys by name (``config2strategy`` and ``hybrid_parallel_config.py``) and ignores any other key, so
+the file stays a valid Galvatron plan. It holds ``sequence_parallel`` (Megatron-SP on every tp layer -- a
+launch flag of Galvatron, ``--sequence_parallel``, not a plan key), and with ``write_plan(..., side=True)``
+the ``head`` strategy when it differs from the embedding's and ``vocab_parallel_loss``."""
+
+
+def read_plan(source: str | Path | Mapping[str, Any], world_size: int,
+              sequence_parallel: bool | None = None) -> ParallelPlan:
+    """A Galvatron plan JSON (path or dict) as a ParallelPlan for ``world_size`` devices.
+
+    Every key Galvatron's runtime reads is honoured: ``pp_deg``, ``pp_division`` (default: even, the
+    last stage taking the rest, as Galvatron does), ``chunks``, ``global_bsz``, per layer ``tp_sizes_enc``,
+    ``tp_consecutive_flags``, ``dp_types_enc`` (1 = ZeRO-3), ``use_sp`` (1 = Ulysses over the tp group),
+    ``checkpoint``; ``vtp`` / ``vsp`` / ``embed_sdp`` for the embedding and head (vsp = the ends split on
+    the sequence, Ulysses-style, over the vtp group), ``pipeline_type``, ``default_dp_type``.
+    ``sequence_parallel``: whether Galvatron was launched with ``--sequence_parallel`` (Megatron-SP on
+    every tensor-parallel layer); None = what the plan's ``lightning_galv`` side field says, else off.
+    What has no meaning in a ParallelPlan is normalized: ZeRO flags of layers without data parallelism,
+    and ``vsp`` with ``vtp`` 1 (a 1-way split; Galvatron prices it as none).
+    """
     d = dict(_load(source) if isinstance(source, (str, Path)) else source)
     for key in ("pp_deg", "tp_sizes_enc", "global_bsz", "chunks"):
         if key not in d:
             raise bad_value(sorted(d), f"Galvatron plan lacks '{key}'", "is this a galvatron_config_*.json file?")
+    side = d.get(SIDE_FIELD) or {}
+    if not isinstance(side, Mapping):
+        raise bad_value(f"{SIDE_FIELD}={side!r}", "must be an object", "write it with write_plan().")
+    unknown = set(side) - {"sequence_parallel", "head", "vocab_parallel_loss", "note"}
+    if unknown:
+        raise bad_value(sorted(unknown), f"unknown keys in the '{SIDE_FIELD}' side field",
+                        "it holds sequence_parallel, head, vocab_parallel_loss (see compat.galvatron.SIDE_FIELD).")
+    megatron_sp = bool(side.get("sequence_parallel", False)) if sequence_parallel is None else bool(sequence_parallel)
     pp = int(d["pp_deg"])
     if world_size % pp:
         raise bad_value(f"world_size={world_size}, pp_deg={pp}", "pp_deg must divide the world size",
@@ -203,11 +188,10 @@ def read_plan(source: str | Path | Mapping[str, Any], world_size: int) -> Parall
     dp_types = _ints(d.get("dp_types_enc", 0), n, "dp_types_enc")
     use_sp = _ints(d.get("use_sp", 0), n, "use_sp")
     ckpt = _ints(d.get("checkpoint", 0), n, "checkpoint")
-    default = str(d.get("default_dp_type", "ddp"))
+    default = str(d.get("default_dp_type", "ddp"))  # Galvatron's runtime defaults (core/runtime/arguments.py)
     if default not in _DP_TYPES:
         raise bad_value(f"default_dp_type={default}", f"must be one of {sorted(_DP_TYPES)}",
                         "Galvatron writes 'zero2' or 'ddp'.")
-    megatron_sp = bool(int(d.get("sequence_parallel", 0)))
     layers = []
     for i, tp in enumerate(tps):
         if stage % tp:
@@ -223,38 +207,89 @@ def read_plan(source: str | Path | Mapping[str, Any], world_size: int) -> Parall
     # plans written before vtp existed: the vocabulary follows the first layer's tp when the
     # micro-batch cannot be split over the whole stage
     vtp = int(d["vtp"]) if "vtp" in d else (1 if micro % stage == 0 else tps[0])
-    if stage % vtp:
+    if vtp < 1 or stage % vtp:
         raise bad_value(f"vtp={vtp}", f"must divide the stage size {stage}", "use vtp=1.")
+    vsp = bool(int(d.get("vsp", 0))) and vtp > 1
     edp = stage // vtp
+    egroup = stage if vsp else edp
     ezero = 3 if int(d.get("embed_sdp", 0)) else _DP_TYPES[default]
-    emb = LayerStrategy(tp=vtp, dp=edp, zero=ezero if edp > 1 else 0)
-    pipeline = str(d.get("pipeline_type", "pipedream_flush"))
+    emb = LayerStrategy(tp=vtp, dp=edp, sp="ulysses" if vsp else "none", zero=ezero if egroup > 1 else 0)
+    head = LayerStrategy.from_dict(side["head"]) if "head" in side else emb
+    pipeline = str(d.get("pipeline_type", "gpipe"))
     if pipeline not in _PIPELINES:
         raise bad_value(f"pipeline_type={pipeline}", f"must be one of {sorted(_PIPELINES)}", "use 'pipedream_flush'.")
-    division = tuple(_ints(d["pp_division"], pp, "pp_division")) if "pp_division" in d else None
+    if "pp_division" in d and str(d["pp_division"]).strip():
+        division = tuple(_ints(d["pp_division"], pp, "pp_division"))
+    else:  # Galvatron's default: even, the last stage takes the remainder (hybrid_parallel_config.py)
+        avg = n // pp
+        division = (avg,) * (pp - 1) + (n - avg * (pp - 1),)
+    unit = int(d["chunks"]) * math.lcm(*(s.dp for s in (emb, head, *layers)))
+    if int(d["global_bsz"]) % unit:
+        raise bad_value(f"global_bsz={d['global_bsz']}, chunks={d['chunks']}", f"lightning_galv splits every "
+                        f"micro-batch evenly over each layer's data-parallel ranks, so global_bsz must be a multiple "
+                        f"of chunks x lcm(dp degrees) = {unit} (Galvatron cuts uneven micro-batches like torch.chunk)",
+                        f"use global_bsz {unit * max(1, round(int(d['global_bsz']) / unit))} or chunks dividing "
+                        "global_bsz / dp.")
     return ParallelPlan(world_size=world_size, layers=tuple(layers), pp=pp, pp_division=division,
                         micro_batches=int(d["chunks"]), global_batch=int(d["global_bsz"]),
-                        pipeline_schedule=_PIPELINES[pipeline], embed=emb, head=emb)
+                        pipeline_schedule=_PIPELINES[pipeline], embed=emb, head=head,
+                        vocab_parallel_loss=bool(side.get("vocab_parallel_loss", False)))
 
 
-def write_plan(plan: ParallelPlan) -> dict[str, Any]:
-    """A ParallelPlan as Galvatron plan JSON (a dict; ``json.dumps`` it to save)."""
+def write_plan(plan: ParallelPlan, side: bool = False) -> dict[str, Any]:
+    """A ParallelPlan as Galvatron plan JSON (a dict; ``json.dumps`` it to save) -- only keys Galvatron reads,
+    plus the :data:`SIDE_FIELD` object when the plan needs it.
+
+    Refused with a HINT (Galvatron cannot express them): ZeRO-1, more than one non-ZeRO-3 data-parallel
+    type, interleaved schedules, expert parallelism, Megatron-SP on some tp layers only, strided or
+    Megatron-SP ends, the DeepSpeed backend. Megatron-SP on every tp layer goes into the side field (launch
+    Galvatron with ``--sequence_parallel``). A head strategy different from the embedding's and
+    ``vocab_parallel_loss`` are refused unless ``side=True``, which keeps them in the side field (Galvatron
+    itself then runs the head like the embedding). With no data-parallel layer outside ZeRO-3 the default
+    DP type is invisible in the plan and written as Galvatron's default, ``zero2``.
+    """
     if plan.pipeline_schedule not in ("1f1b", "gpipe") or plan.virtual_stages != 1:
         raise bad_value(f"pipeline_schedule={plan.pipeline_schedule}", "Galvatron plans know GPipe and 1F1B only",
                         "search with schedules=('1f1b', 'gpipe') to export to Galvatron.")
     if plan.global_batch is None:
         raise bad_value("global_batch=None", "Galvatron plans carry global_bsz", "set plan.global_batch.")
-    assert plan.embed is not None
-    zeros = {s.zero for s in plan.all_strategies() if s.zero != 3 and s.data_group > 1}
+    if plan.backend != "native":
+        raise bad_value(f"backend={plan.backend}", "Galvatron runs its own runtime", "use backend='native'.")
+    assert plan.embed is not None and plan.head is not None
+    ep = [i for i, s in enumerate(plan.layers) if s.ep > 1]
+    if ep:
+        raise bad_value(f"ep>1 on layers {ep}", "Galvatron plans have no expert parallelism",
+                        "search with SearchSpace(ep_degrees=(1,)) to export to Galvatron.")
+    emb, head = plan.embed, plan.head
+    extra: dict[str, Any] = {}
+    if head != emb:
+        if not side:
+            raise bad_value(f"head {head.short()} vs embed {emb.short()}", "Galvatron gives the embedding and the head "
+                            "one strategy (vtp, vsp, embed_sdp)", "give both the same strategy, or "
+                            "write_plan(plan, side=True) to keep the head in the "
+                            f"'{SIDE_FIELD}' side field Galvatron ignores.")
+        extra["head"] = head.to_dict()
+    if plan.vocab_parallel_loss:
+        if not side:
+            raise bad_value("vocab_parallel_loss=True", "Galvatron's plan has no such switch",
+                            f"write_plan(plan, side=True) keeps it in the '{SIDE_FIELD}' side field.")
+        extra["vocab_parallel_loss"] = True
+    for label, s in (("embed", emb), ("head", head)):
+        if s.sp == "megatron" or (s.tp > 1 and not s.tp_consecutive):
+            raise bad_value(f"{label}: {s.short()}", "Galvatron's ends are vocab-parallel over consecutive ranks, "
+                            "optionally sequence-split (vsp)", "use sp 'none' or 'ulysses', tp_consecutive=True.")
+    checked = plan.all_strategies() if "head" not in extra else (emb, *plan.layers)
+    zeros = {s.zero for s in checked if s.zero != 3 and s.data_group > 1}
     if len(zeros) > 1 or zeros & {1}:
         raise bad_value(f"ZeRO stages {sorted(zeros)}", "Galvatron has one default DP type (ddp or zero2) plus "
                         "per-layer zero3", "use zero 0 or 2 uniformly, and 3 per layer.")
     default = {0: "ddp", 2: "zero2"}[zeros.pop() if zeros else 2]
-    sps = {s.sp for s in plan.layers if s.tp > 1}
-    megatron = "megatron" in sps
-    if megatron and "none" in sps:
-        raise bad_value("sp mix of 'megatron' and 'none'", "Galvatron switches Megatron-SP on for all layers",
-                        "use sp='megatron' on every tp layer or on none.")
+    sps = {s.sp for s in plan.layers if s.tp > 1 and not s.ulysses}
+    if sps == {"megatron", "none"}:
+        raise bad_value("sp mix of 'megatron' and 'none'", "Galvatron switches Megatron-SP on for all tp layers "
+                        "(--sequence_parallel)", "use sp='megatron' on every tp layer or on none.")
+    if sps == {"megatron"}:
+        extra["sequence_parallel"] = True
     csv = lambda xs: ",".join(str(int(x)) for x in xs)  # noqa: E731
     out: dict[str, Any] = {
         "pp_deg": plan.pp,
@@ -268,10 +303,12 @@ def write_plan(plan: ParallelPlan) -> dict[str, Any]:
         "pp_division": csv(plan.pp_division or ()),
         "pipeline_type": "pipedream_flush" if plan.pipeline_schedule == "1f1b" else "gpipe",
         "default_dp_type": default,
-        "vtp": plan.embed.tp,
-        "vsp": 0,
-        "embed_sdp": int(plan.embed.zero == 3),
+        "vtp": emb.tp,
+        "vsp": int(emb.sp == "ulysses"),
+        "embed_sdp": int(emb.zero == 3),
     }
-    if megatron:
-        out["sequence_parallel"] = 1  # not a Galvatron plan key: Galvatron takes it as a launch flag
+    if extra:
+        extra["note"] = ("lightning_galv facts Galvatron cannot express; Galvatron ignores this key"
+                         + ("; launch Galvatron with --sequence_parallel" if "sequence_parallel" in extra else ""))
+        out[SIDE_FIELD] = extra
     return out

@@ -49,10 +49,23 @@ class DropoutCoords:
     micro_batches: int = 1  # ... of this many
     loader_shards: int = 1  # shards the data loader serves (pipeline micro-batches are cut per shard)
     seq_offset: int = 0  # first global sequence position of the local tensor (sequence parallelism)
+    # Sample placement (NetMoE, ``parallel/sample_placement.py``) moves samples between the ranks of an
+    # expert-parallel group for a run of blocks. ``placement[j]`` = original group index (position * rows +
+    # slot) of the sample now at group index j; ``row_source[i]`` = this rank's local row i's original
+    # ``shard * rows + slot``, used in place of ``shard * rows + i``. None = samples where the layout put them.
+    placement: tuple[int, ...] | None = None
+    row_source: tuple[int, ...] | None = None
 
     def rows(self, local_rows: int, device: torch.device) -> torch.Tensor:
         """Global row index (in the step's global batch) of each local row -> ``[local_rows]`` int64."""
-        p = self.shard * local_rows + torch.arange(local_rows, device=device, dtype=torch.int64)
+        if self.row_source is not None:
+            if len(self.row_source) != local_rows:
+                raise RuntimeError(f"dropout coordinates place {len(self.row_source)} samples on this rank, the "
+                                   f"tensor has {local_rows} rows. HINT: a sample-placement run must keep one batch "
+                                   "layout; this is a bug in the run boundaries (parallel/sample_placement.py).")
+            p = torch.tensor(self.row_source, device=device, dtype=torch.int64)
+        else:
+            p = self.shard * local_rows + torch.arange(local_rows, device=device, dtype=torch.int64)
         if self.micro_batches == 1:
             return p
         per_shard = local_rows * self.shards // self.loader_shards  # rows of one loader shard in this micro-batch

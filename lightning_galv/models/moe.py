@@ -83,7 +83,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -412,8 +412,14 @@ class TokenDispatcher(ABC):
     """
 
     @abstractmethod
-    def local_experts(self, num_experts: int) -> range:
+    def local_experts(self, num_experts: int) -> Sequence[int]:
         """Global ids of the experts this rank computes, in chunk order."""
+
+    def run_experts(self, layer: "MoELayer", result: DispatchResult) -> torch.Tensor:
+        """Outputs of this rank's experts on their chunks, ``[N, hidden]``. A dispatcher that computes
+        experts this rank does not own (e.g. replicas of hot experts, ``parallel/expert_relayout.py``)
+        overrides this; the default runs the layer's own expert modules."""
+        return layer.run_experts(result.expert_input, result.splits, self.local_experts(layer.num_experts))
 
     @abstractmethod
     def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, token_ids: torch.Tensor,
@@ -505,6 +511,9 @@ class MoELayer(nn.Module):
         self.last_stats: RoutingStats | None = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
+        # block-level tensors a relocating dispatcher moves with the samples (set by MoEBlock per forward)
+        self.carry_in: list[torch.Tensor] | None = None
+        self.carry_out: list[torch.Tensor] | None = None
 
     # -- routing ---------------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -535,7 +544,7 @@ class MoELayer(nn.Module):
         rank[order] = rank_sorted  # [A] position of each assignment in its expert's queue
         return rank < cap, cap
 
-    def run_experts(self, expert_input: torch.Tensor, splits: list[int], experts: range) -> torch.Tensor:
+    def run_experts(self, expert_input: torch.Tensor, splits: list[int], experts: Sequence[int]) -> torch.Tensor:
         """Each local expert on its contiguous chunk (empty chunks too: every expert gets a gradient)."""
         chunks = expert_input.split(splits)  # per local expert: [n_e, dim]
         outs = [self.experts[e](chunk) for e, chunk in zip(experts, chunks)]
@@ -552,20 +561,33 @@ class MoELayer(nn.Module):
         keep, capacity = self.keep_mask(expert_ids, t)
 
         kept_e, kept_t = (expert_ids, token_ids) if keep is None else (expert_ids[keep], token_ids[keep])
-        result = self.dispatcher.dispatch(flat, kept_e, kept_t, e)
-        expert_out = self.run_experts(result.expert_input, result.splits, self.dispatcher.local_experts(e))
-        y_kept = self.dispatcher.combine(expert_out, result)  # [A_kept, dim] in assignment order
-        if keep is None:
-            y = y_kept  # [A, dim]
-        else:
-            y = y_kept.new_zeros(t * k, d)
-            y[keep] = y_kept  # dropped assignments contribute zero
-        out = (y.view(t, k, d) * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)  # [T, dim]
+        shared = None
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)  # [T, dim]
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(flat)) * shared  # [T, 1] * [T, dim]
-            out = out + shared
+        carry_in, self.carry_in, self.carry_out = self.carry_in, None, None
+        if getattr(self.dispatcher, "places_samples", False):
+            # NetMoE sample placement (parallel/sample_placement.py): the combine delivers each sample's
+            # output to the rank that holds it next, and the block's residual (``carry_in``) and the shared
+            # expert's output travel along in the same all-to-all
+            carry = list(carry_in or []) + ([shared.view(b, s, d)] if shared is not None else [])
+            out, moved, result = self.dispatcher.relocate(self, flat, weights, kept_e, kept_t, (b, s), carry)
+            if shared is not None:
+                out = out + moved.pop().reshape(b * s, d)
+            self.carry_out = moved
+        else:
+            result = self.dispatcher.dispatch(flat, kept_e, kept_t, e)
+            expert_out = self.dispatcher.run_experts(self, result)
+            y_kept = self.dispatcher.combine(expert_out, result)  # [A_kept, dim] in assignment order
+            if keep is None:
+                y = y_kept  # [A, dim]
+            else:
+                y = y_kept.new_zeros(t * k, d)
+                y[keep] = y_kept  # dropped assignments contribute zero
+            out = (y.view(t, k, d) * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)  # [T, dim]
+            if shared is not None:
+                out = out + shared
         out = out.view(b, s, d)
 
         sums = RouterSums(counts=torch.bincount(expert_ids, minlength=e), prob_sum=probs.sum(0),
@@ -629,7 +651,12 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
-        return h + self.moe_drop(self.moe(self.ffn_norm(h)))
+        self.moe.carry_in = [h]  # moved along if the MoE layer relocates samples (NetMoE); else unused
+        y = self.moe(self.ffn_norm(h))
+        moved, self.moe.carry_out = self.moe.carry_out, None
+        if moved:
+            h = moved[0]  # the residual of the samples this rank now holds
+        return h + self.moe_drop(y)
 
 
 class MoEDecoder(DecoderLayout):

@@ -490,6 +490,70 @@ class LayerTypeProfile:
         return full * (10.0 + 24.0 / tp) / 34.0
 
 
+END_PLACES = ("pp_off", "first", "last")
+
+
+def _vtp_table(value: Any, what: str) -> dict[str, dict[int, float]]:
+    """``place -> vtp -> float`` with int vtp keys (JSON turns them into strings) and known places."""
+    out: dict[str, dict[int, float]] = {}
+    for place, per_vtp in dict(value).items():
+        if place not in END_PLACES:
+            raise bad_value(f"{what}[{place!r}]", f"place must be one of {END_PLACES}",
+                            "pp_off = embedding and head on one stage, first / last = their pipeline stages.")
+        table = {}
+        for k, v in dict(per_vtp).items():
+            if not str(k).isdigit() or int(k) < 1:
+                raise bad_value(f"{what}[{place!r}][{k!r}]", "keys are vocabulary-parallel degrees >= 1",
+                                "key the table by vtp: {1: ..., 2: ...}.")
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise bad_value(f"{what}[{place!r}][{k}]={v!r}", "must be a finite number >= 0", "re-profile.")
+            table[int(k)] = float(v)
+        out[place] = table
+    return out
+
+
+@dataclass(frozen=True)
+class EndsProfile:
+    """Everything outside the transformer blocks as Galvatron measures it, per vocabulary-parallel degree.
+
+    Galvatron does not split the embedding from the head: per vocab-tp degree (vtp) it measures the memory
+    of all "other" layers together with the pipeline off (both ends on one stage, ``pp_off``) and on the
+    first and last stage with it on, once without and once with Megatron-SP (``*_sp``), and one forward
+    time for all of them. Kept whole, as measured, because a Galvatron-compatible cost model prices exactly
+    these numbers, and any split into embedding and head would be a guess. ``ModelProfile``'s own
+    ``embed_*`` / ``head_*`` fields are derived from it for the native model.
+
+    Units: bytes; ``model_states`` at ZeRO-0 (what the profile measured, 4x Galvatron's "parameter size"
+    in mixed precision), ``activation`` per sample of one micro-batch; ``forward`` for ``b`` samples.
+    """
+
+    model_states: Mapping[str, Mapping[int, float]]  # place -> vtp -> bytes
+    activation: Mapping[str, Mapping[int, float]]  # place -> vtp -> bytes per sample
+    model_states_sp: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    activation_sp: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    forward: TimeFit = TimeFit()
+
+    def __post_init__(self) -> None:
+        for attr in ("model_states", "activation", "model_states_sp", "activation_sp"):
+            object.__setattr__(self, attr, _vtp_table(getattr(self, attr), attr))
+        if isinstance(self.forward, Mapping):
+            object.__setattr__(self, "forward", TimeFit(**self.forward))
+        if not self.model_states and not self.model_states_sp:
+            raise bad_value("EndsProfile()", "needs the model states with or without Megatron-SP",
+                            "read it with compat.galvatron.read_model_profile.")
+
+    def table(self, kind: str, sp: bool) -> Mapping[str, Mapping[int, float]]:
+        """``model_states`` / ``activation`` with (``sp``) or without Megatron-SP; the other one when only
+        that was measured (with vtp 1 they are the same layers)."""
+        plain, with_sp = getattr(self, kind), getattr(self, kind + "_sp")
+        return (with_sp or plain) if sp else (plain or with_sp)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_states": self.model_states, "activation": self.activation,
+                "model_states_sp": self.model_states_sp, "activation_sp": self.activation_sp,
+                "forward": asdict(self.forward)}
+
+
 @dataclass(frozen=True)
 class ModelProfile:
     """Everything the cost model needs about one model at one sequence length and precision."""
@@ -511,8 +575,13 @@ class ModelProfile:
     # the profile because it was measured with it: a cached profile must price the optimizer step exactly
     # like the run that measured it (it becomes HardwareProfile.memory_bandwidth in automatic mode).
     optimizer_bandwidth: float = 0.0
+    # the ends as Galvatron measured them (per vocab-tp degree, with and without Megatron-SP); None for
+    # profiles from our own profiler or from the shape, whose ends are the embed_* / head_* fields above
+    ends: EndsProfile | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.ends, Mapping):
+            object.__setattr__(self, "ends", EndsProfile(**self.ends))
         if isinstance(self.shape, Mapping):
             object.__setattr__(self, "shape", ModelShape(**self.shape))
         lts = tuple(LayerTypeProfile(**lt) if isinstance(lt, Mapping) else lt for lt in self.layer_types)
@@ -630,6 +699,10 @@ class ModelProfile:
         for lt in d["layer_types"]:  # dense layer types serialize exactly as before MoE existed
             if lt.get("moe") is None:
                 lt.pop("moe", None)
+        if self.ends is None:  # so do profiles without Galvatron's end tables
+            d.pop("ends")
+        else:
+            d["ends"] = self.ends.to_dict()
         d["kind"] = "ModelProfile"
         return d
 
