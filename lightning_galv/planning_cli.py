@@ -144,8 +144,12 @@ def _launch(ns: argparse.Namespace, what: str, search: dict[str, Any] | None) ->
     config = str(Path(ns.config).resolve()) if ns.config else None
     print(f"[galv {what}] {'the demo model' if config is None else config} on {devices} CPU rank(s); cached "
           "profiles are reused", flush=True)
+    def progress(line: str) -> None:  # the profilers' own progress lines, as they come
+        if line.startswith("[galv profile]"):
+            print(line, flush=True)
+
     results = run_distributed("lightning_galv.planning_cli:_measure_worker", devices, (config, budget, search),
-                              timeout=ns.timeout)
+                              timeout=ns.timeout, rank0_lines=progress)
     for r in results:
         if r is not None and r[0] == "error":
             _, kind, message = r

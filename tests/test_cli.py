@@ -122,11 +122,14 @@ def test_profile_then_search_write_the_cache_the_table_and_the_plan(tmp_path: Pa
     prof = _galv("profile", "--devices", "2", cwd=tmp_path, env=env)
     assert prof.returncode == 0, prof.stderr[-3000:]
     assert "fwd ms/sample" in prof.stdout and "allreduce/2/consec" in prof.stdout, prof.stdout
+    # rank 0's progress is shown as it measures
+    assert "[galv profile] allreduce group 2" in prof.stdout and "[galv profile] block fwd+bwd" in prof.stdout
     cached = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").glob("*.json"))
     assert "hardware" in cached and "model" in cached, cached
     out = _galv("search", "--devices", "2", "--top-k", "3", "--out", "plan.yaml", "--galvatron", "plan.json",
                 cwd=tmp_path, env=env)
     assert "ms/step" in out.stdout and "samples/s" in out.stdout and "peak memory per stage" in out.stdout
+    assert "[galv profile] model profile from cache" in out.stdout, out.stdout
     rows = [ln for ln in out.stdout.splitlines() if ln.strip()[:2].strip().isdigit() and "[" in ln]
     assert 1 <= len(rows) <= 3, out.stdout
     plan = ParallelPlan.load(tmp_path / "plan.yaml")
