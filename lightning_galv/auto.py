@@ -268,22 +268,29 @@ def search_run_plans(profile: "ModelProfile", hw: "HardwareProfile | None", worl
         notes.append(f"calibrated by {calibration.observations} measurements of an earlier run")
     cost = GalvatronCostModel(profile, hw, SearchSpace().default_embed_zero, runtime="native")
     found: list[ParallelPlan] = []
-    failures: list[str] = []
+    failures: list[tuple[int, float, str, str]] = []  # (pp, smallest fitting budget, its configuration, error)
     for pp, gb, ms in run_configs(world_size, n_layers, loader_batch, pipeline):
         space = SearchSpace(pp_degrees=(pp,), micro_batches=ms, vocab_parallel_loss=vocab_parallel_loss)
         try:
             result = search(profile, hw, world_size, budget, global_batch=gb, top_k=top_k, space=space,
                             cost_model=cost, memory_margin=margin)
         except ValueError as exc:  # nothing of this pipeline degree fits: others may
-            failures.append(f"pp={pp}: {exc}")
+            need, how = getattr(exc, "smallest_fit", (float("inf"), "none"))
+            failures.append((pp, need, how, str(exc)))
             notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): no plan fits")
             continue
         found += result
         notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): {result.explanation.splitlines()[0]}")
     if not found:
-        raise ValueError(f"memory_budget={budget:.0f} bytes ({format_bytes(budget)}): no plan fits this run. "
-                         + " | ".join(failures) + " HINT: raise memory_budget, lower the batch size, or "
-                         "give the LightningModule the pipeline hooks so pipeline stages can be searched.")
+        pp, need, how, first = min(failures, key=lambda f: f[1])
+        if need == float("inf"):  # no degree could name a fitting budget: its own error says why
+            raise ValueError(f"memory_budget={budget:.0f} bytes ({format_bytes(budget)}): no plan fits this run: "
+                             f"{first}")
+        per_pp = ", ".join(f"pp={p} {format_bytes(n)}" for p, n, _, _ in failures)
+        raise ValueError(f"memory_budget={budget:.0f} bytes ({format_bytes(budget)}): no plan fits this run; the "
+                         f"smallest memory that would fit is {format_bytes(need)} ({how}; by pipeline degree: "
+                         f"{per_pp}). HINT: raise memory_budget to at least {format_bytes(need)}, lower the batch "
+                         "size, or give the LightningModule the pipeline hooks so pipeline stages can be searched.")
     found.sort(key=rank_key)
     if loader_batch is None:
         notes.append(f"loader batch unknown: assumed {_ASSUMED_LOADER_BATCH} per shard, pipelines not searched")
