@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         handler(rest)
+    except BrokenPipeError:  # the reader closed the pipe (galv plan show X | head): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        raise SystemExit(1) from None
     except USER_ERRORS as exc:
         rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK")
         where = f" [rank {rank}]" if rank not in (None, "0") else ""  # a multi-process run: every rank reports

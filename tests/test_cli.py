@@ -96,6 +96,18 @@ def test_errors_are_one_line_with_a_hint_unless_debug(tmp_path: Path) -> None:
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
+def test_a_closed_pipe_ends_quietly() -> None:
+    """``galv plan show X | head -0``: the reader is gone before galv writes; no traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_galv.cli", "plan", "show",
+                             str(ROOT / "recipes/plans/hetero4.yaml")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 @pytest.mark.parametrize("steps", ["0", "-3"])
 def test_demo_refuses_steps_below_one(steps: str) -> None:
     with pytest.raises(SystemExit, match=rf"'--steps {steps}': must be >= 1.*HINT"):
