@@ -33,6 +33,7 @@ from torch import nn
 
 from .models.protocol import ModelParts
 from .plan import LayerStrategy, ParallelPlan
+from .units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .planner import HardwareProfile, ModelProfile, ProfileCache
@@ -172,10 +173,8 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
     search keeps free (None: the planner's default, 2 %), ``vocab_parallel_loss`` whether the loss takes
     vocab-sharded logits (priced, and set on the plan). Models without the block protocol get a plain
     data-parallel plan (no profile, no search)."""
-    from .planner import GalvatronCostModel, HardwareProfile, ModelProfile, ProfileCache, SearchSpace, search
-    from .planner.calibration import Calibration, calibration_path
-    from .planner.search import DEFAULT_MEMORY_MARGIN, rank_key
-    from .profiling import HardwareProfiler
+    from .planner import HardwareProfile
+    from .planner.search import DEFAULT_MEMORY_MARGIN
 
     budget = parse_bytes(memory_budget) if memory_budget is not None else device_memory(device)
     margin = DEFAULT_MEMORY_MARGIN if memory_margin is None else memory_margin
@@ -188,52 +187,18 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
         plan = ParallelPlan.uniform(world_size, n_layers, LayerStrategy(dp=world_size, zero=zero))
         _say(verbose and rank == 0, f"auto plan (model without the block protocol): {plan.layers[0].short()}")
         return AutoSearch(plan, None, None, budget, margin, loader_batch, "model without the block protocol: data parallel")
-    cache = ProfileCache()
-    hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, device_memory_bytes=budget, cache=cache,
-                          progress=verbose).fit() if world_size > 1 else None
-    profile = ModelProfile.from_json(_shared(rank, lambda: profile_model(model, parts, cache, verbose).to_json()))
-    if hw is not None:  # every rank: the runtime's own sharded blocks, timed on real tp groups (issue 13)
-        profile = sharded_profile(model, parts, profile, hw, cache, verbose)
+    profile, hw = measure_profiles(model, parts, world_size, budget, verbose)
     box: list[Any] = [None]
     error: BaseException | None = None
     if rank == 0:
         try:
-            hw = priced_hardware(profile, hw, budget)
-            calibration = Calibration.load(calibration_path(cache.directory))
-            if calibration is not None:  # what an earlier run measured (PlanMonitor): corrected copies of the inputs
-                profile, hw = calibration.apply(profile, hw)
-                notes_head = [f"calibrated by {calibration.observations} measurements of an earlier run"]
-            else:
-                notes_head = []
-            cost = GalvatronCostModel(profile, hw, SearchSpace().default_embed_zero, runtime="native")
-            found: list[ParallelPlan] = []
-            notes: list[str] = list(notes_head)
-            failures: list[str] = []
-            for pp, gb, ms in run_configs(world_size, n_layers, loader_batch, pipeline):
-                space = SearchSpace(pp_degrees=(pp,), micro_batches=ms, vocab_parallel_loss=vocab_parallel_loss)
-                try:
-                    result = search(profile, hw, world_size, budget, global_batch=gb, top_k=3, space=space,
-                                    cost_model=cost, memory_margin=margin)
-                except ValueError as exc:  # nothing of this pipeline degree fits: others may
-                    failures.append(f"pp={pp}: {exc}")
-                    notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): no plan fits")
-                    continue
-                found += result
-                notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): {result.explanation.splitlines()[0]}")
-            if not found:
-                raise ValueError(f"memory_budget={budget:.0f} bytes: no plan fits this run. "
-                                 + " | ".join(failures) + " HINT: raise memory_budget, lower the batch size, or "
-                                 "give the LightningModule the pipeline hooks so pipeline stages can be searched.")
-            found.sort(key=rank_key)
-            best = found[0]
-            if loader_batch is None:
-                notes.append(f"loader batch unknown: assumed {_ASSUMED_LOADER_BATCH} per shard, pipelines not searched")
-            elif not pipeline:
-                notes.append("pipelines not searched: the LightningModule lacks galv_pipeline_batch/galv_pipeline_loss")
-            box[0] = (best.to_dict(), profile.to_json(), hw.to_json(), "\n".join(notes))
+            found = search_run_plans(profile, hw, world_size, n_layers, budget, margin, loader_batch, pipeline,
+                                     vocab_parallel_loss)
+            best = found.plans[0]
+            box[0] = (best.to_dict(), found.model.to_json(), found.hardware.to_json(), "\n".join(found.notes))
             if verbose:
-                _say(True, f"auto plan, searched under {budget / 2**20:.2f} MiB per rank less a {margin:.0%} margin:\n  " + "\n  ".join(notes)
-                     + "\n" + best.describe() + "\n" + _prediction_line(best, budget))
+                _say(True, f"auto plan, searched under {format_bytes(budget)} per rank less a {margin:.0%} margin:\n  "
+                     + "\n  ".join(found.notes) + "\n" + best.describe())
         except Exception as exc:  # noqa: BLE001 - every kind must reach the other ranks, not only ValueError
             error = exc
             box[0] = ("error", type(exc).__name__, str(exc))
@@ -252,6 +217,86 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
     plan_d, model_json, hw_json, notes_text = box[0]
     return AutoSearch(ParallelPlan.from_dict(plan_d), ModelProfile.from_json(model_json),
                       HardwareProfile.from_json(hw_json), budget, margin, loader_batch, notes_text)
+
+
+def measure_profiles(model: nn.Module, parts: ModelParts, world_size: int, budget: float, verbose: bool = True,
+                     cache: "ProfileCache | None" = None) -> "tuple[ModelProfile, HardwareProfile | None]":
+    """The profiles automatic mode (and ``galv profile`` / ``galv search``) plans with, measured or read from
+    ``cache`` (default: ``$GALV_CACHE_DIR``): collectives on all ranks (None on one rank), the model's block
+    types on rank 0 (shared with every rank), then the runtime's sharded blocks on all ranks. Every rank of
+    the default process group must call it together."""
+    from .planner import ModelProfile, ProfileCache
+    from .profiling import HardwareProfiler
+
+    cache = cache if cache is not None else ProfileCache()
+    rank = dist.get_rank()
+    hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, device_memory_bytes=budget, cache=cache,
+                          progress=verbose).fit() if world_size > 1 else None
+    profile = ModelProfile.from_json(_shared(rank, lambda: profile_model(model, parts, cache, verbose).to_json()))
+    if hw is not None:  # every rank: the runtime's own sharded blocks, timed on real tp groups (issue 13)
+        profile = sharded_profile(model, parts, profile, hw, cache, verbose)
+    return profile, hw
+
+
+@dataclass(frozen=True)
+class PlanSearch:
+    """What :func:`search_run_plans` found: every fitting plan (best first) and how the search went."""
+
+    plans: list[ParallelPlan]
+    notes: list[str]  # one line per pipeline degree searched, plus what was not searched and why
+    model: "ModelProfile"  # as priced (a stored calibration applied)
+    hardware: "HardwareProfile"
+
+
+def search_run_plans(profile: "ModelProfile", hw: "HardwareProfile | None", world_size: int, n_layers: int,
+                     budget: float, margin: float, loader_batch: int | None, pipeline: bool,
+                     vocab_parallel_loss: bool, top_k: int = 3, cache_dir: "str | os.PathLike[str] | None" = None
+                     ) -> PlanSearch:
+    """Search every configuration this run can execute (:func:`run_configs`), ``top_k`` plans each, priced
+    like the runtime runs them; a calibration stored in the cache folder corrects the profiles first. Pure
+    (no collectives): automatic mode calls it on rank 0. Raises ``ValueError`` when no plan fits."""
+    from .planner import GalvatronCostModel, ProfileCache, SearchSpace, search
+    from .planner.calibration import Calibration, calibration_path
+    from .planner.search import rank_key
+
+    hw = priced_hardware(profile, hw, budget)
+    directory = ProfileCache(cache_dir).directory
+    calibration = Calibration.load(calibration_path(directory))
+    notes: list[str] = []
+    if calibration is not None:  # what an earlier run measured (PlanMonitor): corrected copies of the inputs
+        profile, hw = calibration.apply(profile, hw)
+        notes.append(f"calibrated by {calibration.observations} measurements of an earlier run")
+    cost = GalvatronCostModel(profile, hw, SearchSpace().default_embed_zero, runtime="native")
+    found: list[ParallelPlan] = []
+    failures: list[tuple[int, float, str, str]] = []  # (pp, smallest fitting budget, its configuration, error)
+    for pp, gb, ms in run_configs(world_size, n_layers, loader_batch, pipeline):
+        space = SearchSpace(pp_degrees=(pp,), micro_batches=ms, vocab_parallel_loss=vocab_parallel_loss)
+        try:
+            result = search(profile, hw, world_size, budget, global_batch=gb, top_k=top_k, space=space,
+                            cost_model=cost, memory_margin=margin)
+        except ValueError as exc:  # nothing of this pipeline degree fits: others may
+            need, how = getattr(exc, "smallest_fit", (float("inf"), "none"))
+            failures.append((pp, need, how, str(exc)))
+            notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): no plan fits")
+            continue
+        found += result
+        notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): {result.explanation.splitlines()[0]}")
+    if not found:
+        pp, need, how, first = min(failures, key=lambda f: f[1])
+        if need == float("inf"):  # no degree could name a fitting budget: its own error says why
+            raise ValueError(f"memory_budget={budget:.0f} bytes ({format_bytes(budget)}): no plan fits this run: "
+                             f"{first}")
+        per_pp = ", ".join(f"pp={p} {format_bytes(n)}" for p, n, _, _ in failures)
+        raise ValueError(f"memory_budget={budget:.0f} bytes ({format_bytes(budget)}): no plan fits this run; the "
+                         f"smallest memory that would fit is {format_bytes(need)} ({how}; by pipeline degree: "
+                         f"{per_pp}). HINT: raise memory_budget to at least {format_bytes(need)}, lower the batch "
+                         "size, or give the LightningModule the pipeline hooks so pipeline stages can be searched.")
+    found.sort(key=rank_key)
+    if loader_batch is None:
+        notes.append(f"loader batch unknown: assumed {_ASSUMED_LOADER_BATCH} per shard, pipelines not searched")
+    elif not pipeline:
+        notes.append("pipelines not searched: the LightningModule lacks galv_pipeline_batch/galv_pipeline_loss")
+    return PlanSearch(found, notes, profile, hw)
 
 
 _RANK0_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
@@ -305,15 +350,6 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     if cache is not None and rank == 0:
         cache.save("model", key, out)
     return out
-
-
-def _prediction_line(plan: ParallelPlan, budget: float) -> str:
-    p = plan.prediction
-    if p is None:
-        return "  (no prediction)"
-    mem = ", ".join(f"{m / 2**20:.2f}" for m in p.stage_memory_bytes)
-    return (f"  prediction: {p.step_time_s * 1e3:.1f} ms/step, {p.throughput:.1f} samples/s, per-stage peak "
-            f"memory [{mem}] MiB (budget {budget / 2**20:.2f} MiB)")
 
 
 def _say(enabled: bool, msg: str) -> None:

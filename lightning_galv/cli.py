@@ -1,9 +1,16 @@
 """``galv``: the command line.
 
-    galv demo [--devices 4 --steps 40 --plan plan.yaml --auto]   train the tiny demo model
+    galv demo [--devices 4 --steps 40 --plan plan.yaml --auto]   train the tiny demo model on CPU processes
+    galv profile [--config R.yaml] [--devices 4]                  measure this machine and the model; cache it
+    galv search [--config R.yaml] [--devices 4] [--top-k 5]      top plans with predictions; write the best
+                [--out plan.yaml] [--galvatron plan.json]
     galv plan show PLAN                                           print a plan file, validated
     galv fit --config recipes/tiny_cpu.yaml                        LightningCLI with our strategy
+                                                                  (also validate / test / predict)
     galv tune --config tune.yaml [--out best.yaml]                 measure the planner's best plans (Optuna)
+
+Every command explains itself with an example: galv COMMAND --help. Errors print one line with a HINT;
+add --debug (anywhere) for the full traceback.
 
 A tune config is YAML with the arguments of lightning_galv.tuning.tune, e.g.
     module_factory: my_pkg.train:make_module     # importable functions (trials run in fresh processes)
@@ -15,55 +22,134 @@ A tune config is YAML with the arguments of lightning_galv.tuning.tune, e.g.
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
+from typing import Callable
+
+# errors a user causes (bad input, a missing file): one line with a HINT instead of a traceback
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, FileNotFoundError, IsADirectoryError,
+                                                PermissionError)
+
+PLAN_HELP = """\
+usage: galv plan show PLAN
+
+Print a plan file (YAML or JSON, as written by galv search, ParallelPlan.save or the tuner), validated:
+one line per run of layers with the same strategy, and the prediction when the file carries one.
+
+example:
+  galv plan show recipes/plans/hetero4.yaml
+"""
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run one ``galv`` command; user errors exit with status 1 and one line on stderr (``--debug``: raise)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return
     cmd, rest = argv[0], argv[1:]
-    if cmd == "demo":
-        from .demo.run import main as demo
+    handler = COMMANDS.get(cmd)
+    if handler is None:
+        raise SystemExit(f"galv: unknown command {' '.join(argv)!r}. HINT: galv --help lists the commands.")
+    if debug:
+        handler(rest)
+        return
+    try:
+        handler(rest)
+    except BrokenPipeError:  # the reader closed the pipe (galv plan show X | head): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        raise SystemExit(1) from None
+    except USER_ERRORS as exc:
+        rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK")
+        where = f" [rank {rank}]" if rank not in (None, "0") else ""  # a multi-process run: every rank reports
+        raise SystemExit(one_line_error(f"galv {cmd}{where}", exc)) from None
 
-        demo(rest)
-    elif cmd == "plan" and rest[:1] == ["show"] and len(rest) == 2:
-        from .plan import ParallelPlan
 
-        print(ParallelPlan.load(rest[1]).describe())
-    elif cmd == "tune":
-        _tune(rest)
-    elif cmd in ("fit", "validate", "test", "predict"):
+def one_line_error(prefix: str, exc: BaseException) -> str:
+    """``prefix: error: message`` on one line; a HINT pointing at ``--debug`` when the message has none."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if "HINT:" not in text:
+        text += " HINT: rerun with --debug for the traceback."
+    return f"{prefix}: error: {text}"
+
+
+def _plan(args: list[str]) -> None:
+    if not args or args[0] in ("-h", "--help") or (args[0] == "show" and args[1:2] in (["-h"], ["--help"])):
+        print(PLAN_HELP)
+        return
+    if args[0] != "show" or len(args) != 2:
+        raise ValueError(f"galv plan {' '.join(args)!r}: expected 'show PLAN'. HINT: galv plan show "
+                         "recipes/plans/hetero4.yaml")
+    from .plan import ParallelPlan
+
+    print(ParallelPlan.load(args[1]).describe())
+
+
+def _demo(args: list[str]) -> None:
+    from .demo.run import main as demo
+
+    demo(args)
+
+
+def _lightning(cmd: str) -> Callable[[list[str]], None]:
+    def run(args: list[str]) -> None:
+        import warnings
+
         from .demo.recipes_cli import cli_main
 
-        cli_main([cmd, *rest])
-    else:
-        raise SystemExit(f"galv: unknown command {' '.join(argv)!r}. HINT: galv --help")
+        with warnings.catch_warnings():
+            # LightningCLI gets this command's own arguments (sys.argv less the program and --debug), which
+            # Lightning warns about as if they could disagree with sys.argv
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            cli_main([cmd, *args])
+
+    return run
 
 
-if __name__ == "__main__":
-    main()
+def _profile(args: list[str]) -> None:
+    from .planning_cli import profile_command
+
+    profile_command(args)
+
+
+def _search(args: list[str]) -> None:
+    from .planning_cli import search_command
+
+    search_command(args)
 
 
 def _tune(args: list[str]) -> None:
-    import argparse
-
     import yaml
 
-    ap = argparse.ArgumentParser(prog="galv tune")
+    ap = argparse.ArgumentParser(prog="galv tune", description="Measure the planner's best plans in real short "
+                                 "runs (an Optuna study) and write the best measured plan.",
+                                 epilog="example: galv tune --config tune.yaml --out best.yaml "
+                                        "(see galv --help for the config's keys)")
     ap.add_argument("--config", required=True, help="YAML with the arguments of lightning_galv.tuning.tune")
     ap.add_argument("--out", default="best_plan.yaml", help="where the best measured plan is written")
     ns = ap.parse_args(args)
     with open(ns.config) as f:
         cfg = yaml.safe_load(f) or {}
     if not isinstance(cfg, dict) or not {"module_factory", "data_factory", "devices"} <= set(cfg):
-        raise SystemExit(f"galv tune: {ns.config!r} must be a mapping with module_factory, data_factory and devices. "
+        raise ValueError(f"{ns.config!r}: must be a mapping with module_factory, data_factory and devices. "
                          "HINT: see galv --help for an example.")
     from .tuning import tune
 
     result = tune(**cfg, best_plan_path=ns.out)
     print(result.table())
     if result.best_plan is None:
-        raise SystemExit("galv tune: no trial completed within the memory budget. HINT: see the trials' fail_reason.")
+        raise ValueError("galv tune: no trial completed within the memory budget. HINT: see the trials' fail_reason.")
     print(f"best: {result.best_throughput:.2f} samples/s -> {ns.out} (GalvatronStrategy(plan={ns.out!r}))")
+
+
+COMMANDS: dict[str, Callable[[list[str]], None]] = {
+    "demo": _demo, "profile": _profile, "search": _search, "plan": _plan, "tune": _tune,
+    **{cmd: _lightning(cmd) for cmd in ("fit", "validate", "test", "predict")},
+}
+
+
+if __name__ == "__main__":
+    main()

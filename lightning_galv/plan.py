@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .errors import bad_value
+from .units import format_bytes_list
 
 SP_MODES = ("none", "megatron", "ulysses")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -414,7 +415,7 @@ class ParallelPlan:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"plan file {str(path)!r}: does not exist. HINT: write one with "
-                             "ParallelPlan.save(), e.g. with a plan from lightning_galv.planner.search().")
+                             "galv search --out PLAN.yaml, or ParallelPlan.save().")
         text = path.read_text()
         return cls.from_json(text) if path.suffix == ".json" else cls.from_yaml(text)
 
@@ -441,9 +442,9 @@ class ParallelPlan:
                          "consecutive ranks of the layer's data group)")
         if self.prediction is not None:
             p = self.prediction
-            mem = ", ".join(f"{m / 2**30:.2f}" for m in p.stage_memory_bytes)
+            mem = format_bytes_list(p.stage_memory_bytes)
             lines.append(f"  predicted: {p.step_time_s * 1e3:.1f} ms/step, {p.throughput:.1f} samples/s"
-                         + (f", stage memory [{mem}] GiB" if mem else ""))
+                         + (f", stage memory {mem}" if p.stage_memory_bytes else ""))
         return "\n".join(lines)
 
 

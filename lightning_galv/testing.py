@@ -34,7 +34,8 @@ def free_port() -> int:
 def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: float = 600.0,
                     init_process_group: bool = True, env: dict[str, str] | None = None,
                     threads: int = 1, may_die: Collection[int] = (), poll: Callable[[], None] | None = None,
-                    log_tail: list[str] | None = None) -> list[Any]:
+                    log_tail: list[str] | None = None, rank0_lines: Callable[[str], None] | None = None
+                    ) -> list[Any]:
     """Run ``target(*args)`` on ``world_size`` ranks (separate processes, gloo) and return results.
 
     ``init_process_group=False`` leaves process-group creation to the function (a Lightning Trainer
@@ -42,6 +43,8 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
     exit abnormally (a failure test kills them on purpose): their result is None and the others run on.
     ``poll`` is called while the ranks run; if it raises (the tuner's pruner does), every rank is killed
     and the exception propagates. ``log_tail``, if given, receives the ranks' log tails (also on failure).
+    ``rank0_lines``, if given, is called with each complete line rank 0 writes while the ranks run (the
+    CLI shows profiling progress so).
     """
     import torch
 
@@ -62,8 +65,11 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
             procs.append(subprocess.Popen(cmd, env=penv, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout
         failed: int | None = None
+        follow = _LineFollower(Path(tmp) / "rank0.log", rank0_lines) if rank0_lines is not None else None
         try:
             while True:
+                if follow is not None:
+                    follow.read()
                 codes = [p.poll() for p in procs]
                 bad = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in may_die]
                 if bad:
@@ -78,6 +84,8 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
                     poll()
                 time.sleep(0.05)
         finally:
+            if follow is not None:
+                follow.read()  # what rank 0 wrote since the last poll
             if log_tail is not None:
                 log_tail.append(_tails(logs, chars=3000))
             for p in procs:
@@ -93,6 +101,22 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
         for log in logs:
             log.close()
         return results
+
+
+class _LineFollower:
+    """Hands the complete lines appended to a log file to a callback (``tail -f`` for rank 0's log)."""
+
+    def __init__(self, path: Path, emit: Callable[[str], None]) -> None:
+        self.path, self.emit, self.offset, self.partial = path, emit, 0, ""
+
+    def read(self) -> None:
+        with open(self.path, errors="replace") as f:
+            f.seek(self.offset)
+            text = f.read()
+            self.offset = f.tell()
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            self.emit(line)
 
 
 def _tails(logs: list, first: int | None = None, chars: int = 6000) -> str:

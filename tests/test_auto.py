@@ -19,3 +19,22 @@ def test_run_configs_without_hooks_or_batch() -> None:
     assert run_configs(4, 8, 4, pipeline=False) == [(1, 16, (1,))]
     # unknown loader batch: only what runs with any batch size
     assert run_configs(4, 8, None, pipeline=True) == [(1, 8, (1,))]
+
+
+def test_no_plan_fits_names_the_smallest_budget_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Every pipeline degree fails: one line naming the smallest fitting budget in readable units, one HINT."""
+    import pytest
+
+    from lightning_galv.auto import search_run_plans
+    from lightning_galv.plan import ModelShape
+    from lightning_galv.planner import HardwareProfile, ModelProfile
+
+    shape = ModelShape(num_layers=4, hidden=64, num_heads=4, num_kv_heads=4, ffn_hidden=128, vocab_size=256,
+                       seq_len=64)
+    profile, hw = ModelProfile.from_shape(shape), HardwareProfile.uniform(1, 4, 1e9)
+    with pytest.raises(ValueError) as err:
+        search_run_plans(profile, hw, 4, 4, 1000.0, 0.02, 4, True, False, cache_dir=tmp_path)
+    msg = str(err.value)
+    assert msg.count("HINT:") == 1 and msg.count("smallest memory that would fit") == 1, msg
+    assert "by pipeline degree: pp=1 " in msg and "pp=2 " in msg and "0.00 GiB" not in msg, msg
+    assert "\n" not in msg

@@ -171,7 +171,9 @@ def test_infeasible_budget_names_smallest_fit() -> None:
         search(prof, hw, 4, 1e6, global_batch=8)
     msg = str(err.value)
     assert "HINT:" in msg and "smallest memory that would fit" in msg
-    need = float(msg.split("smallest memory that would fit is ")[1].split(" GiB (")[1].split(" bytes")[0])
+    # a tiny budget reads in a unit that shows its number (it once read "0.00 GiB")
+    assert "0.00 GiB" not in msg and "(976.56 KiB," in msg, msg
+    need = float(msg.split("smallest memory that would fit is ")[1].split(" (")[1].split(" bytes")[0])
     plans = search(prof, hw, 4, need * 1.01, global_batch=8)
     assert max(plans[0].prediction.stage_memory_bytes) <= need * 1.01
 
@@ -308,3 +310,10 @@ def test_heterogeneous_uneven_partition_matches_brute_force(types: tuple[int, ..
     if types == (0, 0, 0, 1, 1, 1):
         assert best.pp_division == (2, 4)
         assert times[2] < 0.8 * times[3]
+
+
+def test_format_bytes_shows_the_number() -> None:
+    from lightning_galv.units import format_bytes
+
+    assert [format_bytes(v) for v in (12, 1536, 7.49 * 2**20, 5 * 2**30, 3 * 2**40)] == \
+        ["12 B", "1.50 KiB", "7.49 MiB", "5.00 GiB", "3.00 TiB"]

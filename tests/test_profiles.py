@@ -76,6 +76,29 @@ def test_cache_uses_env_dir(tmp_path, monkeypatch) -> None:
     assert cache.load("model", key) == prof
 
 
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"kind": "ModelProfile", "bogus": 1}'])
+def test_corrupt_cache_file_error_names_the_file_and_folder(tmp_path, text: str) -> None:
+    cache = ProfileCache(tmp_path / "cache")
+    key = fingerprint({"model": SHAPE.to_dict()})
+    path = cache.save("model", key, ModelProfile.from_shape(SHAPE))
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        cache.load("model", key)
+    msg = str(err.value)
+    assert str(path) in msg and str(tmp_path / "cache") in msg and "HINT: delete this file" in msg, msg
+
+
+def test_corrupt_calibration_file_error_names_it(tmp_path) -> None:
+    from lightning_galv.planner.calibration import Calibration, calibration_path
+
+    path = calibration_path(tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{truncated")
+    with pytest.raises(ValueError, match="HINT: delete it") as err:
+        Calibration.load(path)
+    assert str(path) in str(err.value) and str(path.parent) in str(err.value)
+
+
 @pytest.mark.parametrize("make", [
     lambda: LinkFit(0.0),
     lambda: HardwareProfile(1, 0, 1.0, {link_key("allreduce", 2, True, True): LinkFit(1e9)}),

@@ -1,20 +1,85 @@
-"""LightningCLI entry for YAML recipes (``galv fit --config recipes/tiny_cpu.yaml``)."""
+"""LightningCLI entry for YAML recipes (``galv fit --config recipes/tiny_cpu.yaml``).
+
+Two things differ from a bare ``LightningCLI``:
+
+* **paths inside a recipe are relative to the recipe file**, not to the folder the command runs in, so a
+  recipe works from anywhere (``galv fit --config ~/r/tiny_cpu.yaml``). This covers the inputs a recipe
+  names (:data:`RECIPE_PATH_KEYS`: the strategy's plan file, the corpus files); a value given on the
+  command line instead stays relative to the current folder, like any command-line path;
+* runs without a progress bar print the training loss on rank 0 (:class:`~lightning_galv.callbacks.LossLog`).
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
+import yaml
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_galv  # noqa: F401  (registers the strategies)
 
+from ..callbacks.loss_log import LossLog
 from .corpus import ByteCorpus
 from .module import CausalLM
 
+# dotted keys of a recipe whose values are input files (a string, or a list of strings)
+RECIPE_PATH_KEYS = ("trainer.strategy.init_args.plan", "data.files")
 
-def cli_main(args: list[str] | None = None) -> LightningCLI:
+EXAMPLES = {
+    "fit": "galv fit --config recipes/tiny_cpu.yaml [--trainer.max_steps 10]",
+    "validate": "galv validate --config recipes/tiny_cpu.yaml --ckpt_path CKPT",
+    "test": "galv test --config recipes/tiny_cpu.yaml --ckpt_path CKPT",
+    "predict": "galv predict --config recipes/tiny_cpu.yaml --ckpt_path CKPT",
+}
+
+
+def _lookup(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _relative_to(base: Path, value: Any) -> Any:
+    """``value`` (a path string or a list of them) with each relative path joined to ``base``."""
+    if isinstance(value, str) and value and not os.path.isabs(value) and "\n" not in value:
+        return str(base / value)
+    if isinstance(value, list):
+        return [_relative_to(base, v) for v in value]
+    return value
+
+
+def resolve_recipe_paths(config: Any) -> None:
+    """Rewrite, in a parsed LightningCLI ``config``, each :data:`RECIPE_PATH_KEYS` value that a ``--config``
+    file set (and nothing later overrode) to be relative to that file's folder."""
+    for source in config.get("config") or []:
+        path = Path(getattr(source, "absolute", None) or str(source))
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            continue  # jsonargparse already read it; a file it could not read failed there
+        for key in RECIPE_PATH_KEYS:
+            given = _lookup(raw, key)
+            if given is not None and given == config.get(key):  # still the recipe's value
+                config[key] = _relative_to(path.parent, given)
+
+
+class GalvCLI(LightningCLI):
+    """``LightningCLI`` with recipe-relative paths (see the module docstring)."""
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        resolve_recipe_paths(config)
+
+
+def cli_main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    return LightningCLI(CausalLM, ByteCorpus, args=args, save_config_kwargs={"overwrite": True})
+    parser_kwargs: dict[str, Any] = {cmd: {"epilog": f"example: {ex}"} for cmd, ex in EXAMPLES.items()} if run else {}
+    return GalvCLI(CausalLM, ByteCorpus, args=args, run=run, save_config_kwargs={"overwrite": True},
+                   trainer_defaults={"callbacks": [LossLog(every=10)]}, parser_kwargs=parser_kwargs)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """The main job: train a tiny LLaMA-style model on CPU with a heterogeneous Galvatron plan.
 
 ``python -m lightning_galv.demo`` (or ``galv demo``) starts 4 gloo processes, prints the plan and a loss
-curve. ``--plan FILE`` trains with your plan; ``--auto`` lets the planner choose.
+curve. ``--plan FILE`` trains with your plan; ``--auto`` lets the planner choose. ``--steps`` may exceed
+one pass over the corpus: training continues into further epochs, and validation runs once, after the
+last step.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 from typing import Any
 
 import lightning.pytorch as L
@@ -37,40 +38,34 @@ def demo_plan(world_size: int = 4) -> ParallelPlan:
     )
 
 
-class LossCurve(L.Callback):
-    """Prints a compact loss curve on rank 0."""
+def check_demo_args(steps: int, devices: int, batch_size: int) -> None:
+    """Refuse what cannot train before any process starts (``--steps 0`` once died on a missing loss)."""
+    from ..errors import bad_value
 
-    def __init__(self, every: int = 5) -> None:
-        self.every, self.points = every, []
-        self.start = 0.0
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        loss = float(trainer.callback_metrics.get("train_loss", outputs["loss"]))
-        step = trainer.global_step
-        if trainer.is_global_zero and (step % self.every == 0 or step == 1):
-            self.points.append((step, loss))
-            bar = "#" * max(1, int(loss * 8))
-            print(f"step {step:4d}  loss {loss:6.3f}  {bar}", flush=True)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.is_global_zero:
-            print(f"trained {trainer.global_step} steps in {time.perf_counter() - self.start:.1f}s", flush=True)
+    if steps < 1:
+        raise bad_value(f"--steps {steps}", "must be >= 1 (the demo trains, then reports its final loss)",
+                        "e.g. --steps 40; any count works, also beyond one epoch")
+    if devices < 1:
+        raise bad_value(f"--devices {devices}", "must be >= 1", "e.g. --devices 4 (CPU processes)")
+    if batch_size < 1:
+        raise bad_value(f"--batch-size {batch_size}", "must be >= 1", "e.g. --batch-size 16")
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="galv demo", description=__doc__)
-    p.add_argument("--devices", type=int, default=4)
-    p.add_argument("--steps", type=int, default=40)
+    p = argparse.ArgumentParser(prog="galv demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="examples:\n  galv demo                      # 4 CPU ranks, 40 steps\n"
+                                       "  galv demo --auto --steps 20    # the planner picks the plan\n"
+                                       "  galv demo --plan recipes/plans/hetero4.yaml --model moe")
+    p.add_argument("--devices", type=int, default=4, help="CPU processes (default 4)")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps (>= 1; may span several epochs)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch (samples per step)")
     p.add_argument("--plan", default=None, help="plan file (YAML/JSON); default: the built-in heterogeneous plan")
     p.add_argument("--auto", action="store_true", help="let the planner search a plan for this machine")
     p.add_argument("--model", choices=("llama", "moe"), default="llama",
                    help="llama, or the MoE decoder (every block MoE; aux losses logged, not in train_loss)")
     args = p.parse_args(argv)
+    check_demo_args(args.steps, args.devices, args.batch_size)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -91,10 +86,15 @@ def main(argv: list[str] | None = None) -> None:
                          f"HINT: use a multiple of {shards}.")
     data = ByteCorpus(seq_len=DEMO_MODEL["max_seq_len"], batch_size=args.batch_size // shards)
     model = CausalLM(lr=3e-3, **(DEMO_MOE if args.model == "moe" else DEMO_MODEL))
+    from ..callbacks.loss_log import LossLog
+
+    # validation once, after the last step: counted in training batches across epochs (check_val_every_n_epoch
+    # =None), so --steps beyond one epoch (165 batches of the shipped corpus at batch 16) is fine
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
-                        callbacks=[LossCurve()], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=4,
-                        val_check_interval=args.steps, num_sanity_val_steps=0)
+                        max_epochs=-1, callbacks=[LossLog(every=5, bar=True)], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=4, val_check_interval=args.steps, check_val_every_n_epoch=None,
+                        num_sanity_val_steps=0)
     trainer.fit(model, datamodule=data)
     if trainer.is_global_zero:
         print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.3f}, "

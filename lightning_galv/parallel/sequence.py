@@ -85,13 +85,30 @@ class _GatherSeq(torch.autograd.Function):
         return _local_chunk(grad, ctx.group), None
 
 
+class _EqualAllToAll(torch.autograd.Function):
+    """All-to-all along dim 0 in ``P`` equal splits. With equal splits the exchange is its own inverse, so
+    backward sends the gradient through the same call. (torch.distributed.nn's differentiable version did
+    the same but warns on every rank that it is deprecated in torch 2.13.)"""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Differentiable all-to-all along dim 0 (``P`` equal splits); its backward is the inverse exchange."""
-    # torch.distributed.nn's version is differentiable and makes the incoming gradient contiguous.
-    from torch.distributed.nn.functional import all_to_all_single
-
-    x = x.contiguous()
-    return all_to_all_single(torch.empty_like(x), x, group=group)
+    return _EqualAllToAll.apply(x, group)
 
 
 def seq_all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

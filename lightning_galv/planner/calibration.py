@@ -199,7 +199,14 @@ class Calibration:
     @classmethod
     def load(cls, path: str | Path) -> "Calibration | None":
         p = Path(path)
-        return cls.from_json(p.read_text()) if p.is_file() else None
+        if not p.is_file():
+            return None
+        try:
+            return cls.from_json(p.read_text())
+        except (ValueError, TypeError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+            raise bad_value(str(p), f"calibration file is corrupt ({type(exc).__name__}: {exc})",
+                            f"delete it (the next monitored run writes a new one); it lives in the profile cache "
+                            f"folder {str(p.parent)!r} ($GALV_CACHE_DIR)") from exc
 
 
 def _scale_layer_type(lt: LayerTypeProfile, f: float, per_variant: Mapping[str, float] | None = None) -> LayerTypeProfile:

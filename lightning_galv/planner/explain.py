@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Sequence
 
 from ..plan import ParallelPlan
+from ..units import format_bytes
 from .profiles import ModelProfile
 
 GiB = float(2**30)
@@ -23,8 +24,8 @@ def explain(plans: Sequence[ParallelPlan], profile: ModelProfile, stats: dict[st
     lines = [f"searched {int(stats['configs'])} pipeline configurations ({int(stats['pruned_by_bound'])} skipped by "
              f"bound, {int(stats['infeasible'])} without a fitting plan; {int(stats['dp_runs'])} layer DPs, "
              f"{int(stats['shortcuts'])} closed-form) in {stats.get('wall_s', 0.0):.3f} s under "
-             f"{budget / GiB:.2f} GiB per device"
-             + (f" ({given / GiB:.2f} GiB less the safety margin)" if given is not None and given != budget else ""),
+             f"{format_bytes(budget)} per device"
+             + (f" ({format_bytes(given)} less the safety margin)" if given is not None and given != budget else ""),
              best.describe()]
     counts = list(best.pp_division or ())
     if best.pp > 1 and len(set(counts)) > 1:
@@ -33,7 +34,7 @@ def explain(plans: Sequence[ParallelPlan], profile: ModelProfile, stats: dict[st
     lines += _expert_lines(best, profile, stats)
     ck = sum(s.checkpoint for s in best.layers)
     if ck:
-        lines.append(f"  {ck} layers recompute activations: without it the stage would not fit {budget / GiB:.2f} GiB")
+        lines.append(f"  {ck} layers recompute activations: without it the stage would not fit {format_bytes(budget)}")
     if len(batches) > 1:
         lines.append(f"  batch sweep {batches[0]}..{batches[-1]}: best throughput at global batch {best.global_batch}")
         if profile.per_sample_only:

@@ -764,8 +764,15 @@ class ProfileCache:
         p = self.path(kind, key)
         if not p.is_file():
             return None
-        data = _loads(p.read_text(), kind)
-        return HardwareProfile.from_dict(data) if data.get("kind") == "HardwareProfile" else ModelProfile.from_dict(data)
+        try:
+            data = _loads(p.read_text(), kind)
+            return (HardwareProfile.from_dict(data) if data.get("kind") == "HardwareProfile"
+                    else ModelProfile.from_dict(data))
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+            # a half-written or hand-edited file: the user must know which file, and that deleting it is safe
+            raise bad_value(str(p), f"cached {kind} profile is corrupt ({type(exc).__name__}: {exc})",
+                            f"delete this file (it is re-measured on the next run) or clear the cache folder "
+                            f"{str(self.directory)!r} ($GALV_CACHE_DIR)") from exc
 
     def save(self, kind: str, key: str, profile: HardwareProfile | ModelProfile) -> Path:
         p = self.path(kind, key)

@@ -36,7 +36,8 @@ from typing import Iterable, Sequence
 from ..errors import bad_value
 from ..plan import SCHEDULES, ModelShape, ParallelPlan, divisors
 from .cost import CostModel, GalvatronCostModel
-from .explain import GiB, explain
+from ..units import format_bytes
+from .explain import explain
 from .profiles import HardwareProfile, ModelProfile
 from .searcher import Config, Searcher
 from .space import SearchSpace
@@ -185,12 +186,15 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
         fits = [r for r in (s.smallest_fit(c) for c in solvable) if r is not None]
         need, how = min(fits) if fits else (math.inf, "none")
         need /= 1.0 - memory_margin  # the budget to ask for, margin included
-        raise ValueError(
-            f"memory_budget_bytes={given:.0f} ({given / GiB:.2f} GiB, {budget / GiB:.2f} GiB usable after the "
+        error = ValueError(
+            f"memory_budget_bytes={given:.0f} ({format_bytes(given)}, {format_bytes(budget)} usable after the "
             f"{memory_margin:.0%} margin): no plan fits on {world} devices for "
-            f"global batch {batches}; the smallest memory that would fit is {need / GiB:.2f} GiB "
-            f"({need:.0f} bytes, {how}). HINT: raise the budget to at least {need / GiB:.2f} GiB, lower the "
+            f"global batch {batches}; the smallest memory that would fit is {format_bytes(need)} "
+            f"({need:.0f} bytes, {how}). HINT: raise the budget to at least {format_bytes(need)}, lower the "
             f"global batch, or allow more ZeRO stages / checkpointing / pipeline stages in the SearchSpace.")
+        # for callers that search several configurations and report the smallest fit once (automatic mode)
+        error.smallest_fit = (need, how)  # type: ignore[attr-defined]
+        raise error
     s.stats["usable_budget_bytes"] = budget
     return SearchResult(found, explain(found, profile, s.stats, budget, batches, given), s.stats)
 

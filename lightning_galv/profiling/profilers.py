@@ -550,8 +550,8 @@ class HardwareProfiler:
 
 def _reduce_scatter(out: torch.Tensor, buf: torch.Tensor, size: int, group: object) -> None:
     # no fallback: timing an all-reduce under the name "reducescatter" would corrupt the profile
-    # (gloo, NCCL and MPI all provide it in torch 2.13)
-    dist.reduce_scatter_tensor(out, buf, group=group)
+    # (gloo, NCCL and MPI all provide it in torch 2.13; reduce_scatter_tensor is its deprecated name)
+    dist.reduce_scatter_single(out, buf, group=group)
 
 
 def _all_to_all(buf: torch.Tensor, size: int, group: object) -> None:

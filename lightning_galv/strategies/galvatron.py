@@ -115,6 +115,9 @@ class GalvatronStrategy(ParallelStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
     ) -> None:
+        from ..known_warnings import silence_known_warnings
+
+        silence_known_warnings()  # library noise every rank would repeat (see known_warnings.py)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -247,6 +250,9 @@ class GalvatronStrategy(ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
+        from ..known_warnings import silence_known_warnings
+
+        silence_known_warnings()  # again here: ranks started by spawn/fork never ran __init__
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
@@ -256,8 +262,8 @@ class GalvatronStrategy(ParallelStrategy):
         if isinstance(self._plan_spec, ParallelPlan) and self._plan_spec.world_size != self.world_size:
             raise ValueError(f"plan world_size={self._plan_spec.world_size}: the Trainer runs {self.world_size} "
                              f"processes (devices x num_nodes). HINT: set devices={self._plan_spec.world_size}, or "
-                             "re-plan for this world size: lightning_galv.planner.search(model_profile, hardware, "
-                             f"{self.world_size}, budget), or strategy='galvatron' to search automatically.")
+                             f"re-plan for this world size (galv search --devices {self.world_size} --out plan.yaml), "
+                             "or strategy='galvatron' to search automatically.")
         assert self.cluster_environment is not None
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -296,7 +302,8 @@ class GalvatronStrategy(ParallelStrategy):
             assert self.mesh_factory is not None
             self.runtime = parallelize(self.model, self.plan, self.mesh_factory)
             self.precision_plugin = clip_across_meshes(self.precision_plugin, self.runtime)
-            rank_zero_info(self.plan.describe())
+            if self.auto is None:  # automatic mode printed the plan it chose, with its prediction, already
+                rank_zero_info(self.plan.describe())
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()  # never keep optimizers of an earlier setup
