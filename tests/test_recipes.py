@@ -40,7 +40,12 @@ def _losses(text: str) -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_trains_and_its_checkpoint_loads(recipe: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    # a fresh launch: no rank variables from a Trainer this process may have run (they would make rank 0 wait
+    # for an external launcher's other ranks)
+    launch_vars = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                   "GROUP_RANK"}
+    env = {**{k: v for k, v in os.environ.items() if k not in launch_vars},
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HF_DATASETS_OFFLINE": "1", "GALV_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "lightning_galv.cli", "fit", "--config", str(recipe), *TINY.get(recipe.name, []),
            "--trainer.max_steps", str(STEPS), "--trainer.default_root_dir", str(tmp_path / "run")]

@@ -1,0 +1,23 @@
+"""Test-wide fixtures.
+
+Every test runs with the environment it started with restored afterwards: Lightning's launchers write
+MASTER_ADDR / MASTER_PORT / NODE_RANK / LOCAL_RANK into ``os.environ`` of the process that runs a Trainer, and a
+later test that starts ``galv fit`` in a subprocess with that environment would make its rank 0 believe an
+external launcher started it (``LOCAL_RANK`` set) and wait forever for ranks that never come.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment() -> Iterator[None]:
+    saved = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    os.environ.update(saved)
