@@ -37,8 +37,7 @@ PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=2),
 # vocab-parallel heads (issue 9, item 5); CausalLM declares galv_vocab_parallel_loss, the plans do not
 VPL = ParallelPlan(4, embed=L(dp=4), layers=(L(dp=4), L(tp=2, dp=2), L(dp=4, zero=2)),
                    head=L(tp=2, dp=2, zero=2)).to_dict()
-VPL_MOE_CB = ParallelPlan(4, (L(dp=4, ep=2, zero=1), L(dp=4), L(dp=4, ep=2)), embed=L(dp=4), head=L(dp=4)).to_dict()
-PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=2),
+VPL_PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=2),
                        layers=(L(tp=2), L(dp=2, zero=3), L(dp=2, zero=1)), head=L(tp=2)).to_dict()
 
 
