@@ -25,6 +25,29 @@ from typing import Any, Callable, Collection
 from .plan import SCHEDULES, SP_MODES, LayerStrategy, ModelShape, ParallelPlan, divisors
 
 
+class RankCrashed(RuntimeError):
+    """A rank exited abnormally; ``returncode`` < 0 means a signal killed it (a C++ abort, a segfault)."""
+
+    def __init__(self, message: str, *, rank: int, returncode: int, own_log: str = "") -> None:
+        super().__init__(message)
+        self.rank, self.returncode, self.own_log = rank, returncode, own_log  # own_log: the dead rank's log tail
+
+    @property
+    def by_signal(self) -> bool:
+        return self.returncode < 0
+
+
+def _signal_name(code: int) -> str:
+    import signal
+
+    if code >= 0:
+        return ""
+    try:
+        return f", killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f", killed by signal {-code}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,8 +117,10 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
             for p in procs:
                 p.wait()
         if failed is not None:
-            raise RuntimeError(f"rank {failed} of {target} failed (exit {procs[failed].returncode}).\n"
-                               f"{_tails(logs, first=failed)}")
+            code = procs[failed].returncode
+            raise RankCrashed(f"rank {failed} of {target} failed (exit {code}{_signal_name(code)}).\n"
+                              f"{_tails(logs, first=failed)}", rank=failed, returncode=code,
+                              own_log=_tails(logs[failed:failed + 1]))
         results = [None if procs[r].returncode and r in may_die else
                    torch.load(Path(tmp) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
         for log in logs:

@@ -37,8 +37,8 @@ def test_faults_pruning_and_constraints_are_recorded_and_the_study_goes_on(tmp_p
     states = {t["number"]: (t["state"], t["reason"]) for t in res.trials}
     study = optuna.load_study(study_name="faults", storage=f"sqlite:///{tmp_path}/s.db")
     assert [s for s, _ in states.values()] == ["COMPLETE", "COMPLETE", "PRUNED", "FAIL", "COMPLETE", "FAIL"], \
-        [(t.number, t.state.name, t.user_attrs.get("fail_reason"), t.user_attrs.get("log_tail", "")[-600:])
-         for t in optuna.load_study(study_name="faults", storage=f"sqlite:///{tmp_path}/s.db").trials]
+        "\n".join(f"trial {t.number} {t.state.name} {t.user_attrs.get('fail_reason')}\n{t.user_attrs.get('log_tail', '')}"
+                  for t in optuna.load_study(study_name="faults", storage=f"sqlite:///{tmp_path}/s.db").trials)
     assert "crash" in states[3][1] and "injected crash" in states[3][1]
     assert states[4][1] == "out of memory"  # completed, constraint violated: never the best
     assert "timeout" in states[5][1]
@@ -51,6 +51,18 @@ def test_faults_pruning_and_constraints_are_recorded_and_the_study_goes_on(tmp_p
     import psutil
 
     assert not [p for p in psutil.process_iter(["cmdline"]) if "lightning_galv.testing" in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.distributed
+def test_a_rank_killed_by_a_signal_before_its_first_step_is_relaunched_once(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("GALV_TEST_ABORT_MARKER", str(tmp_path / "aborted"))
+    res = tune(MOD, DATA, devices=2, n_trials=1, storage=f"sqlite:///{tmp_path}/a.db", study_name="abort",
+               candidates=[_plan(L(dp=2))], warmup_steps=1, steps=2, trial_timeout=75,
+               extra_callbacks=("tune_factories:abort_once",), memory_budget="8GB", verbose=False)
+    assert (tmp_path / "aborted").exists()  # the fault did fire
+    t = optuna.load_study(study_name="abort", storage=f"sqlite:///{tmp_path}/a.db").trials[0]
+    assert t.state.name == "COMPLETE" and res.trials[0]["state"] == "COMPLETE"
+    assert "killed by SIGABRT" in t.user_attrs["relaunched_0"]
 
 
 @pytest.mark.slow

@@ -41,3 +41,20 @@ class Faults(L.Callback):
 
 def faults() -> Faults:
     return Faults()
+
+
+class AbortOnce(L.Callback):
+    """Rank 1 dies of SIGABRT at its first batch, once per marker file (a launch fault the tuner relaunches)."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        import os
+        from pathlib import Path
+
+        marker = Path(os.environ["GALV_TEST_ABORT_MARKER"])
+        if trainer.global_rank == 1 and trainer.global_step == 0 and not marker.exists():
+            marker.write_text("aborted once")
+            os.abort()
+
+
+def abort_once() -> AbortOnce:
+    return AbortOnce()

@@ -320,6 +320,8 @@ def _run_one(study: Any, trial: Any, plan: ParallelPlan, pid: int, module_factor
     import optuna
     from optuna.trial import TrialState
 
+    from ..testing import RankCrashed
+
     pred = _cost(model, hw, calibration).evaluate(plan) if plan.global_batch else None
     trial.set_user_attr("plan", plan.to_yaml())
     trial.set_user_attr("summary", summary(plan))
@@ -347,9 +349,22 @@ def _run_one(study: Any, trial: Any, plan: ParallelPlan, pid: int, module_factor
     tail: list[str] = []
     t0 = time.monotonic()
     try:
-        out = run_distributed("lightning_galv.tuning.trial:run_trial", devices,
-                              (plan.to_dict(), module_factory, data_factory, warmup, steps, report, tuple(extra)),
-                              init_process_group=False, timeout=timeout, poll=poll, log_tail=tail)[0]
+        for attempt in range(1 + LAUNCH_RETRIES):
+            tail.clear()
+            try:
+                out = run_distributed("lightning_galv.tuning.trial:run_trial", devices,
+                                      (plan.to_dict(), module_factory, data_factory, warmup, steps, report, tuple(extra)),
+                                      init_process_group=False, timeout=timeout, poll=poll, log_tail=tail)[0]
+                break
+            except RankCrashed as exc:
+                if attempt == LAUNCH_RETRIES or not _transient(exc, seen[0]):
+                    raise
+                # a rank killed by a signal before any measured step, with no Python error in its log: a
+                # launch fault (gloo's TCP transport can abort while pairs connect), not the plan's doing
+                trial.set_user_attr(f"relaunched_{attempt}", f"{str(exc).splitlines()[0][:200]}\n{tail[0][-1500:] if tail else ''}")
+                _say(verbose, f"trial {trial.number}: {str(exc).splitlines()[0][:120]} before its first step; relaunching")
+                if os.path.exists(report):
+                    os.unlink(report)
     except optuna.TrialPruned as exc:
         trial.set_user_attr("pruned_at", str(exc))
         study.tell(trial, state=TrialState.PRUNED)
@@ -381,6 +396,17 @@ def _run_one(study: Any, trial: Any, plan: ParallelPlan, pid: int, module_factor
     value = out["samples"] / step
     study.tell(trial, value)
     _say(verbose, f"trial {trial.number}: {value:.2f} samples/s ({summary(plan)})")
+
+
+LAUNCH_RETRIES = 1  # relaunches of a trial whose ranks died of a signal before their first measured step
+
+
+def _transient(exc: Any, measured_steps: int) -> bool:
+    """A crash worth one relaunch: signal-killed, before any measured step, no Python error in its own log.
+
+    (The surviving ranks' logs do show errors -- their peer vanished -- so only the dead rank's log counts.)
+    """
+    return exc.by_signal and measured_steps == 0 and _last_error(exc.own_log) is None
 
 
 def _last_error(log: str) -> str | None:
