@@ -121,3 +121,109 @@ def test_galv_tune_refuses_a_config_without_the_factories(tmp_path) -> None:
     cfg.write_text("devices: 2\n")
     with pytest.raises(SystemExit, match=r"module_factory, data_factory and devices.*HINT"):
         main(["tune", "--config", str(cfg)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# batch-size search (largest_batch)
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("curve", ["linear", "convex", "noisy"])
+def test_batch_search_brackets_the_boundary_by_measurement(curve: str) -> None:
+    """From any start and with any slope hint, the k returned fit, k + 1 was measured not to, and the number
+    of probes stays logarithmic in how far the start was off."""
+    import math
+    import random
+
+    from lightning_galv.tuning.batch import search_units
+
+    rng = random.Random(1)
+    for trial in range(200):
+        base, per = rng.uniform(100, 400), rng.uniform(0.5, 8)
+        limit = rng.choice([1, 7, 64, 5000])
+        budget = base + per * rng.uniform(-2, limit * 1.2)
+        start = rng.randint(1, limit)
+        slope = rng.choice([None, per, per / 3, per * 5])
+
+        def peak(k: int) -> float:
+            p = base + per * k
+            if curve == "convex":
+                p += 0.002 * per * k * k
+            if curve == "noisy":  # monotone still: noise smaller than one unit's growth
+                p += (hash((k, trial)) % 100) / 100 * per * 0.9
+            return p
+
+        k, capped, peaks = search_units(peak, budget, start, limit, slope)
+        if k is None:
+            assert peaks[1] > budget and not capped
+            continue
+        assert peaks[k] <= budget
+        if capped:
+            assert k == limit
+        else:
+            assert peaks[k + 1] > budget, (k, peaks)
+        truth = max((j for j in range(1, limit + 1) if peak(j) <= budget), default=None)
+        assert k == truth
+        assert len(peaks) <= 6 + 3 * math.ceil(math.log2(abs(start - k) + 2)), (start, k, list(peaks))
+
+
+def test_batch_search_with_an_accurate_start_takes_two_probes() -> None:
+    from lightning_galv.tuning.batch import search_units
+
+    probes: list[int] = []
+
+    def peak(k: int) -> float:
+        probes.append(k)
+        return 300.0 + 5.0 * k
+
+    assert search_units(peak, 352.0, start=10, limit=100)[0] == 10
+    assert probes == [10, 11]
+
+
+def test_predicted_largest_batch_is_the_cost_models_boundary() -> None:
+    from lightning_galv.plan import ModelShape
+    from lightning_galv.planner import GalvatronCostModel, HardwareProfile, ModelProfile
+    from lightning_galv.tuning.batch import predicted_largest_batch
+
+    model = ModelProfile.from_shape(ModelShape(4, 256, 8, 8, 1024, 1000, 512), framework_bytes=2**28)
+    hw = HardwareProfile.uniform(1, 4, 8 * 2**30)
+    cost = GalvatronCostModel(model, hw, runtime="native")
+    plan = ParallelPlan.uniform(4, 4, L(tp=2, dp=2), pp=1)
+    peak = lambda gb: cost.evaluate(plan.with_(global_batch=gb)).peak_memory_bytes  # noqa: E731
+    budget = (peak(40) + peak(42)) / 2
+    assert predicted_largest_batch(cost, plan, budget, 10_000) == 40
+    assert predicted_largest_batch(cost, plan, budget, 20) == 20  # capped
+    assert predicted_largest_batch(cost, plan, peak(2) - 1, 10_000) is None
+
+
+def test_largest_batch_refuses_bad_input_with_a_hint(tmp_path) -> None:
+    from lightning_galv.tuning import largest_batch
+
+    plan = _plan(L(dp=2))
+    for kwargs, exc, pattern in [
+        ({"devices": 4}, ValueError, r"devices=4.*world_size=2.*HINT"),
+        ({"devices": 2, "start": 3}, ValueError, r"start=3.*batch unit 2.*HINT"),
+        ({"devices": 2, "max_global_batch": 1}, ValueError, r"max_global_batch=1.*HINT"),
+        ({"devices": 2, "steps": 0}, ValueError, r"steps=0.*HINT"),
+        ({"devices": True}, TypeError, r"devices=True.*HINT"),
+        ({"devices": 2, "memory_budget": "lots"}, ValueError, r"memory_budget='lots'.*HINT"),
+        ({"devices": 2, "trial_timeout": 0}, ValueError, r"trial_timeout=0.*HINT"),
+    ]:
+        with pytest.raises(exc, match=pattern):
+            largest_batch(MOD, DATA, plan, **kwargs)
+    with pytest.raises(TypeError, match=r"plan=dict.*HINT"):
+        largest_batch(MOD, DATA, plan.to_dict(), devices=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"factory.*HINT"):
+        largest_batch("no_colon", DATA, plan, devices=2)
+
+
+def test_make_data_resizes_the_users_loader() -> None:
+    from torch.utils.data import DataLoader
+
+    from lightning_galv.tuning.trial import make_data
+
+    rebuilt = make_data(DATA, 16)  # a plain DataLoader, rebuilt around the same dataset
+    assert isinstance(rebuilt, DataLoader) and rebuilt.batch_size == 16 and len(rebuilt.dataset) == 64
+    assert next(iter(rebuilt)).shape == (16, 17)
+    assert make_data("tune_factories:wide_data", 5).batch_size == 5  # a factory with batch_size=
+    assert make_data(DATA, None).batch_size == 4  # untouched
+    with pytest.raises(TypeError, match=r"batch size cannot be set.*HINT"):
+        make_data("tune_factories:tiny_module", 4)
