@@ -227,3 +227,56 @@ def test_make_data_resizes_the_users_loader() -> None:
     assert make_data(DATA, None).batch_size == 4  # untouched
     with pytest.raises(TypeError, match=r"batch size cannot be set.*HINT"):
         make_data("tune_factories:tiny_module", 4)
+
+
+def test_galv_tune_batch_size_refuses_a_missing_plan_and_unknown_keys(tmp_path) -> None:
+    from lightning_galv.cli import main
+
+    cfg = tmp_path / "tune.yaml"
+    cfg.write_text(f"module_factory: {MOD}\ndata_factory: {DATA}\ndevices: 2\nn_trials: 3\n")
+    with pytest.raises(SystemExit, match=r"--batch-size: which plan\?.*HINT"):
+        main(["tune", "--config", str(cfg), "--batch-size"])
+    with pytest.raises(SystemExit, match=r"--plan is only read with --batch-size.*HINT"):
+        main(["tune", "--config", str(cfg), "--plan", "p.yaml"])
+    cfg.write_text(f"module_factory: {MOD}\ndata_factory: {DATA}\ndevices: 2\nbogus: 1\n")
+    _plan(L(dp=2)).save(tmp_path / "p.yaml")
+    with pytest.raises(SystemExit, match=r"unknown config keys \['bogus'\].*HINT"):
+        main(["tune", "--config", str(cfg), "--batch-size", "--plan", str(tmp_path / "p.yaml")])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_largest_batch_fits_and_one_unit_more_does_not(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """2 CPU ranks, a model whose memory is mostly per-sample logits. The budget is set between two measured
+    peaks (1 and 16 samples per shard), so the boundary lies inside the range searched; the search must
+    start from the cost model's prediction, return a batch its own trials measured to fit with one unit
+    more measured not to, and log how many trials that took."""
+    from lightning_galv.testing import run_distributed
+    from lightning_galv.tuning import largest_batch
+
+    mod, data = "tune_factories:wide_module", "tune_factories:wide_data"
+    plan = _plan(L(dp=2)).with_(global_batch=None)
+
+    def peak(shard: int) -> float:
+        out = run_distributed("lightning_galv.tuning.trial:run_trial", 2,
+                              (plan.to_dict(), mod, data, 1, 1, None, (), shard), init_process_group=False,
+                              timeout=120)[0]
+        assert out["min_shard_batch"] == shard
+        return out["peak_bytes"]
+
+    low, high = peak(1), peak(16)
+    assert high > low + 32 * 2**20, (low, high)  # ~4 MiB per sample: far above the RSS noise
+    budget = (low + high) / 2
+    res = largest_batch(mod, data, plan, devices=2, memory_budget=budget, max_global_batch=64, trial_timeout=120)
+    by_batch = {t.global_batch: t for t in res.trials}
+    assert res.predicted_global_batch is not None and res.trials[0].global_batch == res.predicted_global_batch
+    assert not res.capped and 2 < res.global_batch < 32, res.table()
+    assert by_batch[res.global_batch].fits and by_batch[res.global_batch].peak_bytes <= budget
+    above = by_batch[res.global_batch + plan.batch_unit]
+    assert not above.fits and above.peak_bytes > budget, res.table()
+    assert res.plan.global_batch == res.global_batch and res.shard_batch == res.global_batch // 2
+    assert res.micro_batch == res.global_batch and res.n_trials == len(res.trials) <= 8
+    assert f"after {res.n_trials} trials" in capsys.readouterr().out
+    import psutil
+
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "lightning_galv.testing" in " ".join(p.info["cmdline"] or [])]
