@@ -280,3 +280,37 @@ def test_largest_batch_fits_and_one_unit_more_does_not(tmp_path, capsys: pytest.
     import psutil
 
     assert not [p for p in psutil.process_iter(["cmdline"]) if "lightning_galv.testing" in " ".join(p.info["cmdline"] or [])]
+
+
+def test_neighbours_of_an_moe_plan_change_the_expert_parallel_degree_of_the_moe_layers_only() -> None:
+    """ep is a neighbour dimension for MoE models: all MoE layers move to one new ep (dividing both their data
+    group and their experts), dense layers keep ep=1, everything else is untouched; the cost model prices
+    every neighbour (so none is a plan the runtime would refuse); a tp change keeps ep where it still fits."""
+    from dataclasses import replace
+
+    from lightning_galv.plan import ModelShape
+    from lightning_galv.planner import GalvatronCostModel, HardwareProfile, ModelProfile
+    from lightning_galv.planner.profiles import MoELayerFacts
+
+    shape = ModelShape(4, 64, 4, 4, 128, 256, 32)
+    model = ModelProfile.from_shape(shape, moe=MoELayerFacts.swiglu(64, num_experts=4, top_k=2, expert_hidden=64),
+                                    moe_layers=(1, 3))
+    cost = GalvatronCostModel(model, HardwareProfile.uniform(1, 8, 80 * 2**30), runtime="native")
+    base = ParallelPlan.uniform(8, 4, L(dp=8), global_batch=16)
+    nbs = neighbours(base, model)
+    eps = sorted({n.layers[1].ep for n in nbs if n.layers[1].ep > 1})
+    assert eps == [2, 4]  # 8 does not divide the 4 experts
+    for n in nbs:
+        assert n.layers[0].ep == n.layers[2].ep == 1
+        cost.evaluate(n)
+    ep_moves = [n for n in nbs if n.layers[1].ep > 1]
+    assert all(n.layers[1] == n.layers[3] == replace(base.layers[1], ep=n.layers[1].ep) for n in ep_moves)
+    assert all(n.layers[0] == base.layers[0] and (n.embed, n.head) == (base.embed, base.head) for n in ep_moves)
+    assert not [n for n in neighbours(base, shape) if any(s.ep > 1 for s in n.layers)]  # a shape knows no experts
+    ep4 = base.with_(layers=tuple(replace(s, ep=4) if i in (1, 3) else s for i, s in enumerate(base.layers)))
+    back = {n.layers[1].ep for n in neighbours(ep4, model)}
+    assert {1, 2, 4} <= back  # back down, sideways; ep4 stays where tp2 x dp4 still allows it
+    tp2 = [n for n in neighbours(ep4, model) if n.layers[1].tp == 2 and n.layers[1].sp == "none"]
+    assert tp2 and tp2[0].layers[1].ep == 4 and tp2[0].layers[0].ep == 1
+    tp4 = [n for n in neighbours(ep4, model) if n.layers[1].tp == 4 and n.layers[1].sp == "none"]
+    assert tp4 and all(n.layers[1].ep == 1 for n in tp4)  # dp=2 cannot hold ep=4: reset
