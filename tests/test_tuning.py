@@ -314,3 +314,30 @@ def test_neighbours_of_an_moe_plan_change_the_expert_parallel_degree_of_the_moe_
     assert tp2 and tp2[0].layers[1].ep == 4 and tp2[0].layers[0].ep == 1
     tp4 = [n for n in neighbours(ep4, model) if n.layers[1].tp == 4 and n.layers[1].sp == "none"]
     assert tp4 and all(n.layers[1].ep == 1 for n in tp4)  # dp=2 cannot hold ep=4: reset
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_largest_batch_counts_out_of_memory_as_not_fitting_and_raises_on_a_crash() -> None:
+    """An out-of-memory error (injected at 4 samples per shard) is "does not fit"; a crash (at 8) is an error."""
+    from lightning_galv.tuning import largest_batch
+
+    plan = _plan(L(dp=2))
+    res = largest_batch(MOD, "tune_factories:faulty_data", plan, devices=2, memory_budget="64GB", start=6,
+                        max_global_batch=64, trial_timeout=120, verbose=False)
+    assert res.global_batch == 6 and res.shard_batch == 3 and res.predicted_global_batch is None
+    assert [(t.global_batch, t.fits) for t in res.trials] == [(6, True), (8, False)]
+    assert res.trials[1].peak_bytes == float("inf")
+    with pytest.raises(RuntimeError, match=r"global batch 16 \(8 per shard\) crashed.*not 'does not fit'"
+                                           r"(.|\n)*injected crash at batch 8"):
+        largest_batch(MOD, "tune_factories:faulty_data", plan, devices=2, memory_budget="64GB", start=16,
+                      max_global_batch=64, trial_timeout=120, verbose=False)
+
+
+def test_the_dataset_bounds_the_batch_search() -> None:
+    """64 samples on 2 shards fill 2 steps of at most 16 per shard: the search never asks for more."""
+    from lightning_galv.tuning.batch import data_cap
+
+    assert data_cap(DATA, _plan(L(dp=2)), steps=2) == 32
+    assert data_cap(DATA, _plan(L(dp=2)), steps=3) == 20  # 32 // 3 = 10 per shard
+    assert data_cap(DATA, ParallelPlan.uniform(2, 2, L(tp=2), global_batch=2), steps=4) == 16  # one shard: 64 // 4

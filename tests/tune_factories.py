@@ -54,3 +54,17 @@ def wide_module() -> CausalLM:
 def wide_data(batch_size: int = 2) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     return DataLoader(torch.randint(0, 4096, (256, 65), generator=g), batch_size=batch_size)
+
+
+def _faulty_collate(rows: list[torch.Tensor]) -> torch.Tensor:
+    """By batch size: >= 8 a crash (a bug, not memory), >= 4 out of memory, else the batch."""
+    if len(rows) >= 8:
+        raise RuntimeError(f"injected crash at batch {len(rows)}")
+    if len(rows) >= 4:
+        raise torch.OutOfMemoryError(f"injected: out of memory at batch {len(rows)}")
+    return torch.stack(rows)
+
+
+def faulty_data(batch_size: int = 2) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(torch.randint(0, 64, (64, 17), generator=g), batch_size=batch_size, collate_fn=_faulty_collate)

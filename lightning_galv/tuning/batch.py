@@ -227,6 +227,15 @@ def largest_batch(module_factory: str, data_factory: str, plan: ParallelPlan | s
                         "trial_timeout=600.")
     budget = parse_bytes(memory_budget) if memory_budget is not None else default_budget(devices)
     load_object(module_factory), load_object(data_factory)  # fail here, not in every trial
+    cap = data_cap(data_factory, plan, warmup_steps + steps)
+    if cap is not None and cap < max_global_batch:
+        if cap < unit:
+            raise bad_value(f"data_factory={data_factory!r}", f"its dataset cannot fill {warmup_steps + steps} "
+                            f"batches of one batch unit ({unit} samples) on {plan.data_parallel_size} shards",
+                            "give the search more samples, or fewer warmup_steps / steps.")
+        _say(verbose, f"batch search: the dataset holds at most global batch {cap} for {warmup_steps + steps} "
+                      "full steps; searching up to it")
+        max_global_batch = cap
 
     predicted: int | None = None
     slope: float | None = None
@@ -276,6 +285,27 @@ def largest_batch(module_factory: str, data_factory: str, plan: ParallelPlan | s
                   f"trials{' (capped at max_global_batch)' if capped else ''}; predicted {predicted}")
     return BatchSearch(plan.with_(global_batch=gb, prediction=None), gb, gb // plan.micro_batches,
                        gb // plan.data_parallel_size, budget, predicted, capped, trials)
+
+
+def data_cap(data_factory: str, plan: ParallelPlan, steps: int) -> int | None:
+    """The largest global batch (a multiple of the plan's batch unit) whose ``steps`` batches per data shard
+    the factory's dataset can fill, or None when its length is not known (a DataModule before setup, an
+    iterable dataset). Why: a short loader ends an epoch with a partial batch, and a trial on a smaller
+    batch than asked would measure the wrong thing -- better to bound the search than to probe past it."""
+    from .trial import make_data
+
+    from torch.utils.data import DataLoader
+
+    data = make_data(data_factory, None)
+    try:
+        n = len(data.dataset) if isinstance(data, DataLoader) else None
+    except TypeError:  # an iterable dataset without a length
+        n = None
+    if n is None:
+        return None
+    per_shard = n // plan.data_parallel_size  # what the distributed sampler gives each shard (at least)
+    gb = per_shard // steps * plan.data_parallel_size
+    return gb - gb % plan.batch_unit
 
 
 def _predict(module_factory: str, data_factory: str, plan: ParallelPlan, devices: int, budget: float,
