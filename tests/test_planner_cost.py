@@ -250,3 +250,18 @@ def test_recompute_peak_counts_after_the_head_is_freed() -> None:
     states = 4 * 16 * 1_000_000  # blocks (this profile gives embedding and head no parameters)
     fixed = states + 2 * 1e6  # + head activations of the micro-batch (embedding act 0 in this profile)
     assert got == pytest.approx(fixed + 4 * c.act + (c.transient - 2 * 1e6))
+
+
+def test_vocab_parallel_embedding_golden() -> None:
+    """tp=2 embedding, b=2 samples, seq 100, hidden 10, bf16, 1e6 B/s, no latency, no embedding compute: its
+    output (2*100*10*2 = 4000 bytes) is all-reduced over the 2 ranks (ring factor 2*(1/2) = 1): 4 ms in the
+    forward, nothing in the backward; a tp=1 embedding communicates nothing per micro-batch."""
+    cm = GalvatronCostModel(profile(params=0), hardware(bw=1e6))
+    ctx = StageContext(stage_size=2, micro_batch=2, micro_batches=1)
+    vocab = cm.end_cost(LayerStrategy(tp=2), ctx, True, False)
+    assert vocab.fwd == pytest.approx(4e-3) and vocab.bwd == 0.0
+    assert cm.end_cost(LayerStrategy(dp=2), ctx, True, False).fwd == 0.0
+    # whole plans: only the embedding differs, so the step times differ by exactly that all-reduce
+    plan = ParallelPlan.uniform(2, 4, LayerStrategy(dp=2), global_batch=2)
+    a = cm.evaluate(plan.with_(embed=LayerStrategy(tp=2), head=LayerStrategy(dp=2)))
+    assert a.step_time_s - cm.evaluate(plan).step_time_s == pytest.approx(4e-3)

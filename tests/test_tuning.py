@@ -133,3 +133,223 @@ def test_galv_tune_refuses_a_config_without_the_factories(tmp_path) -> None:
     cfg.write_text("devices: 2\n")
     with pytest.raises(SystemExit, match=r"module_factory, data_factory and devices.*HINT"):
         main(["tune", "--config", str(cfg)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# batch-size search (largest_batch)
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("curve", ["linear", "convex", "noisy"])
+def test_batch_search_brackets_the_boundary_by_measurement(curve: str) -> None:
+    """From any start and with any slope hint, the k returned fit, k + 1 was measured not to, and the number
+    of probes stays logarithmic in how far the start was off."""
+    import math
+    import random
+
+    from lightning_galv.tuning.batch import search_units
+
+    rng = random.Random(1)
+    for trial in range(200):
+        base, per = rng.uniform(100, 400), rng.uniform(0.5, 8)
+        limit = rng.choice([1, 7, 64, 5000])
+        budget = base + per * rng.uniform(-2, limit * 1.2)
+        start = rng.randint(1, limit)
+        slope = rng.choice([None, per, per / 3, per * 5])
+
+        def peak(k: int) -> float:
+            p = base + per * k
+            if curve == "convex":
+                p += 0.002 * per * k * k
+            if curve == "noisy":  # monotone still: noise smaller than one unit's growth
+                p += (hash((k, trial)) % 100) / 100 * per * 0.9
+            return p
+
+        k, capped, peaks = search_units(peak, budget, start, limit, slope)
+        if k is None:
+            assert peaks[1] > budget and not capped
+            continue
+        assert peaks[k] <= budget
+        if capped:
+            assert k == limit
+        else:
+            assert peaks[k + 1] > budget, (k, peaks)
+        truth = max((j for j in range(1, limit + 1) if peak(j) <= budget), default=None)
+        assert k == truth
+        assert len(peaks) <= 6 + 3 * math.ceil(math.log2(abs(start - k) + 2)), (start, k, list(peaks))
+
+
+def test_batch_search_with_an_accurate_start_takes_two_probes() -> None:
+    from lightning_galv.tuning.batch import search_units
+
+    probes: list[int] = []
+
+    def peak(k: int) -> float:
+        probes.append(k)
+        return 300.0 + 5.0 * k
+
+    assert search_units(peak, 352.0, start=10, limit=100)[0] == 10
+    assert probes == [10, 11]
+
+
+def test_predicted_largest_batch_is_the_cost_models_boundary() -> None:
+    from lightning_galv.plan import ModelShape
+    from lightning_galv.planner import GalvatronCostModel, HardwareProfile, ModelProfile
+    from lightning_galv.tuning.batch import predicted_largest_batch
+
+    model = ModelProfile.from_shape(ModelShape(4, 256, 8, 8, 1024, 1000, 512), framework_bytes=2**28)
+    hw = HardwareProfile.uniform(1, 4, 8 * 2**30)
+    cost = GalvatronCostModel(model, hw, runtime="native")
+    plan = ParallelPlan.uniform(4, 4, L(tp=2, dp=2), pp=1)
+    peak = lambda gb: cost.evaluate(plan.with_(global_batch=gb)).peak_memory_bytes  # noqa: E731
+    budget = (peak(40) + peak(42)) / 2
+    assert predicted_largest_batch(cost, plan, budget, 10_000) == 40
+    assert predicted_largest_batch(cost, plan, budget, 20) == 20  # capped
+    assert predicted_largest_batch(cost, plan, peak(2) - 1, 10_000) is None
+
+
+def test_largest_batch_refuses_bad_input_with_a_hint(tmp_path) -> None:
+    from lightning_galv.tuning import largest_batch
+
+    plan = _plan(L(dp=2))
+    for kwargs, exc, pattern in [
+        ({"devices": 4}, ValueError, r"devices=4.*world_size=2.*HINT"),
+        ({"devices": 2, "start": 3}, ValueError, r"start=3.*batch unit 2.*HINT"),
+        ({"devices": 2, "max_global_batch": 1}, ValueError, r"max_global_batch=1.*HINT"),
+        ({"devices": 2, "steps": 0}, ValueError, r"steps=0.*HINT"),
+        ({"devices": True}, TypeError, r"devices=True.*HINT"),
+        ({"devices": 2, "memory_budget": "lots"}, ValueError, r"memory_budget='lots'.*HINT"),
+        ({"devices": 2, "trial_timeout": 0}, ValueError, r"trial_timeout=0.*HINT"),
+    ]:
+        with pytest.raises(exc, match=pattern):
+            largest_batch(MOD, DATA, plan, **kwargs)
+    with pytest.raises(TypeError, match=r"plan=dict.*HINT"):
+        largest_batch(MOD, DATA, plan.to_dict(), devices=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"factory.*HINT"):
+        largest_batch("no_colon", DATA, plan, devices=2)
+
+
+def test_make_data_resizes_the_users_loader() -> None:
+    from torch.utils.data import DataLoader
+
+    from lightning_galv.tuning.trial import make_data
+
+    rebuilt = make_data(DATA, 16)  # a plain DataLoader, rebuilt around the same dataset
+    assert isinstance(rebuilt, DataLoader) and rebuilt.batch_size == 16 and len(rebuilt.dataset) == 64
+    assert next(iter(rebuilt)).shape == (16, 17)
+    assert make_data("tune_factories:wide_data", 5).batch_size == 5  # a factory with batch_size=
+    assert make_data(DATA, None).batch_size == 4  # untouched
+    with pytest.raises(TypeError, match=r"batch size cannot be set.*HINT"):
+        make_data("tune_factories:tiny_module", 4)
+
+
+def test_galv_tune_batch_size_refuses_a_missing_plan_and_unknown_keys(tmp_path) -> None:
+    from lightning_galv.cli import main
+
+    cfg = tmp_path / "tune.yaml"
+    cfg.write_text(f"module_factory: {MOD}\ndata_factory: {DATA}\ndevices: 2\nn_trials: 3\n")
+    with pytest.raises(SystemExit, match=r"--batch-size: which plan\?.*HINT"):
+        main(["tune", "--config", str(cfg), "--batch-size"])
+    with pytest.raises(SystemExit, match=r"--plan is only read with --batch-size.*HINT"):
+        main(["tune", "--config", str(cfg), "--plan", "p.yaml"])
+    cfg.write_text(f"module_factory: {MOD}\ndata_factory: {DATA}\ndevices: 2\nbogus: 1\n")
+    _plan(L(dp=2)).save(tmp_path / "p.yaml")
+    with pytest.raises(SystemExit, match=r"unknown config keys \['bogus'\].*HINT"):
+        main(["tune", "--config", str(cfg), "--batch-size", "--plan", str(tmp_path / "p.yaml")])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_largest_batch_fits_and_one_unit_more_does_not(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """2 CPU ranks, a model whose memory is mostly per-sample logits. The budget is set between two measured
+    peaks (1 and 16 samples per shard), so the boundary lies inside the range searched; the search must
+    start from the cost model's prediction, return a batch its own trials measured to fit with one unit
+    more measured not to, and log how many trials that took."""
+    from lightning_galv.testing import run_distributed
+    from lightning_galv.tuning import largest_batch
+
+    mod, data = "tune_factories:wide_module", "tune_factories:wide_data"
+    plan = _plan(L(dp=2)).with_(global_batch=None)
+
+    def peak(shard: int) -> float:
+        out = run_distributed("lightning_galv.tuning.trial:run_trial", 2,
+                              (plan.to_dict(), mod, data, 1, 1, None, (), shard), init_process_group=False,
+                              timeout=120)[0]
+        assert out["min_shard_batch"] == shard
+        return out["peak_bytes"]
+
+    low, high = peak(1), peak(16)
+    assert high > low + 32 * 2**20, (low, high)  # ~4 MiB per sample: far above the RSS noise
+    budget = (low + high) / 2
+    res = largest_batch(mod, data, plan, devices=2, memory_budget=budget, max_global_batch=64, trial_timeout=120)
+    by_batch = {t.global_batch: t for t in res.trials}
+    assert res.predicted_global_batch is not None and res.trials[0].global_batch == res.predicted_global_batch
+    assert not res.capped and 2 < res.global_batch < 32, res.table()
+    assert by_batch[res.global_batch].fits and by_batch[res.global_batch].peak_bytes <= budget
+    above = by_batch[res.global_batch + plan.batch_unit]
+    assert not above.fits and above.peak_bytes > budget, res.table()
+    assert res.plan.global_batch == res.global_batch and res.shard_batch == res.global_batch // 2
+    assert res.micro_batch == res.global_batch and res.n_trials == len(res.trials) <= 8
+    assert f"after {res.n_trials} trials" in capsys.readouterr().out
+    import psutil
+
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "lightning_galv.testing" in " ".join(p.info["cmdline"] or [])]
+
+
+def test_neighbours_of_an_moe_plan_change_the_expert_parallel_degree_of_the_moe_layers_only() -> None:
+    """ep is a neighbour dimension for MoE models: all MoE layers move to one new ep (dividing both their data
+    group and their experts), dense layers keep ep=1, everything else is untouched; the cost model prices
+    every neighbour (so none is a plan the runtime would refuse); a tp change keeps ep where it still fits."""
+    from dataclasses import replace
+
+    from lightning_galv.plan import ModelShape
+    from lightning_galv.planner import GalvatronCostModel, HardwareProfile, ModelProfile
+    from lightning_galv.planner.profiles import MoELayerFacts
+
+    shape = ModelShape(4, 64, 4, 4, 128, 256, 32)
+    model = ModelProfile.from_shape(shape, moe=MoELayerFacts.swiglu(64, num_experts=4, top_k=2, expert_hidden=64),
+                                    moe_layers=(1, 3))
+    cost = GalvatronCostModel(model, HardwareProfile.uniform(1, 8, 80 * 2**30), runtime="native")
+    base = ParallelPlan.uniform(8, 4, L(dp=8), global_batch=16)
+    nbs = neighbours(base, model)
+    eps = sorted({n.layers[1].ep for n in nbs if n.layers[1].ep > 1})
+    assert eps == [2, 4]  # 8 does not divide the 4 experts
+    for n in nbs:
+        assert n.layers[0].ep == n.layers[2].ep == 1
+        cost.evaluate(n)
+    ep_moves = [n for n in nbs if n.layers[1].ep > 1]
+    assert all(n.layers[1] == n.layers[3] == replace(base.layers[1], ep=n.layers[1].ep) for n in ep_moves)
+    assert all(n.layers[0] == base.layers[0] and (n.embed, n.head) == (base.embed, base.head) for n in ep_moves)
+    assert not [n for n in neighbours(base, shape) if any(s.ep > 1 for s in n.layers)]  # a shape knows no experts
+    ep4 = base.with_(layers=tuple(replace(s, ep=4) if i in (1, 3) else s for i, s in enumerate(base.layers)))
+    back = {n.layers[1].ep for n in neighbours(ep4, model)}
+    assert {1, 2, 4} <= back  # back down, sideways; ep4 stays where tp2 x dp4 still allows it
+    tp2 = [n for n in neighbours(ep4, model) if n.layers[1].tp == 2 and n.layers[1].sp == "none"]
+    assert tp2 and tp2[0].layers[1].ep == 4 and tp2[0].layers[0].ep == 1
+    tp4 = [n for n in neighbours(ep4, model) if n.layers[1].tp == 4 and n.layers[1].sp == "none"]
+    assert tp4 and all(n.layers[1].ep == 1 for n in tp4)  # dp=2 cannot hold ep=4: reset
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_largest_batch_counts_out_of_memory_as_not_fitting_and_raises_on_a_crash() -> None:
+    """An out-of-memory error (injected at 4 samples per shard) is "does not fit"; a crash (at 8) is an error."""
+    from lightning_galv.tuning import largest_batch
+
+    plan = _plan(L(dp=2))
+    res = largest_batch(MOD, "tune_factories:faulty_data", plan, devices=2, memory_budget="64GB", start=6,
+                        max_global_batch=64, trial_timeout=120, verbose=False)
+    assert res.global_batch == 6 and res.shard_batch == 3 and res.predicted_global_batch is None
+    assert [(t.global_batch, t.fits) for t in res.trials] == [(6, True), (8, False)]
+    assert res.trials[1].peak_bytes == float("inf")
+    with pytest.raises(RuntimeError, match=r"global batch 16 \(8 per shard\) crashed.*not 'does not fit'"
+                                           r"(.|\n)*injected crash at batch 8"):
+        largest_batch(MOD, "tune_factories:faulty_data", plan, devices=2, memory_budget="64GB", start=16,
+                      max_global_batch=64, trial_timeout=120, verbose=False)
+
+
+def test_the_dataset_bounds_the_batch_search() -> None:
+    """64 samples on 2 shards fill 2 steps of at most 16 per shard: the search never asks for more."""
+    from lightning_galv.tuning.batch import data_cap
+
+    assert data_cap(DATA, _plan(L(dp=2)), steps=2) == 32
+    assert data_cap(DATA, _plan(L(dp=2)), steps=3) == 20  # 32 // 3 = 10 per shard
+    assert data_cap(DATA, ParallelPlan.uniform(2, 2, L(tp=2), global_batch=2), steps=4) == 16  # one shard: 64 // 4

@@ -58,3 +58,30 @@ class AbortOnce(L.Callback):
 
 def abort_once() -> AbortOnce:
     return AbortOnce()
+
+
+def wide_module() -> CausalLM:
+    """Most of its memory is the logits (vocab 4096 x 64 positions, ~1 MiB per sample): peak memory grows
+    with the batch by much more than the few-MiB noise of a CPU process' resident-set high-water mark."""
+    torch.manual_seed(0)
+    return CausalLM(kind="llama", vocab_size=4096, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                    max_seq_len=64, optimizer="sgd", lr=0.01)
+
+
+def wide_data(batch_size: int = 2) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(torch.randint(0, 4096, (256, 65), generator=g), batch_size=batch_size)
+
+
+def _faulty_collate(rows: list[torch.Tensor]) -> torch.Tensor:
+    """By batch size: >= 8 a crash (a bug, not memory), >= 4 out of memory, else the batch."""
+    if len(rows) >= 8:
+        raise RuntimeError(f"injected crash at batch {len(rows)}")
+    if len(rows) >= 4:
+        raise torch.OutOfMemoryError(f"injected: out of memory at batch {len(rows)}")
+    return torch.stack(rows)
+
+
+def faulty_data(batch_size: int = 2) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(torch.randint(0, 64, (64, 17), generator=g), batch_size=batch_size, collate_fn=_faulty_collate)

@@ -402,6 +402,13 @@ def vocab_parallel_head(hw: HardwareProfile, logit_bytes: float, tokens: float, 
     return hw.collective_time("allgather", logit_bytes, tp, stride), 1.0
 
 
+def vocab_parallel_embedding_comm(hw: HardwareProfile, act_bytes: float, tp: int, stride: int) -> float:
+    """A tp-way vocab-parallel embedding: each rank looks up the tokens of its vocabulary slice (zeros
+    elsewhere), then one all-reduce of the [b, s, h] output sums the slices; the backward needs none
+    (Megatron-LM, Shoeybi et al. 2019, VocabParallelEmbedding; parallel/tensor.py RowwiseParallel)."""
+    return hw.collective_time("allreduce", act_bytes, tp, stride) if tp > 1 else 0.0
+
+
 def bucket_copy_time(grad_bytes: float, memory_bandwidth: float) -> float:
     """Flatten gradients into one all-reduce bucket, scale, copy back: 3 reads + 3 writes (PyTorch DDP, Li et al. VLDB'20, Sec. 3.2.3)."""
     return 6.0 * grad_bytes / memory_bandwidth if memory_bandwidth > 0 else 0.0
@@ -666,7 +673,9 @@ class GalvatronCostModel(CostModel):
             fwd, bwd, extra = fwd + pf, bwd + pb, extra + pe
             states += local * state_bytes_per_param(s.zero, d, precision)
             act += act_per_sample * b * (head_share if last else 1.0)
-        return LayerCost(fwd + head_t, bwd, extra, states, act)
+        embed_t = vocab_parallel_embedding_comm(hw, b * seq * m.shape.hidden * m.act_dtype_bytes, s.tp,
+                                                1 if s.tp_consecutive else s.dp) if first else 0.0
+        return LayerCost(fwd + head_t + embed_t, bwd, extra, states, act)
 
     def stage_fixed(self, plan_embed: LayerStrategy, plan_head: LayerStrategy, ctx: StageContext,
                     vocab_parallel_loss: bool = False) -> tuple[float, float, float]:

@@ -46,15 +46,18 @@ class StepClock(L.Callback):
         self.warmup, self.report_path = warmup, report_path
         self.times: list[float] = []
         self.samples = 0
+        self.min_shard_batch = 0  # smallest batch a shard saw: the batch search refuses a loader that ran short
         self._t0 = 0.0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._t0 = time.perf_counter()
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        n = int(x.shape[0])
+        self.min_shard_batch = min(self.min_shard_batch, n) if self.min_shard_batch else n
         if not self.samples:
-            x = batch[0] if isinstance(batch, (tuple, list)) else batch
             shards = trainer.strategy.distributed_sampler_kwargs.get("num_replicas", 1)
-            self.samples = int(x.shape[0]) * int(shards)
+            self.samples = n * int(shards)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -67,13 +70,60 @@ class StepClock(L.Callback):
                 f.write(json.dumps({"step": len(self.times), "seconds": dt, "samples": self.samples}) + "\n")
 
 
+def make_data(data_factory: str, batch_size: int | None = None) -> Any:
+    """The training data from ``data_factory``, with ``batch_size`` samples per data shard when given.
+
+    Why several ways: the batch-size search (:func:`lightning_galv.tuning.largest_batch`) must change the
+    batch of data the user built, and only the user's code knows how. In order: a factory with a
+    ``batch_size`` parameter is called with it; a plain ``DataLoader`` is rebuilt around the same dataset
+    (same collate, workers, shuffling, drop_last); a ``LightningDataModule`` with a ``batch_size`` attribute
+    (or hyper-parameter) gets it set -- the attribute Lightning's own batch-size finder scales.
+    """
+    import inspect
+
+    from torch.utils.data import DataLoader, RandomSampler
+
+    factory = load_object(data_factory)
+    if batch_size is None:
+        return factory()
+    try:
+        takes = "batch_size" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # builtins / C callables without a signature
+        takes = False
+    if takes:
+        return factory(batch_size=batch_size)
+    data = factory()
+    if isinstance(data, DataLoader):
+        if data.batch_size is None:  # a custom batch_sampler decides the batch: we cannot resize it
+            raise TypeError(f"data factory {data_factory!r}: its DataLoader uses a custom batch_sampler, so its "
+                            "batch cannot be resized. HINT: give the factory a batch_size parameter.")
+        return DataLoader(data.dataset, batch_size=batch_size, shuffle=isinstance(data.sampler, RandomSampler),
+                          num_workers=data.num_workers, collate_fn=data.collate_fn, pin_memory=data.pin_memory,
+                          drop_last=data.drop_last, worker_init_fn=data.worker_init_fn,
+                          persistent_workers=data.persistent_workers if data.num_workers else False)
+    if isinstance(data, L.LightningDataModule):
+        if hasattr(data, "batch_size"):
+            data.batch_size = batch_size
+            return data
+        if "batch_size" in getattr(data, "hparams", {}):
+            data.hparams.batch_size = batch_size
+            return data
+    raise TypeError(f"data factory {data_factory!r} returned {type(data).__name__}, whose batch size cannot be set. "
+                    "HINT: give the factory a batch_size parameter, return a DataLoader, or a LightningDataModule "
+                    "with a batch_size attribute.")
+
+
 def run_trial(plan: dict, module_factory: str, data_factory: str, warmup: int, steps: int,
-              report_path: str | None = None, extra_callbacks: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Train ``warmup + steps`` steps under ``plan``; return step times, samples per step, peak memory."""
+              report_path: str | None = None, extra_callbacks: tuple[str, ...] = (),
+              batch_size: int | None = None) -> dict[str, Any]:
+    """Train ``warmup + steps`` steps under ``plan``; return step times, samples per step, peak memory.
+
+    ``batch_size``: samples per data shard (the loader's batch), for the batch-size search; None keeps the
+    data factory's own."""
     from .. import GalvatronStrategy
 
     module = load_object(module_factory)()
-    data = load_object(data_factory)()
+    data = make_data(data_factory, batch_size)
     clock = StepClock(warmup, report_path)
     callbacks = [clock, *(load_object(c)() for c in extra_callbacks)]
     trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan), accelerator="auto",
@@ -93,7 +143,8 @@ def run_trial(plan: dict, module_factory: str, data_factory: str, warmup: int, s
     peak = torch.tensor(float("inf") if oom else peak_memory_bytes(device))
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-    return {"step_times": clock.times, "samples": clock.samples, "peak_bytes": float(peak), "oom": oom}
+    return {"step_times": clock.times, "samples": clock.samples, "peak_bytes": float(peak), "oom": oom,
+            "min_shard_batch": clock.min_shard_batch}
 
 
 def profile_run(module_factory: str, data_factory: str, memory_budget: Any) -> dict[str, Any]:

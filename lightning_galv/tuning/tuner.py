@@ -8,8 +8,8 @@ trial, in YAML, so ``optuna-dashboard`` shows it):
 1. **Analytic first.** The planner's top plans (for every pipeline degree / micro-batch count the run can
    execute, ranked like automatic mode ranks them) are enqueued in predicted order.
 2. **Measured second.** Once they are measured, the neighbours of the best measured plans (one dimension
-   changed: tp/dp split, Megatron/Ulysses SP, ZeRO stage, checkpointing, of all layers at once; the
-   embedding / head strategy; the micro-batch count) are predicted with the *calibrated* cost model and the
+   changed: tp/dp split, Megatron/Ulysses SP, ZeRO stage, checkpointing, of all layers at once; the expert-
+   parallel degree of the MoE layers; the embedding / head strategy; the micro-batch count) are predicted with the *calibrated* cost model and the
    best unmeasured one is enqueued next.
 3. **Every trial is a real run** in fresh processes (``lightning_galv.tuning.trial``): ``warmup_steps`` then
    ``steps`` measured steps of ``Trainer.fit`` with ``GalvatronStrategy(plan=...)``. Each measured step is
@@ -78,8 +78,21 @@ def summary(plan: ParallelPlan) -> str:
             f"head {plan.head.short()}")
 
 
-def neighbours(plan: ParallelPlan, shape: Any) -> list[ParallelPlan]:
-    """Valid plans one dimension away from ``plan`` (every layer changed alike, or the ends, or micro-batches)."""
+def neighbours(plan: ParallelPlan, model: Any) -> list[ParallelPlan]:
+    """Valid plans one dimension away from ``plan`` (every layer changed alike, or the ends, or micro-batches).
+
+    ``model`` is the model's :class:`~lightning_galv.plan.ModelShape`, or its
+    :class:`~lightning_galv.planner.profiles.ModelProfile` -- which also says which layers have experts, so
+    that for an MoE model the expert-parallel degree is one more dimension: every MoE layer takes the same
+    new ep (one that divides its data group and its expert count), dense layers keep ep=1 (the runtime and
+    the cost model refuse ep on them). A tp/sp change keeps each layer's ep where the new data group still
+    divides by it (else ep=1), so it stays a change of one dimension wherever the plan allows it.
+    """
+    from ..plan import ModelShape
+
+    shape = model if isinstance(model, ModelShape) else model.shape
+    experts = ([lt.moe.num_experts if lt.moe is not None else 0 for lt in map(model.layer, range(len(plan.layers)))]
+               if not isinstance(model, ModelShape) and len(plan.layers) == model.num_layers else None)
     stage = plan.world_size // plan.pp
     out: list[ParallelPlan] = []
 
@@ -98,9 +111,18 @@ def neighbours(plan: ParallelPlan, shape: Any) -> list[ParallelPlan]:
         except (ValueError, TypeError):
             pass
 
+    def refactor(s: LayerStrategy, tp: int, sp: str) -> LayerStrategy:
+        moved = replace(s, tp=tp, dp=stage // tp, sp=sp if tp > 1 else "none", ep=1)
+        return replace(moved, ep=s.ep) if moved.data_group % s.ep == 0 else moved
+
     for tp in divisors(stage):
         for sp in ("none", "megatron", "ulysses"):
-            all_layers(lambda s, tp=tp, sp=sp: replace(s, tp=tp, dp=stage // tp, sp=sp if tp > 1 else "none", ep=1))
+            all_layers(lambda s, tp=tp, sp=sp: refactor(s, tp, sp))
+    if experts is not None and any(experts):
+        moe = [i for i, e in enumerate(experts) if e]
+        for ep in sorted({d for i in moe for d in divisors(plan.layers[i].data_group)}):
+            if all(experts[i] % ep == 0 and plan.layers[i].data_group % ep == 0 for i in moe):
+                add(layers=tuple(replace(s, ep=ep) if experts[i] else s for i, s in enumerate(plan.layers)))
     for zero in range(4):
         all_layers(lambda s, zero=zero: replace(s, zero=zero))
     all_layers(lambda s: replace(s, checkpoint=not s.checkpoint))
@@ -276,7 +298,7 @@ def _next_plan(study: Any, candidates: list[ParallelPlan], model: Any, hw: Any, 
         bid = int(t.params[PLAN_PARAM])
         base = ParallelPlan.from_dict(reg[bid])
         pool = []
-        for nb in neighbours(base, model.shape):
+        for nb in neighbours(base, model):
             if nb.with_(prediction=None) in seen:
                 continue
             try:
