@@ -259,7 +259,8 @@ def largest_batch(module_factory: str, data_factory: str, plan: ParallelPlan | s
                                   init_process_group=False, timeout=trial_timeout, log_tail=tail)[0]
         except (RuntimeError, TimeoutError, OSError) as exc:
             kind = "hung (timeout)" if isinstance(exc, TimeoutError) else "crashed"
-            raise type(exc)(f"batch search: the trial at global batch {gb} ({shard} per shard) {kind}; a crash "
+            cls = RuntimeError if isinstance(exc, RuntimeError) else type(exc)  # RankCrashed -> its base
+            raise cls(f"batch search: the trial at global batch {gb} ({shard} per shard) {kind}; a crash "
                             f"is an error, not 'does not fit'.\n{str(exc)[-3000:]}") from exc
         seen = int(out.get("min_shard_batch") or 0)
         if 0 < seen < shard:
