@@ -299,6 +299,52 @@ def search_run_plans(profile: "ModelProfile", hw: "HardwareProfile | None", worl
     return PlanSearch(found, notes, profile, hw)
 
 
+@dataclass(frozen=True)
+class Replan:
+    """What a mid-fit re-search found (:func:`replan_search`): the best plan the running loader can take."""
+
+    plan: ParallelPlan | None  # None: nothing the loader can take is predicted faster by the margin
+    current_s: float  # the running plan's step time under the calibrated cost model
+    best_s: float  # the best candidate's (== current_s when the running plan is the best)
+    candidates: int  # plans searched that keep the loader's layout
+
+    def describe(self) -> str:
+        gain = 1 - self.best_s / self.current_s if self.current_s > 0 else 0.0
+        return (f"running plan {self.current_s * 1e3:.1f} ms/step calibrated, best of {self.candidates} candidates "
+                f"{self.best_s * 1e3:.1f} ms ({gain:+.0%})")
+
+
+def replan_search(current: ParallelPlan, profile: "ModelProfile", hw: "HardwareProfile | None", budget: float,
+                  margin: float, calibration: Any = None, min_gain: float = 0.1, top_k: int = 8) -> Replan:
+    """Search again, with ``calibration`` applied to the profiles, among plans that keep ``current``'s loader
+    layout (pipeline degree, data-parallel size, global batch, micro-batches); propose the best if it is
+    predicted faster than ``current`` by ``min_gain``. Pure: :class:`PlanMonitor` runs it on rank 0."""
+    from .planner import GalvatronCostModel, SearchSpace, search
+    from .plan import loader_layout
+
+    hw = priced_hardware(profile, hw, budget)
+    if calibration is not None:
+        profile, hw = calibration.apply(profile, hw)
+    cost = GalvatronCostModel(profile, hw, SearchSpace().default_embed_zero, runtime="native")
+    space = SearchSpace(pp_degrees=(current.pp,), micro_batches=(current.micro_batches,),
+                        vocab_parallel_loss=current.vocab_parallel_loss)
+    assert current.global_batch is not None
+    now = cost.evaluate(current).step_time_s
+    try:
+        found = search(profile, hw, current.world_size, budget, global_batch=current.global_batch, top_k=top_k,
+                       space=space, cost_model=cost, memory_margin=margin)
+    except ValueError:  # nothing fits under the calibrated memory: keep the running plan
+        return Replan(None, now, now, 0)
+    same = [p for p in found if loader_layout(p) == loader_layout(current)]
+    if not same:
+        return Replan(None, now, now, 0)
+    best = min(same, key=lambda p: cost.evaluate(p).step_time_s)
+    best_s = cost.evaluate(best).step_time_s
+    if best.layers == current.layers and best.embed == current.embed and best.head == current.head:
+        return Replan(None, now, best_s, len(same))
+    return Replan(best if best_s < now * (1 - min_gain) else None, now, best_s, len(same))
+
+
 _RANK0_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
 
 

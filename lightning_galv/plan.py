@@ -519,3 +519,11 @@ def parse_plan(plan: "ParallelPlan | Mapping[str, Any] | str | Path") -> Paralle
         raise ValueError(f"plan={text!r}: not a plan file, YAML or JSON. HINT: pass a path ending in .yaml/.json.")
     raise TypeError(f"plan of type {type(plan).__name__}: expected ParallelPlan, dict or path. "
                     "HINT: GalvatronStrategy(plan='plan.yaml').")
+
+
+def loader_layout(plan: ParallelPlan) -> tuple[Any, ...]:
+    """What a training data loader is built for under ``plan``: world size, pipeline degree, data-parallel
+    size, global batch, micro-batches, layer count and backend. Two plans with equal layouts can take turns
+    on one running loader (a mid-fit plan switch, :mod:`lightning_galv.strategies.switch`)."""
+    return (plan.world_size, plan.pp, plan.data_parallel_size, plan.global_batch, plan.micro_batches,
+            len(plan.layers), plan.backend)

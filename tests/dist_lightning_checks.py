@@ -92,6 +92,9 @@ def reference(module: CausalLM, data: torch.Tensor, steps: int, global_batch: in
     from lightning_galv.models.dropout import DropoutCoords, restore_coords
 
     opt = module.configure_optimizers()
+    sched = None
+    if isinstance(opt, dict):  # ScheduledLM: a per-step scheduler
+        opt, sched = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
     set_scale = getattr(module.model, "set_aux_grad_scale", None)
     if callable(set_scale):  # what CausalLM.on_train_batch_start does under the Trainer
         set_scale(1.0 / accumulate)
@@ -112,6 +115,8 @@ def reference(module: CausalLM, data: torch.Tensor, steps: int, global_batch: in
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
         losses.append(total / accumulate)
     return losses, {k: p.detach().clone() for k, p in module.model.named_parameters()}
 
@@ -153,14 +158,22 @@ def trainer_kwargs(**kw: Any) -> dict[str, Any]:
 
 def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_batch: int = 8,
                 accumulate: int = 1, clip: float | None = None, clip_algorithm: str = "norm", dropout: float = 0.0,
-                strategy_kwargs: dict | None = None, moe_callbacks: bool = False) -> dict[str, Any]:
+                strategy_kwargs: dict | None = None, moe_callbacks: bool = False,
+                switches: tuple[tuple[int, dict], ...] = (), scheduled: bool = False) -> dict[str, Any]:
     """Trainer.fit under ``plan`` vs the single-process loop: losses and final weights.
 
     ``moe_callbacks`` adds ExpertRelayout and SamplePlacement (2 ranks per simulated node, a seeded random
-    placement policy so that samples really move) and returns what they logged."""
-    module = make_module(kind, dropout=dropout)
+    placement policy so that samples really move) and returns what they logged. ``switches``: (step, plan)
+    pairs -- the fit moves to ``plan`` once ``step`` optimizer steps are done (``strategy.switch_plan``).
+    ``scheduled``: a module with a per-step LR schedule (the switch must carry the scheduler over)."""
+    if scheduled:
+        module = _sched_module(0, dropout=dropout, kind=kind)
+    else:
+        module = make_module(kind, dropout=dropout)
     ref_module = copy.deepcopy(module)
     strategy = GalvatronStrategy(plan=plan, **(strategy_kwargs or {}))
+    if switches:
+        strategy.keep_pristine_copy()
     shards = ParallelPlan.from_dict(plan).data_parallel_size if plan else dist.get_world_size() if dist.is_initialized() else int(os.environ["LOCAL_WORLD_SIZE"])
     data = Windows(steps * accumulate * global_batch)
     loader = DataLoader(data, batch_size=global_batch // shards, shuffle=False)
@@ -172,6 +185,9 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
 
         extra = [ExpertRelayout(), SamplePlacement(gpus_per_node=2, intra_bw=100e9, inter_bw=25e9,
                                                    policy=_shuffle_solver())]
+    switcher = _SwitchAt(switches) if switches else None
+    if switcher is not None:
+        extra.append(switcher)
     trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec, *extra], accumulate_grad_batches=accumulate,
                         gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm, **trainer_kwargs())
     with ShardedLogitsRecorder() as seen:
@@ -189,10 +205,26 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
         "keys_equal": set(got) <= set(want), "n_losses": len(loss_rec),
         "sampler": strategy.distributed_sampler_kwargs, "losses": rec.losses, "ref_losses": ref_losses,
         "vocab_parallel_loss": strategy.plan.vocab_parallel_loss, "sharded_seen": seen,
-        "relayout": [r.__dict__ for r in extra[0].records] if extra else [],
-        "placement": [st.__dict__ for st in extra[1].steps] if extra else [],
+        "relayout": [r.__dict__ for r in extra[0].records] if moe_callbacks else [],
+        "placement": [st.__dict__ for st in extra[1].steps] if moe_callbacks else [],
+        "switched": switcher.done if switcher is not None else [], "final_plan": strategy.plan.to_dict(),
         "logged": sorted(k for k in trainer.callback_metrics if "/" in k),
     }
+
+
+class _SwitchAt(L.Callback):
+    """Moves the fit to another plan after given optimizer steps (on every rank, at the step boundary)."""
+
+    def __init__(self, switches: tuple[tuple[int, dict], ...]) -> None:
+        self.todo = {step: ParallelPlan.from_dict(plan) for step, plan in switches}
+        self.done: list[tuple[int, str]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 and trainer.global_step in self.todo:
+            plan = self.todo.pop(trainer.global_step)
+            trainer.strategy.switch_plan(trainer, plan)
+            self.done.append((trainer.global_step, trainer.strategy.plan.describe()))
 
 
 def _step_means(losses: list[float], accumulate: int) -> list[float]:
@@ -209,7 +241,7 @@ def run_many(cases: list[tuple[str, str, dict]]) -> dict[str, Any]:
 
 
 def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2GB",
-             below_pp1: float | None = None, monitor: bool = False) -> dict[str, Any]:
+             below_pp1: float | None = None, monitor: bool = False, replan: bool = False) -> dict[str, Any]:
     """strategy='galvatron' with no plan: the planner picks one; it must still train exactly.
 
     ``below_pp1``: instead of ``memory_budget``, give the planner this fraction of the smallest budget
@@ -271,7 +303,9 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
         from lightning_galv.callbacks import OnlineProfiler, PlanMonitor
 
         prof = OnlineProfiler(every_n_steps=2, warmup_steps=1, log=False)
-        mon = PlanMonitor(prof, time_threshold=1e-6)  # any error warns: the warning path runs
+        # any error warns: the warning path runs; with ``replan`` the miss also re-plans (to the same plan with
+        # activation checkpointing flipped on every layer: a real switch of a known plan) mid-fit
+        mon = PlanMonitor(prof, time_threshold=1e-6, replan=replan, replanner=_flip_checkpointing if replan else None)
         callbacks += [prof, mon]
     trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=callbacks, **trainer_kwargs())
     trainer.fit(module, loader)
@@ -288,7 +322,8 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
                                                                                       for op in r.collective_s}),
                      "layers": sorted(prof.records[0].layer_forward_s) if prof.records else [],
                      "comparisons": mon.comparisons, "warned": mon.warned,
-                     "calibration": calibration_path().read_text() if calibration_path().is_file() else None}
+                     "calibration": calibration_path().read_text() if calibration_path().is_file() else None,
+                     "switches": mon.switches, "calibrations_seen": list(_CALIBRATIONS_SEEN)}
     else:
         monitored = None
     out = {"monitored": monitored, "plan": plan.to_dict(), "loss_err": max(abs(a - b) / abs(b) for a, b in zip(rec.losses, ref_losses)),
@@ -316,6 +351,20 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
         except ValueError:
             out["pp1_fits"] = False
     return out
+
+
+_CALIBRATIONS_SEEN: list[int] = []
+
+
+def _flip_checkpointing(plan: ParallelPlan, calibration: Any) -> Any:
+    """A replanner for the monitor test: the running plan with checkpointing flipped on every layer."""
+    from lightning_galv.auto import Replan
+
+    _CALIBRATIONS_SEEN.append(calibration.observations if calibration is not None else 0)
+    from dataclasses import replace
+
+    flipped = plan.with_(layers=tuple(replace(s, checkpoint=not s.checkpoint) for s in plan.layers), prediction=None)
+    return Replan(flipped, current_s=1.0, best_s=0.5, candidates=1)
 
 
 class ScheduledLM(CausalLM):

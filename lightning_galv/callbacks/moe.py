@@ -54,6 +54,12 @@ class _StepHooks(L.Callback):
         self._done_step = trainer.global_step
         self._after(pl_module)
 
+    def on_galv_plan_switch(self, trainer: L.Trainer, pl_module: L.LightningModule, old: Any, new: Any) -> None:
+        """The strategy re-parallelized the model: measure the finished step on the old layers (if this
+        callback's batch-end hook has not yet), then attach to the new plan's MoE layers."""
+        self.on_train_batch_end(trainer, pl_module, None, None, 0)
+        self.on_train_start(trainer, pl_module)
+
 
 class ExpertRelayout(_StepHooks):
     """LAER-MoE: each optimizer step, re-decide which experts each EP rank materializes (hot experts on

@@ -21,7 +21,7 @@ What is measured on a sampled batch, and how:
   batch's first dimension (and second, for token batches) times the data-parallel shards; MFU when
   ``flops_per_sample`` and ``peak_flops`` are given.
 * **memory**: peak per rank -- the CUDA allocator's peak on GPU (reset at the start of a sampled batch); on
-  CPU the process's resident-set high-water mark (what the OS had to give it, ``ru_maxrss``), which never
+  CPU the process's resident-set high-water mark (what the OS had to give it, ``VmHWM``), which never
   goes down.
 
 Timing needs synchronization, and only sampled batches pay for it: on GPU the device is synchronized
@@ -30,8 +30,6 @@ around each timed region of a sampled batch; unsampled batches run untouched (no
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -163,10 +161,9 @@ def _backend_events(prof: Any) -> dict[str, float]:
 
 
 def _peak_memory(device: torch.device) -> float:
-    if device.type == "cuda":
-        return float(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return float(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+    from ..profiling.memory import peak_memory_bytes
+
+    return peak_memory_bytes(device)
 
 
 def units_of(pl_module: nn.Module, strategy: Any) -> list[tuple[str, nn.Module]]:

@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ..auto import AutoSearch
     from ..parallel.runtime import Runtime
+    from .switch import PristineCopy
 
 def _names_timeouts(method: Any) -> Any:
     """Run a strategy entry point so that a backend collective timeout comes out named (group, peers)."""
@@ -153,6 +154,8 @@ class GalvatronStrategy(ParallelStrategy):
         self.layout: RankLayout | None = None
         self.mesh_factory: MeshFactory | None = None
         self.runtime: Runtime | None = None
+        self.pristine: PristineCopy | None = None  # kept only when a plan switch may come (keep_pristine_copy)
+        self._keep_pristine = False
 
     # -- Lightning plumbing ------------------------------------------------------------------------
     @property
@@ -296,6 +299,10 @@ class GalvatronStrategy(ParallelStrategy):
             self.model_to_device()
             self.plan = self._resolve_plan(trainer)
             self._build_layout(self.plan.pp)
+            if self._keep_pristine and self.pristine is None:
+                from .switch import PristineCopy
+
+                self.pristine = PristineCopy(self.model)
             from ..parallel.parallelize import parallelize
             from .precision import clip_across_meshes
 
@@ -316,6 +323,27 @@ class GalvatronStrategy(ParallelStrategy):
             if replacement is not None:  # e.g. the DeepSpeed engine now holds the module
                 self.model = replacement
         self.setup_precision_plugin()
+
+    # -- switching plans mid-fit ----------------------------------------------------------------------
+    def keep_pristine_copy(self) -> None:
+        """Before fit: keep a meta-device copy of the model's submodules so that :meth:`switch_plan` can
+        re-parallelize them (costs no parameter memory; ``PlanMonitor(replan=True)`` calls it in ``setup``)."""
+        self._keep_pristine = True
+
+    @_names_timeouts
+    def switch_plan(self, trainer: "pl.Trainer", plan: ParallelPlan | Mapping[str, Any] | str | Path,
+                    directory: str | Path | None = None, keep_checkpoint: bool = False) -> Path | None:
+        """Continue this fit under ``plan``, exactly: call it on every rank between optimizer steps (e.g. from
+        ``on_train_batch_end`` after the last micro-batch of a step). The plan must serve the data loader the
+        same layout; see :mod:`lightning_galv.strategies.switch` for how and why."""
+        from .switch import switch_plan
+
+        new = parse_plan(plan)
+        old = self.plan
+        path = switch_plan(self, trainer, new, directory, keep_checkpoint)
+        rank_zero_info(f"switched plan at step {trainer.global_step}:\n  from {old.describe() if old else None}\n"
+                       f"  to   {self.plan.describe() if self.plan else None}")
+        return path
 
     def model_to_device(self) -> None:
         assert self.model is not None

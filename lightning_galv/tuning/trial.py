@@ -12,13 +12,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import resource
-import sys
 import time
 from typing import Any, Callable
 
 import lightning.pytorch as L
 import torch
+
+from ..profiling.memory import peak_memory_bytes
 
 
 def load_object(path: str) -> Callable[..., Any]:
@@ -28,15 +28,6 @@ def load_object(path: str) -> Callable[..., Any]:
                          "factory at module level in an importable file (trials run in fresh processes).")
     module, name = path.split(":", 1)
     return getattr(importlib.import_module(module), name)
-
-
-def peak_memory_bytes(device: torch.device) -> float:
-    """The CUDA allocator's peak, or on CPU the resident-set high-water mark -- the same quantity automatic
-    mode's CPU budget (RAM / local ranks) limits."""
-    if device.type == "cuda":
-        return float(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return float(rss if sys.platform == "darwin" else rss * 1024)
 
 
 class StepClock(L.Callback):
