@@ -171,7 +171,9 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
     else:
         module = make_module(kind, dropout=dropout)
     ref_module = copy.deepcopy(module)
-    strategy = GalvatronStrategy(plan=plan, **(strategy_kwargs or {}))
+    # 8 KiB gradient buckets: several per group even in these small models, so the overlapped, in-order
+    # bucket launches during backward are what every parity case checks
+    strategy = GalvatronStrategy(plan=plan, **{"grad_bucket_mb": 1 / 128, **(strategy_kwargs or {})})
     if switches:
         strategy.keep_pristine_copy()
     shards = ParallelPlan.from_dict(plan).data_parallel_size if plan else dist.get_world_size() if dist.is_initialized() else int(os.environ["LOCAL_WORLD_SIZE"])
@@ -320,7 +322,8 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
 
         monitored = {"steps": [r.step for r in prof.records], "collectives": sorted({op for r in prof.records
                                                                                       for op in r.collective_s}),
-                     "layers": sorted(prof.records[0].layer_forward_s) if prof.records else [],
+                     # every rank's units (a pipeline plan puts the head on the last stage only)
+                     "layers": sorted(_union_over_ranks(set(prof.records[0].layer_forward_s) if prof.records else set())),
                      "comparisons": mon.comparisons, "warned": mon.warned,
                      "calibration": calibration_path().read_text() if calibration_path().is_file() else None,
                      "switches": mon.switches, "calibrations_seen": list(_CALIBRATIONS_SEEN)}
@@ -351,6 +354,12 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
         except ValueError:
             out["pp1_fits"] = False
     return out
+
+
+def _union_over_ranks(items: set) -> set:
+    everywhere: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everywhere, items)
+    return set().union(*everywhere)
 
 
 _CALIBRATIONS_SEEN: list[int] = []

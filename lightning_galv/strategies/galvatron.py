@@ -48,7 +48,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ..auto import AutoSearch
     from ..parallel.runtime import Runtime
-    from .switch import PristineCopy
 
 def _names_timeouts(method: Any) -> Any:
     """Run a strategy entry point so that a backend collective timeout comes out named (group, peers)."""
@@ -90,6 +89,8 @@ class GalvatronStrategy(ParallelStrategy):
             statement that every loss on the head's output goes through
             :func:`lightning_galv.loss.cross_entropy`; a plain ``F.cross_entropy`` needs the default
             (gathered) logits. The flag lives in the plan because the cost model prices it.
+        grad_bucket_mb: bucket size of the ZeRO-0/1 gradient all-reduce, which starts bucket by bucket during
+            backward (without pipeline stages), like DDP's ``bucket_cap_mb``.
     """
 
     strategy_name = "galvatron"
@@ -110,6 +111,7 @@ class GalvatronStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         vocab_parallel_loss: bool | None = None,
+        grad_bucket_mb: float = 25.0,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -146,6 +148,10 @@ class GalvatronStrategy(ParallelStrategy):
             raise TypeError(f"vocab_parallel_loss={vocab_parallel_loss!r}: must be True, False or None. HINT: True "
                             "only when the loss uses lightning_galv.loss.cross_entropy; None follows the module.")
         self._vocab_parallel_loss = vocab_parallel_loss
+        if isinstance(grad_bucket_mb, bool) or not isinstance(grad_bucket_mb, (int, float)) or not grad_bucket_mb > 0:
+            raise ValueError(f"grad_bucket_mb={grad_bucket_mb!r}: must be a positive number of MiB. HINT: 25 (DDP's "
+                             "bucket_cap_mb default); smaller buckets start reducing earlier in backward.")
+        self._grad_bucket_bytes = max(1, int(grad_bucket_mb * 2**20))
         self._process_group_backend = process_group_backend
         self._timeout = None if timeout is None else check_timeout(timeout)
         self._num_nodes = 1
@@ -154,7 +160,7 @@ class GalvatronStrategy(ParallelStrategy):
         self.layout: RankLayout | None = None
         self.mesh_factory: MeshFactory | None = None
         self.runtime: Runtime | None = None
-        self.pristine: PristineCopy | None = None  # kept only when a plan switch may come (keep_pristine_copy)
+        self.pristine: Any = None  # a switch.PristineCopy, kept only when a plan switch may come (keep_pristine_copy)
         self._keep_pristine = False
 
     # -- Lightning plumbing ------------------------------------------------------------------------
@@ -307,7 +313,8 @@ class GalvatronStrategy(ParallelStrategy):
             from .precision import clip_across_meshes
 
             assert self.mesh_factory is not None
-            self.runtime = parallelize(self.model, self.plan, self.mesh_factory)
+            self.runtime = parallelize(self.model, self.plan, self.mesh_factory,
+                                       grad_bucket_bytes=self._grad_bucket_bytes)
             self.precision_plugin = clip_across_meshes(self.precision_plugin, self.runtime)
             if self.auto is None:  # automatic mode printed the plan it chose, with its prediction, already
                 rank_zero_info(self.plan.describe())

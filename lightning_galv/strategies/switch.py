@@ -37,8 +37,6 @@ from ..plan import ParallelPlan, loader_layout
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
-    from .galvatron import GalvatronStrategy
-
 
 class PristineCopy:
     """Copies of a module's direct children, taken before any parallelization, with meta-device parameters.
@@ -88,9 +86,10 @@ def check_switch(old: ParallelPlan, new: ParallelPlan) -> None:
                          "and resume from a checkpoint.")
 
 
-def switch_plan(strategy: "GalvatronStrategy", trainer: "pl.Trainer", plan: ParallelPlan,
+def switch_plan(strategy: Any, trainer: "pl.Trainer", plan: ParallelPlan,
                 directory: str | Path | None = None, keep_checkpoint: bool = False) -> Path | None:
-    """Move the running fit to ``plan`` (module docstring); returns the checkpoint kept, if asked to."""
+    """Move the running fit of ``strategy`` (a GalvatronStrategy) to ``plan`` (module docstring); returns the
+    checkpoint kept, if asked to."""
     from lightning.fabric.utilities.distributed import _distributed_is_initialized
 
     from ..parallel.parallelize import parallelize
@@ -119,7 +118,8 @@ def switch_plan(strategy: "GalvatronStrategy", trainer: "pl.Trainer", plan: Para
     strategy.barrier()
     # 2. fresh submodules, the new plan applied (weights come from the checkpoint: no broadcast needed)
     strategy.pristine.restore_into(strategy.model, strategy.root_device)
-    strategy.runtime = parallelize(strategy.model, plan, strategy.mesh_factory, sync_init=False)
+    strategy.runtime = parallelize(strategy.model, plan, strategy.mesh_factory, sync_init=False,
+                                   grad_bucket_bytes=strategy._grad_bucket_bytes)
     strategy.plan = plan
     strategy.precision_plugin = clip_across_meshes(strategy.precision_plugin, strategy.runtime)
     # 3. new optimizers and schedulers, then the checkpoint into model and optimizers
