@@ -3,7 +3,7 @@
 * ZeRO-2/3: FSDP2 ``fully_shard`` on the unit's data-parallel mesh, ``reshard_after_forward`` False/True
   (ZeRO, Rajbhandari et al. SC'20: stage 2 shards gradients+optimizer state, stage 3 also parameters).
 * ZeRO-0/1: parameters stay replicated; :class:`GradientSync` sums their gradients over the unit's
-  data group after the last backward of a step. ZeRO-1 additionally gives each parameter one owner in
+  data group in the last backward of a step (bucketed, overlapped with backward when pp = 1). ZeRO-1 additionally gives each parameter one owner in
   its group (:class:`OptimizerStateSharding`): only the owner keeps optimizer state and updates it,
   then broadcasts the new value.
 
@@ -58,40 +58,124 @@ def apply_fsdp(modules: nn.Module | list[nn.Module], mesh: Any, strategy: LayerS
     fsdp_mod.set_gradient_divide_factor(float(divide_factor))
 
 
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+@dataclass
+class _Bucket:
+    """Gradients reduced by one flat all-reduce: same group, same dtype, neighbours in backward order."""
+
+    group: Any
+    size: int
+    params: list[nn.Parameter]
+    nbytes: int = 0
+    numels: list[int] = field(default_factory=list)
+    ready: int = 0
+    work: Any = None
+    flat: torch.Tensor | None = None
+
+
 @dataclass
 class GradientSync:
-    """Sums replicated (ZeRO-0/1) gradients over each unit's data group, divided by the loader's dp."""
+    """Sums replicated (ZeRO-0/1) gradients over each unit's data group, divided by the loader's dp.
+
+    Gradients are reduced in buckets of about ``bucket_bytes``, formed in reverse registration order (units
+    register in flow order, so buckets fill in backward order, as DDP's do). With :meth:`overlap_backward`
+    a bucket's all-reduce starts, asynchronously, as soon as its last gradient is accumulated in the syncing
+    backward, while backward goes on; :meth:`sync` then only waits. Buckets are launched strictly in index
+    order on every rank (a bucket that is ready early waits for its predecessors), so ranks issue their
+    collectives on each group in one order whatever order autograd finishes gradients in.
+    """
 
     divide_factor: int
     groups: dict[Any, list[nn.Parameter]] = field(default_factory=lambda: defaultdict(list))
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    enabled: bool = True  # False on the non-final micro-batches of an accumulation (no sync, no launch)
+    _buckets: list[_Bucket] | None = None
+    _bucket_of: dict[int, _Bucket] = field(default_factory=dict)
+    _next: int = 0  # buckets launched so far in this backward
+    _hooks: list[Any] = field(default_factory=list)
 
     def add(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, group_size: int) -> None:
+        if self._buckets is not None:
+            raise RuntimeError("GradientSync.add after buckets were formed. HINT: register every unit before the "
+                               "first backward (parallelize() does).")
         for p in params:
             if p.requires_grad:
                 self.groups[(group, group_size)].append(p)
 
+    def buckets(self) -> list[_Bucket]:
+        """Formed once, identically on every rank of a group (same registration order)."""
+        if self._buckets is None:
+            self._buckets = []
+            for (group, size), params in self.groups.items():
+                current: dict[torch.dtype, _Bucket] = {}
+                for p in reversed(params):  # backward order
+                    dt = local(p).dtype
+                    b = current.get(dt)
+                    if b is None or b.nbytes >= self.bucket_bytes:
+                        b = current[dt] = _Bucket(group, size, [])
+                        self._buckets.append(b)
+                    b.params.append(p)
+                    b.nbytes += local(p).numel() * local(p).element_size()
+                    self._bucket_of[id(p)] = b
+        return self._buckets
+
+    def overlap_backward(self) -> None:
+        """Start each bucket's all-reduce during backward (post-accumulate-grad hooks; see the class doc)."""
+        for b in self.buckets():
+            if b.size == 1:
+                continue  # nothing to reduce: sync() only divides
+            for p in b.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        b = self._bucket_of[id(p)]
+        b.ready += 1
+        buckets = self.buckets()
+        while self._next < len(buckets) and (buckets[self._next].size == 1
+                                             or buckets[self._next].ready >= len(buckets[self._next].params)):
+            self._launch(buckets[self._next])
+            self._next += 1
+
+    @staticmethod
+    def _launch(b: _Bucket) -> None:
+        if b.size == 1 or b.work is not None:
+            return
+        with torch.no_grad():
+            # a parameter without a gradient on this rank contributes zeros, so every rank's flat tensor
+            # has the same layout
+            parts = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in b.params]
+            b.numels = [t.numel() for t in parts]  # a gradient's local shard may differ from its parameter's
+            b.flat = torch.cat([t.reshape(-1) for t in parts])
+            b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
+
     @torch.no_grad()
     def sync(self) -> None:
-        for (group, size), params in self.groups.items():
-            grads = [local(p.grad) for p in params if p.grad is not None]
-            if not grads:
+        buckets = self.buckets()
+        for b in buckets[self._next:]:  # not (all) launched during backward: in index order now
+            self._launch(b)
+        for b in buckets:
+            if b.size == 1:
+                if self.divide_factor != 1:
+                    for p in b.params:
+                        if p.grad is not None:
+                            local(p.grad).div_(self.divide_factor)
                 continue
-            if size > 1:
-                # bucket by dtype: one flat all-reduce per dtype and group
-                by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-                for g in grads:
-                    by_dtype[g.dtype].append(g)
-                for gs in by_dtype.values():
-                    flat = torch.cat([g.reshape(-1) for g in gs])
-                    dist.all_reduce(flat, group=group)
-                    flat.div_(self.divide_factor)
-                    offset = 0
-                    for g in gs:
-                        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                        offset += g.numel()
-            elif self.divide_factor != 1:
-                for g in grads:
-                    g.div_(self.divide_factor)
+            assert b.work is not None and b.flat is not None
+            b.work.wait()
+            b.flat.div_(self.divide_factor)
+            offset = 0
+            for p, n in zip(b.params, b.numels):
+                if p.grad is not None:  # a rank without a gradient keeps none (optimizers skip the parameter)
+                    g = local(p.grad)
+                    g.copy_(b.flat[offset:offset + n].view_as(g))
+                offset += n
+            b.work = b.flat = None
+            b.ready = 0
+        self._next = 0
 
 
 @dataclass

@@ -37,7 +37,7 @@ from ..plan import LayerStrategy, ParallelPlan
 from . import grads
 from .block import apply_block
 from .activation_checkpoint import apply_checkpointing
-from .data_parallel import GradientSync, OptimizerStateSharding, apply_fsdp
+from .data_parallel import DEFAULT_BUCKET_BYTES, GradientSync, OptimizerStateSharding, apply_fsdp
 from .redistribute import BatchLayout, add_input_redistribution, add_output_redistribution
 from .runtime import ParallelRuntime, Runtime, Unit
 from .tensor import apply_tp_embedding, apply_tp_head
@@ -143,8 +143,11 @@ def broadcast_module(module: nn.Module, src: int = 0) -> None:
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
-                mp_policy: Any | None = None, sync_init: bool = True) -> Runtime:
-    """Apply ``plan`` to ``model`` in place (order in the module docstring) and return its runtime."""
+                mp_policy: Any | None = None, sync_init: bool = True,
+                grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Runtime:
+    """Apply ``plan`` to ``model`` in place (order in the module docstring) and return its runtime.
+
+    ``grad_bucket_bytes``: size of the ZeRO-0/1 gradient all-reduce buckets (DDP's ``bucket_cap_mb``)."""
     layout, rank = factory.layout, factory.rank
     if plan.backend == "deepspeed":  # the engine shards the model itself, once the optimizer exists
         from .deepspeed import DeepSpeedRuntime
@@ -225,7 +228,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
 
         runtime_cls = PipelineRuntime
     runtime = runtime_cls(plan, layout, factory, rank, units, data_s,
-                          GradientSync(plan.data_parallel_size), OptimizerStateSharding())
+                          GradientSync(plan.data_parallel_size, bucket_bytes=grad_bucket_bytes),
+                          OptimizerStateSharding())
     for unit in units:
         s = unit.strategy
         data_mesh = factory.data_mesh(s)
@@ -244,6 +248,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
             runtime.zero1.add([p for p in params if p.requires_grad], group_ranks, data_mesh.get_group())
 
     runtime.params = list(model.parameters())
+    if stages is None:  # a pipeline's backward runs once per micro-batch inside its schedule: reduce after it
+        runtime.grad_sync.overlap_backward()
     if stages is not None:
         from .pipeline import PipelineDriver
 

@@ -184,6 +184,7 @@ class ParallelRuntime:
     # -- gradients ---------------------------------------------------------------------------------
     def set_gradient_sync(self, enabled: bool) -> None:
         self.sync_enabled = enabled
+        self.grad_sync.enabled = enabled
         for m in self.fsdp_roots:
             m.set_requires_gradient_sync(enabled)  # type: ignore[operator]
 
