@@ -191,8 +191,7 @@ def _worker(target: str, tmp: str, init_pg: bool) -> None:
     result = fn(*args)
     torch.save(result, Path(tmp) / f"result{rank}.pt")
     if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        dist.barrier()  # every rank is past its last collective
 
 
 def random_strategy(rng: random.Random, width: int, *, edge: bool = False) -> LayerStrategy:
@@ -254,3 +253,10 @@ def random_plan(rng: random.Random, world_size: int, shape: ModelShape, *, pp_ch
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2], bool(int(sys.argv[3])))
+    # Leave without tearing the process group and interpreter down: gloo's threads sometimes abort the
+    # process in their destructors ("terminate called without an active exception", exit -6) after the
+    # result was written -- seen in CI in tuner trials and profiling launches. The result file and the
+    # barrier above are the contract; the OS closes the sockets.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
