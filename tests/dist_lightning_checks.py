@@ -326,7 +326,10 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
                      "layers": sorted(_union_over_ranks(set(prof.records[0].layer_forward_s) if prof.records else set())),
                      "comparisons": mon.comparisons, "warned": mon.warned,
                      "calibration": calibration_path().read_text() if calibration_path().is_file() else None,
-                     "switches": mon.switches, "calibrations_seen": list(_CALIBRATIONS_SEEN)}
+                     "switches": mon.switches, "calibrations_seen": list(_CALIBRATIONS_SEEN),
+                     # blocks this rank (rank 0 returns the result) timed per sampled step
+                     "own_blocks": len([k for k in (prof.records[0].layer_forward_s if prof.records else {})
+                                        if k.startswith("layers.")])}
     else:
         monitored = None
     out = {"monitored": monitored, "plan": plan.to_dict(), "loss_err": max(abs(a - b) / abs(b) for a, b in zip(rec.losses, ref_losses)),

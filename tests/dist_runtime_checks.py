@@ -79,7 +79,7 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
                   norm_type: float = 2.0, accumulate: int = 1, dropout: float = 0.0, momentum: float = 0.9,
                   lr: float = 0.2, galv_loss: bool = False, label_smoothing: float = 0.0,
                   relayout: bool | int = False, placement: int | None = None,
-                  placement_shuffle: bool | str = False) -> dict[str, Any]:
+                  placement_shuffle: bool | str = False, grad_bucket_bytes: int | None = None) -> dict[str, Any]:
     """Train under ``plan_dict`` and single-process side by side; compare losses, first-step gradients, weights.
 
     ``accumulate`` micro-steps (each of ``global_batch`` samples) make one optimizer step; gradient sync
@@ -99,12 +99,13 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     ``placement_shuffle`` replaces its solver by a seeded random balanced placement, so that samples do move
     (on random tokens the solver rightly keeps most of them home) and every relocation path is exercised;
     ``"no_restore"`` also keeps the last layer of a run from sending samples home (a negative control).
+    ``grad_bucket_bytes``: ZeRO-0/1 gradient bucket size (None: the runtime's default, 25 MiB).
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = _train_compare(plan_dict, kind, layers, steps, global_batch, seq, clip, clip_algorithm, norm_type,
                              accumulate, dropout, momentum, lr, galv_loss, label_smoothing, relayout,
-                             placement, placement_shuffle)
+                             placement, placement_shuffle, grad_bucket_bytes)
     res["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     return res
 
@@ -113,7 +114,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
                    clip: float | None, clip_algorithm: str, norm_type: float, accumulate: int, dropout: float,
                    momentum: float, lr: float, galv_loss: bool, label_smoothing: float,
                    relayout: bool | int = False, placement: int | None = None,
-                   placement_shuffle: bool | str = False) -> dict[str, Any]:
+                   placement_shuffle: bool | str = False, grad_bucket_bytes: int | None = None) -> dict[str, Any]:
     plan = ParallelPlan.from_dict(plan_dict)
     sharded_seen: list[bool] = []  # per loss call: did the loss get vocab-sharded logits?
     if galv_loss:
@@ -141,7 +142,8 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     factory = MeshFactory(RankLayout(plan.world_size, plan.pp), "cpu", rank)
     from lightning_galv.parallel.parallelize import parallelize
 
-    rt = parallelize(model, plan, factory)
+    rt = parallelize(model, plan, factory,
+                     **({} if grad_bucket_bytes is None else {"grad_bucket_bytes": grad_bucket_bytes}))
     controller = None
     if relayout:
         from lightning_galv.parallel.expert_relayout import RelayoutController
@@ -372,3 +374,31 @@ def vocab_loss_checks(vocab: int = 1024, batch: int = 8, seq: int = 32) -> dict[
         loss.backward()
         saved["vpl" if vpl else "gathered"] = sum(seen.values())
     return {"formula": formula, "saved": saved, "tokens": batch * seq, "vocab": vocab, "hidden": 32, "tp": world}
+
+
+def grad_overlap_check(bucket_bytes: int = 4096) -> dict[str, Any]:
+    """ZeRO-0 over all ranks with small gradient buckets: how many buckets were already launched when backward
+    returned (before sync), and the synced gradients vs an explicit all-reduce mean of the local gradients."""
+    from lightning_galv.layout import MeshFactory, RankLayout
+    from lightning_galv.parallel.parallelize import parallelize
+    from lightning_galv.plan import LayerStrategy as L
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model("llama", 3)
+    plan = ParallelPlan.uniform(world, 3, L(dp=world))
+    rt = parallelize(model, plan, MeshFactory(RankLayout(world, 1), "cpu", rank), grad_bucket_bytes=bucket_bytes)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, 64, (2, 17), generator=g)
+    logits = model(x[:, :-1])
+    _ce(logits, x[:, 1:]).backward()
+    buckets = rt.grad_sync.buckets()
+    launched_in_backward = sum(b.work is not None for b in buckets)
+    local_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    want = {}
+    for n, t in local_grads.items():
+        dist.all_reduce(t)
+        want[n] = t / world
+    rt.sync_gradients()
+    err = max((p.grad - want[n]).abs().max().item() / max(want[n].abs().max().item(), 1e-12)
+              for n, p in model.named_parameters())
+    return {"buckets": len(buckets), "launched_in_backward": launched_in_backward, "err": err}
