@@ -360,12 +360,18 @@ def _run_one(study: Any, trial: Any, plan: ParallelPlan, pid: int, module_factor
         if interval and time.monotonic() - beat[0] > interval / 2:
             storage.record_heartbeat(trial._trial_id)
             beat[0] = time.monotonic()
+        drain(prune=True)
+
+    def drain(prune: bool) -> None:
+        """Report the measured steps rank 0 appended since the last call (and prune, while the trial runs)."""
         lines = Path(report).read_text().splitlines() if os.path.exists(report) else []
         for line in lines[seen[0]:]:
+            if not line.endswith("}"):
+                break  # a line still being written
             r = json.loads(line)
             trial.report(r["samples"] / r["seconds"], r["step"])
             seen[0] += 1
-            if trial.should_prune():
+            if prune and trial.should_prune():
                 raise optuna.TrialPruned(f"step {r['step']}: {r['samples'] / r['seconds']:.2f} samples/s")
 
     tail: list[str] = []
@@ -377,6 +383,8 @@ def _run_one(study: Any, trial: Any, plan: ParallelPlan, pid: int, module_factor
                 out = run_distributed("lightning_galv.tuning.trial:run_trial", devices,
                                       (plan.to_dict(), module_factory, data_factory, warmup, steps, report, tuple(extra)),
                                       init_process_group=False, timeout=timeout, poll=poll, log_tail=tail)[0]
+                # steps written just before the ranks exited: the pruner of later trials compares against them
+                drain(prune=False)
                 break
             except RankCrashed as exc:
                 if attempt == LAUNCH_RETRIES or not _transient(exc, seen[0]):
