@@ -1,14 +1,51 @@
-"""One writer for benchmarks/RESULTS.md: each benchmark owns one delimited section and replaces only it."""
+"""One writer for benchmarks/RESULTS.md: each benchmark owns one delimited section and replaces only it.
+
+Every section is stamped when written (issue 17): the commit it was measured at (``+uncommitted`` when the
+work tree differed from it), the date, the 1-minute load average when the script started and when it wrote,
+and the exact command line -- so a reader can re-run the figure and knows how busy the machine was.
+"""
 
 from __future__ import annotations
 
+import datetime
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+HERE = Path(__file__).resolve().parent
+_LOAD_AT_START = os.getloadavg()[0]  # this module is imported when the benchmark starts
 
 
-def write_section(name: str, body: str, path: Path = RESULTS) -> None:
-    """Replace ``<!-- name:start -->...<!-- name:end -->`` with ``body`` (append the section if missing)."""
+def commit() -> str:
+    """Short hash of HEAD, with ``+uncommitted`` when tracked files differ from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                               capture_output=True, text=True).stdout.strip()
+        return (head.stdout.strip() or "unknown") + ("+uncommitted" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def stamp(argv: list[str] | None = None) -> str:
+    """The line every section carries: commit, date, load average at start and now, command."""
+    argv = sys.argv if argv is None else argv
+    script = os.path.relpath(os.path.abspath(argv[0]), HERE.parent) if argv and argv[0] else "?"
+    cmd = " ".join(["python", script, *map(shlex.quote, argv[1:])])
+    return (f"*Run at commit {commit()}, {datetime.date.today()}, 1-min load average {_LOAD_AT_START:.1f} at start "
+            f"/ {os.getloadavg()[0]:.1f} at the end, {os.cpu_count()} cores; command `{cmd}`.*")
+
+
+def write_section(name: str, body: str, path: Path = RESULTS, stamped: bool = True) -> None:
+    """Replace ``<!-- name:start -->...<!-- name:end -->`` with ``body`` (append the section if missing).
+
+    With ``stamped`` the :func:`stamp` line goes right under the section's heading (its first line)."""
+    if stamped:
+        head, sep, rest = body.partition("\n")
+        body = f"{head}\n\n{stamp()}\n{rest}" if sep else f"{head}\n\n{stamp()}"
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     block = f"{start}\n{body}\n{end}"
     text = path.read_text() if path.is_file() else "# Benchmark results\n"

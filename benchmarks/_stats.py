@@ -5,12 +5,26 @@ from __future__ import annotations
 import math
 import statistics
 
-T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}  # two-sided, n-1 dof
+# two-sided 95 % quantiles of Student's t with n-1 degrees of freedom, keyed by n (scipy's, rounded)
+T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26, 11: 2.23, 12: 2.20,
+       13: 2.18, 14: 2.16, 15: 2.14, 16: 2.13, 17: 2.12, 18: 2.11, 19: 2.10, 20: 2.09, 25: 2.06, 30: 2.05}
+
+
+def t95(n: int) -> float:
+    """The two-sided 95 % t quantile for a mean of ``n`` values (conservative between table entries)."""
+    if n in T95:
+        return T95[n]
+    try:
+        from scipy.stats import t
+
+        return float(t.ppf(0.975, n - 1))
+    except ImportError:  # the next smaller tabulated n is wider, hence conservative
+        return T95[max(k for k in T95 if k <= n)] if n > 2 else T95[2]
 
 
 def interval(xs: list[float]) -> tuple[float, float, float]:
     """(mean, low, high): the 95 % t-interval of the mean of ``xs``."""
     n = len(xs)
     mean = statistics.fmean(xs)
-    half = T95.get(n, 1.96) * statistics.stdev(xs) / math.sqrt(n) if n > 1 else float("nan")
+    half = t95(n) * statistics.stdev(xs) / math.sqrt(n) if n > 1 else float("nan")
     return mean, mean - half, mean + half

@@ -155,13 +155,41 @@ def _train_step(model, opt, rt, x, y, micro_batches: int, between=None, marks: l
     return loss_sum
 
 
-def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int) -> dict[str, Any]:
+def _status_kib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return float(line.split()[1]) * 1024
+    return float("nan")
+
+
+def _rss_reset() -> float:
+    """Give freed heap back to the OS, restart the resident-set high-water mark; returns the RSS now (bytes).
+
+    So that ``VmHWM - baseline`` after a plan is what that plan made the process hold at its peak (tensors,
+    allocator and malloc slack, communication buffers), not what earlier plans in the same process left."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux >= 4.0: reset the peak RSS of this process
+    except OSError:
+        return float("nan")
+    return _status_kib("VmRSS")
+
+
+def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
+                 track_memory: bool = True) -> dict[str, Any]:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from lightning_galv.parallel.parallelize import parallelize
 
     plan = ParallelPlan.from_dict(plan_dict)
     rank = dist.get_rank()
+    rss0 = _rss_reset() if track_memory else float("nan")
     model = make_model(cfg)
     factory = MeshFactory(RankLayout(plan.world_size, plan.pp), "cpu", rank)
     rt = parallelize(model, plan, factory)
@@ -189,23 +217,28 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int) 
             probes.append(p)
             phases.append([float(v) for v in t[1:]])
     dist.barrier()
-    mt = MemTracker()
-    mt.track_external(model, opt)
-    with mt:
-        _train_step(model, opt, rt, x, y, plan.micro_batches, mt.reset_mod_stats)
-    peak = mt.get_tracker_snapshot("peak")
-    cpu = next(iter(peak.values())) if peak else {}
-    by_kind = {(k.name if hasattr(k, "name") else str(k)): float(v) for k, v in cpu.items()}
+    rss_peak = _status_kib("VmHWM") - rss0 if track_memory else float("nan")  # before MemTracker's own bookkeeping
+    by_kind: dict[str, float] = {}
+    if track_memory:
+        mt = MemTracker()
+        mt.track_external(model, opt)
+        with mt:
+            _train_step(model, opt, rt, x, y, plan.micro_batches, mt.reset_mod_stats)
+        peak = mt.get_tracker_snapshot("peak")
+        cpu = next(iter(peak.values())) if peak else {}
+        by_kind = {(k.name if hasattr(k, "name") else str(k)): float(v) for k, v in cpu.items()}
     del model, opt, rt
     return {"step_s": statistics.median(times), "times": times, "probes": probes, "phases": phases,
-            "peak_bytes": by_kind.get("Total", 0.0),
+            "peak_bytes": by_kind.get("Total", float("nan")), "rss_peak_bytes": rss_peak,
             "by_kind": by_kind}
 
 
-def measure_plans(plans: list[tuple[str, dict]], cfg: dict, seq: int, warmup: int, steps: int) -> dict[str, Any]:
+def measure_plans(cases: list[tuple[str, dict, dict, int]], warmup: int, steps: int,
+                  track_memory: bool = True) -> dict[str, Any]:
+    """``cases``: (name, plan dict, model config, sequence length), measured in this order."""
     out = {}
-    for name, plan in plans:
-        out[name] = measure_plan(plan, cfg, seq, warmup, steps)
+    for name, plan, cfg, seq in cases:
+        out[name] = measure_plan(plan, cfg, seq, warmup, steps, track_memory)
         if dist.get_rank() == 0:
             print(f"[costmodel] {name}: {out[name]['step_s'] * 1e3:.1f} ms, "
                   f"{out[name]['peak_bytes'] / 2**20:.2f} MiB", flush=True)

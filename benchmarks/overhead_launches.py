@@ -17,9 +17,7 @@ Writes its own RESULTS.md section per rank count, stamped with commit, date, loa
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,24 +34,13 @@ LABELS = {"dp": ("plan ≡ DDP (dp, ZeRO-0)", 'strategy="ddp"'),
           "tp": ("TP over all ranks", "ModelParallelStrategy + TP")}
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
-                               capture_output=True, text=True).stdout.strip()
-        return out.stdout.strip() + ("+uncommitted" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
 def table(per_launch: dict[str, list[dict]], args: argparse.Namespace, wall: float, loads: list[float]) -> str:
     from _stats import interval
 
     cores = os.cpu_count() or 1
     lines = [f"## Strategy overhead vs Lightning, {args.ranks} ranks, {args.launches} launches "
              "(benchmarks/overhead_launches.py)", "",
-             f"Commit {_commit()}, {datetime.date.today()}, command `python benchmarks/overhead_launches.py "
-             f"{' '.join(sys.argv[1:])}`. {args.ranks} CPU gloo ranks on {cores} cores"
+             f"{args.ranks} CPU gloo ranks on {cores} cores"
              + (" (oversubscribed: ranks share cores)" if args.ranks > cores else " (one core each)")
              + f"; each launch: {args.rounds} rounds x {args.steps} steps per fit, first {args.warmup} dropped, "
              f"global batch {args.batch}, pair order alternating; ratio = ours / Lightning median step time "

@@ -78,7 +78,9 @@ def test_analytic_order_resume_and_calibration(tmp_path) -> None:
     # a tuner killed mid-trial leaves a RUNNING trial behind: fake one with a heartbeat, let it go stale
     import time
 
-    pid = study.trials[0].params["plan_id"]
+    from lightning_galv.tuning.tuner import _register
+
+    pid = _register(study, analytic[2])  # a plan no trial has run yet (a killed tuner's current one)
     study.enqueue_trial({"plan_id": pid})
     stale = study.ask()
     stale.suggest_int("plan_id", 0, 1_000_000)
@@ -91,6 +93,7 @@ def test_analytic_order_resume_and_calibration(tmp_path) -> None:
     assert states[:2] == ["COMPLETE", "COMPLETE"] and states[2] == "FAIL", states  # kept; the stale one failed
     retried = [t for t in study.trials if t.system_attrs.get("failed_trial") == 2]
     assert len(retried) == 1 and retried[0].state.name in ("COMPLETE", "PRUNED")  # retried once, and it ran
+    assert "duplicate_of" not in retried[0].user_attrs and retried[0].params["plan_id"] == pid
     ids = [t.params["plan_id"] for t in study.trials if t.state.name == "COMPLETE"]
     assert len(ids) - len(set(ids)) <= 1  # only the retry repeats a plan
     assert len(second.trials) >= 5 and first.best_plan is not None
@@ -353,3 +356,49 @@ def test_the_dataset_bounds_the_batch_search() -> None:
     assert data_cap(DATA, _plan(L(dp=2)), steps=2) == 32
     assert data_cap(DATA, _plan(L(dp=2)), steps=3) == 20  # 32 // 3 = 10 per shard
     assert data_cap(DATA, ParallelPlan.uniform(2, 2, L(tp=2), global_batch=2), steps=4) == 16  # one shard: 64 // 4
+
+
+def test_journal_storage_gets_heartbeats_stale_trials_fail_and_retry_once_and_duplicates_are_caught(tmp_path) -> None:
+    """Journal files have no Optuna heartbeat: the tuner's own one marks a killed worker's trial stale."""
+    import time
+
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+    from optuna.trial import TrialState
+
+    from lightning_galv.tuning.tuner import (MAX_PLANS, PLAN_PARAM, _beat, _earlier_trial_of, _register,
+                                             fail_stale_trials)
+
+    def open_study() -> optuna.Study:  # every call: one more worker on the same file
+        return optuna.create_study(storage=JournalStorage(JournalFileBackend(str(tmp_path / "j.log"))),
+                                   study_name="j", direction="maximize", load_if_exists=True)
+
+    study, other = open_study(), open_study()
+    a, b = _plan(L(dp=2)), _plan(L(tp=2))
+    pa, pb = _register(study, a), _register(study, b)
+    assert pa != pb and _register(study, a) == pa and _register(other, a) == pa  # content ids: workers agree
+    study.enqueue_trial({PLAN_PARAM: pa})
+    dead = study.ask()
+    assert dead.suggest_int(PLAN_PARAM, 0, MAX_PLANS) == pa
+    _beat(study._storage, dead._trial_id)  # ... and then its tuner was killed
+    study.enqueue_trial({PLAN_PARAM: pb})
+    alive = other.ask()
+    other_pid = alive.suggest_int(PLAN_PARAM, 0, MAX_PLANS)
+    time.sleep(1.5)
+    _beat(other._storage, alive._trial_id)  # the other worker is still running its trial
+    assert fail_stale_trials(open_study(), grace_s=1.0) == [dead.number]
+    trials = study.get_trials()
+    assert trials[dead.number].state == TrialState.FAIL and "stale" in trials[dead.number].user_attrs["fail_reason"]
+    assert trials[alive.number].state == TrialState.RUNNING and other_pid == pb
+    retries = [t for t in trials if t.system_attrs.get("failed_trial") == dead.number]
+    assert len(retries) == 1 and retries[0].state == TrialState.WAITING and retries[0].params[PLAN_PARAM] == pa
+    retry = study.ask()  # the retry runs: only a failed trial had its plan before
+    assert retry.number == retries[0].number and retry.suggest_int(PLAN_PARAM, 0, MAX_PLANS) == pa
+    assert _earlier_trial_of(study, retry, pa) is None
+    time.sleep(1.5)
+    _beat(other._storage, alive._trial_id)
+    assert fail_stale_trials(study, grace_s=1.0) == [retry.number]  # the retry went stale too: not retried again
+    assert not any(t.system_attrs.get("failed_trial") == retry.number for t in study.get_trials())
+    # two workers enqueued the same plan at once: the later trial knows it is a duplicate
+    study.enqueue_trial({PLAN_PARAM: pb})
+    dup = study.ask()
+    assert _earlier_trial_of(study, dup, dup.suggest_int(PLAN_PARAM, 0, MAX_PLANS)) == alive.number

@@ -20,9 +20,13 @@ trial, in YAML, so ``optuna-dashboard`` shows it):
    the log tail as user attributes; the study goes on.
 4. **Feedback.** After every completed trial a :class:`~lightning_galv.planner.calibration.Calibration` is fitted
    on all measured plans and the remaining candidates are re-ranked with it.
-5. **Resumable.** SQLite by default (any Optuna storage URL works). RDB storages get heartbeats: a trial left
-   RUNNING by a killed tuner is marked failed and retried once; completed trials are kept and no plan is
-   enqueued twice.
+5. **Resumable, many workers.** SQLite by default; any Optuna storage URL works, and several ``tune()`` calls
+   (processes, machines) may share one study. RDB storages get Optuna's heartbeats; storages without them
+   (``journal:<file>``) get the tuner's own (a timestamp in the running trial's system attributes). Either way
+   a trial left RUNNING by a killed tuner is marked failed and retried once when a tuner next starts, and
+   completed trials are kept. Plan ids are a hash of the plan, so workers registering the same plan agree on
+   its id; a trial that pops a plan another worker already runs or ran is closed as PRUNED with
+   ``duplicate_of`` and not run again.
 """
 
 from __future__ import annotations
@@ -168,14 +172,81 @@ def _registry(study: Any) -> dict[int, dict]:
 
 
 def _register(study: Any, plan: ParallelPlan) -> int:
+    """The plan's id in the study: a hash of its content, so two workers registering the same plan at the same
+    time write the same key and value (a counter would give both the same next id for different plans)."""
+    import hashlib
+
     reg = _registry(study)
     d = plan.with_(prediction=None).to_dict()
     for i, known in reg.items():
         if known == d:
             return i
-    i = len(reg)
+    i = int(hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest(), 16) % MAX_PLANS
+    while i in reg:  # a hash collision with another plan: the next free id
+        i = (i + 1) % MAX_PLANS
     study.set_user_attr(f"plan:{i}", d)
     return i
+
+
+GALV_HEARTBEAT = "galv_heartbeat"  # system attribute: wall-clock time of a running trial's last sign of life
+
+
+def _has_native_heartbeat(storage: Any) -> bool:
+    from optuna.storages._heartbeat import BaseHeartbeat
+
+    return isinstance(storage, BaseHeartbeat) and storage.get_heartbeat_interval() is not None
+
+
+def _beat(storage: Any, trial_id: int) -> None:
+    """A sign of life of a running trial: Optuna's heartbeat where the storage has one, ours otherwise."""
+    if _has_native_heartbeat(storage):
+        storage.record_heartbeat(trial_id)
+    else:
+        storage.set_trial_system_attr(trial_id, GALV_HEARTBEAT, time.time())
+
+
+def fail_stale_trials(study: Any, grace_s: float) -> list[int]:
+    """Mark RUNNING trials with no sign of life for ``grace_s`` FAIL and retry each once (a WAITING copy), on
+    storages without Optuna's heartbeat (journal files); what ``optuna.storages.fail_stale_trials`` does for RDB
+    storages. A trial's last sign of life is its latest :func:`_beat`, else its start. Returns the failed
+    trial numbers."""
+    import optuna
+    from optuna.trial import TrialState
+
+    if _has_native_heartbeat(study._storage):
+        return _fail_stale_rdb(study)
+    now, failed = time.time(), []
+    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
+    with warnings.catch_warnings():  # "experimental" in Optuna 5
+        warnings.simplefilter("ignore")
+        retry = cls(max_retry=1)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        last = t.system_attrs.get(GALV_HEARTBEAT, t.datetime_start.timestamp() if t.datetime_start else now)
+        if now - float(last) <= grace_s:
+            continue
+        try:  # the reason first: a finished trial takes no more attributes
+            study._storage.set_trial_user_attr(t._trial_id, "fail_reason",
+                                               f"stale: no sign of life for {now - float(last):.0f} s (its tuner "
+                                               "was killed?)")
+            if not study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
+                continue
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # another worker got there first
+        failed.append(t.number)
+        if PLAN_PARAM in t.params:  # a trial killed before it chose its plan has nothing to retry
+            retry(study, study._storage.get_trial(t._trial_id))
+    return failed
+
+
+def _fail_stale_rdb(study: Any) -> list[int]:
+    import optuna
+    from optuna.trial import TrialState
+
+    before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))}
+    with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna 5
+        warnings.simplefilter("ignore")
+        optuna.storages.fail_stale_trials(study)  # Optuna's: FAIL, and its retry callback enqueues a copy
+    return sorted({t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))} - before)
 
 
 def _scheduled(study: Any) -> set[int]:
@@ -218,12 +289,7 @@ def tune(module_factory: str, data_factory: str, devices: int, n_trials: int = 1
                                 sampler=optuna.samplers.TPESampler(seed=0),
                                 pruner=pruner or optuna.pruners.PercentilePruner(25.0, n_startup_trials=2,
                                                                                    n_warmup_steps=1))
-    if isinstance(store, optuna.storages.RDBStorage):
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            optuna.storages.fail_stale_trials(study)  # a killed tuner's RUNNING trial: FAIL, re-enqueued once
+    fail_stale_trials(study, 2 * heartbeat_s)  # a killed tuner's RUNNING trials: FAIL, re-enqueued once
     profiles = _profiles(study, module_factory, data_factory, devices, memory_budget, trial_timeout)
     model, hw, budget = profiles
     if candidates is None:
@@ -252,13 +318,34 @@ def tune(module_factory: str, data_factory: str, devices: int, n_trials: int = 1
             trial = study.ask()
         pid = trial.suggest_int(PLAN_PARAM, 0, MAX_PLANS)
         plan = ParallelPlan.from_dict(_registry(study)[pid])
+        first = _earlier_trial_of(study, trial, pid)
+        if first is not None:  # another worker enqueued the same plan at the same time: run it once
+            trial.set_user_attr("duplicate_of", first)
+            study.tell(trial, state=TrialState.PRUNED)
+            continue
         _run_one(study, trial, plan, pid, module_factory, data_factory, devices, warmup_steps, steps, budget,
-                 trial_timeout, extra_callbacks, model, hw, calibration, run_distributed, verbose)
+                 trial_timeout, extra_callbacks, model, hw, calibration, run_distributed, verbose, heartbeat_s)
         calibration = _calibrate(study, model, hw)
     result = _result(study, url, candidates[0])
     if best_plan_path is not None and result.best_plan is not None:
         result.best_plan.save(best_plan_path)
     return result
+
+
+def _earlier_trial_of(study: Any, trial: Any, pid: int) -> int | None:
+    """The number of an earlier trial with the same plan that ran, runs or will run (not a failed one: a retry of
+    a failed trial is meant to run), if any."""
+    from optuna.trial import TrialState
+
+    for t in study.get_trials(deepcopy=False):
+        if t.number >= trial.number or t.state == TrialState.FAIL:
+            continue
+        if t.state == TrialState.PRUNED and "duplicate_of" in t.user_attrs:
+            continue
+        other = t.params.get(PLAN_PARAM, t.system_attrs.get("fixed_params", {}).get(PLAN_PARAM))
+        if other is not None and int(other) == pid:
+            return t.number
+    return None
 
 
 def _waiting(study: Any) -> bool:
@@ -338,7 +425,8 @@ def _calibrate(study: Any, model: Any, hw: Any) -> Any:
 
 def _run_one(study: Any, trial: Any, plan: ParallelPlan, pid: int, module_factory: str, data_factory: str,
              devices: int, warmup: int, steps: int, budget: float, timeout: float, extra: Sequence[str],
-             model: Any, hw: Any, calibration: Any, run_distributed: Callable[..., Any], verbose: bool) -> None:
+             model: Any, hw: Any, calibration: Any, run_distributed: Callable[..., Any], verbose: bool,
+             heartbeat_s: float = HEARTBEAT_S) -> None:
     import optuna
     from optuna.trial import TrialState
 
@@ -352,13 +440,13 @@ def _run_one(study: Any, trial: Any, plan: ParallelPlan, pid: int, module_factor
         trial.set_user_attr("predicted_peak_bytes", pred.peak_memory_bytes)
     report = tempfile.NamedTemporaryFile(prefix="galv_trial_", suffix=".jsonl", delete=False).name
     seen = [0]
-    beat = [time.monotonic()]
     storage = study._storage
+    _beat(storage, trial._trial_id)
+    beat = [time.monotonic()]
 
     def poll() -> None:
-        interval = storage.get_heartbeat_interval() if hasattr(storage, "get_heartbeat_interval") else None
-        if interval and time.monotonic() - beat[0] > interval / 2:
-            storage.record_heartbeat(trial._trial_id)
+        if time.monotonic() - beat[0] > heartbeat_s / 2:
+            _beat(storage, trial._trial_id)
             beat[0] = time.monotonic()
         drain(prune=True)
 
