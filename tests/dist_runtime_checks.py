@@ -386,6 +386,9 @@ def grad_overlap_check(bucket_bytes: int = 4096) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model("llama", 3)
     plan = ParallelPlan.uniform(world, 3, L(dp=world))
+    local_grads: dict[str, torch.Tensor] = {}
+    for n, p in model.named_parameters():  # registered first, so they run before the runtime launches a bucket
+        p.register_post_accumulate_grad_hook(lambda p, n=n: local_grads.__setitem__(n, p.grad.detach().clone()))
     rt = parallelize(model, plan, MeshFactory(RankLayout(world, 1), "cpu", rank), grad_bucket_bytes=bucket_bytes)
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 64, (2, 17), generator=g)
@@ -393,7 +396,10 @@ def grad_overlap_check(bucket_bytes: int = 4096) -> dict[str, Any]:
     _ce(logits, x[:, 1:]).backward()
     buckets = rt.grad_sync.buckets()
     launched_in_backward = sum(b.work is not None for b in buckets)
-    local_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    # in flight, the gradients are views of their bucket (no second copy of them exists)
+    views = sum(p.grad.untyped_storage().data_ptr() == b.flat.untyped_storage().data_ptr()
+                for b in buckets if b.work is not None for p in b.params)
+    in_flight = sum(len(b.params) for b in buckets if b.work is not None)
     want = {}
     for n, t in local_grads.items():
         dist.all_reduce(t)
@@ -401,4 +407,5 @@ def grad_overlap_check(bucket_bytes: int = 4096) -> dict[str, Any]:
     rt.sync_gradients()
     err = max((p.grad - want[n]).abs().max().item() / max(want[n].abs().max().item(), 1e-12)
               for n, p in model.named_parameters())
-    return {"buckets": len(buckets), "launched_in_backward": launched_in_backward, "err": err}
+    return {"buckets": len(buckets), "launched_in_backward": launched_in_backward, "err": err,
+            "views": views, "in_flight": in_flight}

@@ -225,11 +225,12 @@ def test_parity_4_ranks() -> None:
 @pytest.mark.distributed
 def test_gradient_buckets_start_during_backward_and_sum_exactly() -> None:
     """2 ranks, ZeRO-0, 4 KiB buckets: several buckets, every one launched from the gradient hooks inside
-    backward (none left for sync to start), and the synced gradients equal an explicit all-reduce mean of the
-    local ones."""
+    backward (none left for sync to start), the gradients in flight are views of their bucket, and the synced
+    gradients equal an explicit all-reduce mean of the local ones."""
     results = run_distributed(CHECKS.replace("run_many", "grad_overlap_check"), 2, (), timeout=300)
     for r in results:
         assert r["buckets"] >= 4 and r["launched_in_backward"] == r["buckets"], r
+        assert r["in_flight"] > 0 and r["views"] == r["in_flight"], r  # no second copy of the gradients
         assert r["err"] < 1e-6, r
 
 

@@ -365,8 +365,8 @@ def test_journal_storage_gets_heartbeats_stale_trials_fail_and_retry_once_and_du
     from optuna.storages.journal import JournalFileBackend, JournalStorage
     from optuna.trial import TrialState
 
-    from lightning_galv.tuning.tuner import (MAX_PLANS, PLAN_PARAM, _beat, _earlier_trial_of, _register,
-                                             fail_stale_trials)
+    from lightning_galv.tuning.tuner import (MAX_PLANS, PLAN_PARAM, _beat, _claim, _earlier_trial_of, _register,
+                                             _scheduled, fail_stale_trials)
 
     def open_study() -> optuna.Study:  # every call: one more worker on the same file
         return optuna.create_study(storage=JournalStorage(JournalFileBackend(str(tmp_path / "j.log"))),
@@ -402,3 +402,48 @@ def test_journal_storage_gets_heartbeats_stale_trials_fail_and_retry_once_and_du
     study.enqueue_trial({PLAN_PARAM: pb})
     dup = study.ask()
     assert _earlier_trial_of(study, dup, dup.suggest_int(PLAN_PARAM, 0, MAX_PLANS)) == alive.number
+    # the queue was emptied by another worker: ask() opens a fresh trial, which the tuner gives the next plan
+    fresh = study.ask()
+    assert PLAN_PARAM not in fresh._fixed_params
+    pc = _register(study, _plan(L(dp=2, zero=1)))
+    _claim(study, fresh, pc, {"plan": "dp2 zero1"})
+    assert fresh.suggest_int(PLAN_PARAM, 0, MAX_PLANS) == pc and pc in _scheduled(study)
+    assert _earlier_trial_of(study, fresh, pc) is None
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_workers_share_a_journal_study_and_measure_each_plan_once(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from lightning_galv.tuning.tuner import PLAN_PARAM
+
+    url = f"journal:{tmp_path}/mw.log"
+    code = ("from lightning_galv.plan import LayerStrategy as L, ParallelPlan\n"
+            "from lightning_galv.tuning import tune\n"
+            "c = [ParallelPlan.uniform(2, 2, s, global_batch=8) for s in "
+            "(L(dp=2), L(tp=2), L(dp=2, zero=1), L(dp=2, zero=2))]\n"
+            f"tune({MOD!r}, {DATA!r}, devices=2, n_trials=4, storage={url!r}, study_name='mw', candidates=c, "
+            "warmup_steps=1, steps=2, memory_budget='8GB', verbose=False, trial_timeout=240)\n")
+    logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(2)]
+    workers = [subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ))
+               for f in logs]
+    try:
+        codes = [w.wait(timeout=900) for w in workers]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    tails = "\n".join((tmp_path / f"worker{i}.log").read_text()[-3000:] for i in range(2))
+    assert codes == [0, 0], tails
+    study = optuna.load_study(study_name="mw", storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(f"{tmp_path}/mw.log")))
+    trials = study.get_trials()
+    assert all(t.state.is_finished() for t in trials), [t.state for t in trials]
+    ran = [t for t in trials if "duplicate_of" not in t.user_attrs]
+    assert all(t.state.name in ("COMPLETE", "PRUNED") for t in ran), [(t.state, t.user_attrs) for t in ran]
+    ids = [t.params[PLAN_PARAM] for t in ran]
+    assert len(ids) == len(set(ids)) and len(ids) >= 3, ids  # each plan measured once, by one worker or the other
+    assert len({t.user_attrs["worker"] for t in ran}) == 2, tails  # both workers measured plans

@@ -436,8 +436,10 @@ class GalvatronStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.runtime.backward(closure_loss,
                               lambda loss: self.precision_plugin.backward(loss, module, optimizer, *args, **kwargs))
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        # reduce first: the precision plugin's post_backward runs the on_after_backward hooks, which then see
+        # the reduced gradients, as under DDP (buckets in flight hold the gradients as views: not readable yet)
         self.post_backward(closure_loss)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         return closure_loss
 
     @_names_timeouts

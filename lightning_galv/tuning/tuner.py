@@ -303,19 +303,32 @@ def tune(module_factory: str, data_factory: str, devices: int, n_trials: int = 1
         raise bad_value("no candidate plans", "the analytic search found nothing to measure",
                         "raise memory_budget or pass candidates=[...].")
     calibration = _calibrate(study, model, hw)
+    def choose() -> tuple[int, dict[str, Any]] | None:
+        nxt = _next_plan(study, candidates, model, hw, calibration, budget)
+        if nxt is None:
+            return None
+        attrs: dict[str, Any] = {"plan": nxt.to_yaml()}
+        if nxt not in candidates and "next_base" in study.user_attrs:
+            attrs["base"] = study.user_attrs["next_base"]  # which measured plan it neighbours
+        return _register(study, nxt), attrs
+
     while len(study.get_trials(deepcopy=False)) < n_trials or _waiting(study):
         if not _waiting(study):
-            nxt = _next_plan(study, candidates, model, hw, calibration, budget)
-            if nxt is None:
+            chosen = choose()
+            if chosen is None:
                 break
-            pid = _register(study, nxt)
-            attrs: dict[str, Any] = {"plan": nxt.to_yaml()}
-            if nxt not in candidates and "next_base" in study.user_attrs:
-                attrs["base"] = study.user_attrs["next_base"]  # which measured plan it neighbours
-            study.enqueue_trial({PLAN_PARAM: pid}, user_attrs=attrs)
+            study.enqueue_trial({PLAN_PARAM: chosen[0]}, user_attrs=chosen[1])
         with warnings.catch_warnings():  # Optuna warns that heartbeats are meant for optimize(); the tuner beats itself
             warnings.filterwarnings("ignore", message="Heartbeat of storage")
             trial = study.ask()
+        if PLAN_PARAM not in trial._fixed_params:
+            # another worker popped the plan this one queued, so ask() opened a fresh trial: give it the next plan
+            chosen = choose()
+            if chosen is None:
+                trial.set_user_attr("duplicate_of", "none: nothing left to measure")
+                study.tell(trial, state=TrialState.PRUNED)
+                break
+            _claim(study, trial, *chosen)
         pid = trial.suggest_int(PLAN_PARAM, 0, MAX_PLANS)
         plan = ParallelPlan.from_dict(_registry(study)[pid])
         first = _earlier_trial_of(study, trial, pid)
@@ -330,6 +343,15 @@ def tune(module_factory: str, data_factory: str, devices: int, n_trials: int = 1
     if best_plan_path is not None and result.best_plan is not None:
         result.best_plan.save(best_plan_path)
     return result
+
+
+def _claim(study: Any, trial: Any, pid: int, attrs: dict[str, Any]) -> None:
+    """Make a freshly opened trial measure plan ``pid``, as if it had been enqueued with it (Optuna 5 reads a
+    queued trial's value from ``Trial._fixed_params``; the storage copy keeps :func:`_scheduled` right)."""
+    trial._fixed_params = {**trial._fixed_params, PLAN_PARAM: pid}
+    study._storage.set_trial_system_attr(trial._trial_id, "fixed_params", dict(trial._fixed_params))
+    for k, v in attrs.items():
+        trial.set_user_attr(k, v)
 
 
 def _earlier_trial_of(study: Any, trial: Any, pid: int) -> int | None:
@@ -432,7 +454,10 @@ def _run_one(study: Any, trial: Any, plan: ParallelPlan, pid: int, module_factor
 
     from ..testing import RankCrashed
 
+    import socket
+
     pred = _cost(model, hw, calibration).evaluate(plan) if plan.global_batch else None
+    trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")  # which tune() ran it (many may share a study)
     trial.set_user_attr("plan", plan.to_yaml())
     trial.set_user_attr("summary", summary(plan))
     if pred is not None:
