@@ -69,35 +69,56 @@ class _Bucket:
     size: int
     params: list[nn.Parameter]
     nbytes: int = 0
-    numels: list[int] = field(default_factory=list)
+    numels: list[int] = field(default_factory=list)  # slot sizes: the parameters' local sizes
+    offsets: list[int] = field(default_factory=list)
+    index: dict[int, int] = field(default_factory=dict)  # id(param) -> slot
     ready: int = 0
     work: Any = None
-    flat: torch.Tensor | None = None
+    flat: torch.Tensor | None = None  # this step's flat gradients (being filled / reduced)
+    buffer: torch.Tensor | None = None  # the flat storage kept between steps (the gradients are views of it)
+    views: bool = True  # False once a gradient's local size differs from its slot: flatten at launch instead
 
 
-def _grads_into(b: _Bucket) -> None:
-    """Make every gradient of bucket ``b`` a view of its flat tensor, dropping the separate gradient tensors.
+def _as_grad_view(p: nn.Parameter, flat_slice: torch.Tensor) -> None:
+    """Replace ``p.grad`` by ``flat_slice`` (its values already copied there), keeping a DTensor gradient's
+    wrapper (mesh, placements) around the view; the separate gradient tensor is dropped."""
+    g = p.grad
+    assert g is not None
+    view = flat_slice.view_as(local(g))
+    if hasattr(g, "to_local"):
+        from torch.distributed.tensor import DTensor
 
-    Why: a bucket launched during backward keeps its flat copy until :meth:`GradientSync.sync` waits for it, so
-    with separate gradients every replicated gradient would exist twice at the end of backward (+1x their
-    bytes at the step's memory peak, e.g. +20 % for a checkpointed model, whose activations are small by
-    then), and sync would copy every gradient back. As views, the all-reduce sums them in place and the flat
-    tensor is the only storage (DDP's ``gradient_as_bucket_view``). A DTensor gradient keeps its DTensor
-    wrapper (same mesh and placements) around the view. Ranks without a gradient keep None."""
-    assert b.flat is not None
-    offset = 0
-    for p, n in zip(b.params, b.numels):
-        g = p.grad
-        if g is not None:
-            view = b.flat[offset:offset + n].view_as(local(g))
-            if hasattr(g, "to_local"):
-                from torch.distributed.tensor import DTensor
+        p.grad = DTensor.from_local(view, g.device_mesh, g.placements, run_check=False, shape=g.shape,
+                                    stride=g.stride())
+    else:
+        p.grad = view
 
-                p.grad = DTensor.from_local(view, g.device_mesh, g.placements, run_check=False,
-                                            shape=g.shape, stride=g.stride())
-            else:
-                p.grad = view
-        offset += n
+
+def _move_into_bucket(b: _Bucket, p: nn.Parameter) -> None:
+    """Make ``p``'s gradient a view of its slot in the bucket's flat tensor (allocated at the bucket's first
+    gradient of the step, or the buffer kept from the last step), copying it there unless it already is one.
+
+    Why (DDP's ``gradient_as_bucket_view``): a bucket launched during backward is reduced in place until
+    :meth:`GradientSync.sync` waits for it. With the gradients as separate tensors, flattening at launch would
+    hold every replicated gradient twice at the end of backward -- +1x their bytes at the step's peak, +20 %
+    for a checkpointed model whose activations are small by then -- and sync would copy them all back. Moved
+    one by one as autograd finishes them, the flat tensor is their only storage (at most one gradient is
+    briefly held twice), the all-reduce sums them in place, and nothing is copied back."""
+    g = p.grad
+    if g is None or not b.views:
+        return
+    i = b.index[id(p)]
+    g_local = local(g)
+    if g_local.numel() != b.numels[i]:
+        b.views = False  # a gradient laid out unlike its parameter: this bucket flattens at launch from now on
+        return
+    if b.flat is None:
+        reuse = b.buffer is not None and b.buffer.dtype == g_local.dtype and b.buffer.device == g_local.device
+        b.flat = b.buffer if reuse else torch.empty(sum(b.numels), dtype=g_local.dtype, device=g_local.device)
+    slot = b.flat[b.offsets[i]:b.offsets[i] + b.numels[i]]
+    if g_local.data_ptr() != slot.data_ptr():  # accumulated into the view already: nothing to move
+        slot.copy_(g_local.reshape(-1))
+        _as_grad_view(p, slot)
 
 
 @dataclass
@@ -141,6 +162,9 @@ class GradientSync:
                     if b is None or b.nbytes >= self.bucket_bytes:
                         b = current[dt] = _Bucket(group, size, [])
                         self._buckets.append(b)
+                    b.index[id(p)] = len(b.params)
+                    b.offsets.append(sum(b.numels))
+                    b.numels.append(local(p).numel())
                     b.params.append(p)
                     b.nbytes += local(p).numel() * local(p).element_size()
                     self._bucket_of[id(p)] = b
@@ -158,6 +182,8 @@ class GradientSync:
         if not self.enabled:
             return
         b = self._bucket_of[id(p)]
+        with torch.no_grad():
+            _move_into_bucket(b, p)
         b.ready += 1
         buckets = self.buckets()
         while self._next < len(buckets) and (buckets[self._next].size == 1
@@ -170,13 +196,21 @@ class GradientSync:
         if b.size == 1 or b.work is not None:
             return
         with torch.no_grad():
-            # a parameter without a gradient on this rank contributes zeros, so every rank's flat tensor
-            # has the same layout
-            parts = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in b.params]
-            b.numels = [t.numel() for t in parts]  # a gradient's local shard may differ from its parameter's
-            b.flat = torch.cat([t.reshape(-1) for t in parts])
-            del parts
-            _grads_into(b)
+            for p in b.params:  # those autograd finished outside the hooks (pipelines: every one)
+                _move_into_bucket(b, p)
+            if b.views and b.flat is not None:
+                for p, o, n in zip(b.params, b.offsets, b.numels):
+                    if p.grad is None:  # no gradient on this rank: zeros, so every rank's layout is the same
+                        b.flat[o:o + n].zero_()
+            else:  # a gradient's local shard differs from its parameter's (or none has one): flatten them
+                parts = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in b.params]
+                b.flat = torch.cat([t.reshape(-1) for t in parts])
+                offset = 0
+                for p, t in zip(b.params, parts):
+                    if p.grad is not None:
+                        _as_grad_view(p, b.flat[offset:offset + t.numel()])
+                    offset += t.numel()
+                del parts
             b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
 
     @torch.no_grad()
@@ -193,7 +227,9 @@ class GradientSync:
                 continue
             assert b.work is not None and b.flat is not None
             b.work.wait()
-            b.flat.div_(self.divide_factor)  # the gradients are views of it (_grads_into): reduced in place
+            b.flat.div_(self.divide_factor)  # the gradients are views of it: reduced in place
+            if b.views:
+                b.buffer = b.flat  # kept: next step's gradients move into it (or accumulate in it, if kept)
             b.work = b.flat = None
             b.ready = 0
         self._next = 0
