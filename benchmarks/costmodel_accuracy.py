@@ -78,6 +78,8 @@ def plans() -> list[tuple[str, ParallelPlan]]:
         return ParallelPlan(world, tuple(layers), embed=S(dp=world), head=S(dp=world),
                             global_batch=GLOBAL_BATCH, **kw)
 
+    # every way of sharding the block appears in at least two plans of each world, so the leave-one-out
+    # calibration below never predicts a sharding it has no measurement of
     out = [
         ("2r dp2", uni(2, S(dp=2))),
         ("2r dp2·zero1", uni(2, S(dp=2, zero=1))),
@@ -88,6 +90,7 @@ def plans() -> list[tuple[str, ParallelPlan]]:
         ("2r tp+sp2", uni(2, S(tp=2, sp="megatron"))),
         ("2r ulysses2", uni(2, S(tp=2, sp="ulysses"))),
         ("2r dp2 m=2", uni(2, S(dp=2), micro_batches=2)),
+        ("2r tp+sp2·ckpt", uni(2, S(tp=2, sp="megatron", checkpoint=True))),
         ("2r hetero", het(2, [S(dp=2), S(tp=2), S(dp=2, zero=3), S(tp=2, sp="ulysses", checkpoint=True)])),
         ("4r dp4", uni(4, S(dp=4))),
         ("4r dp4·zero3", uni(4, S(dp=4, zero=3))),
@@ -95,8 +98,22 @@ def plans() -> list[tuple[str, ParallelPlan]]:
         ("4r tp+sp2·dp2·zero2", uni(4, S(tp=2, dp=2, sp="megatron", zero=2))),
         ("4r ulysses2·dp2·ckpt", uni(4, S(tp=2, dp=2, sp="ulysses", checkpoint=True))),
         ("4r tp4", uni(4, S(tp=4))),
+        ("4r ulysses2·dp2", uni(4, S(tp=2, dp=2, sp="ulysses"))),
+        ("4r tp+sp2·dp2", uni(4, S(tp=2, dp=2, sp="megatron"))),
+        ("4r tp+sp4", uni(4, S(tp=4, sp="megatron"))),
+        ("4r tp4·ckpt", uni(4, S(tp=4, checkpoint=True))),
         ("4r hetero", het(4, [S(tp=2, dp=2), S(dp=4, zero=2), S(dp=4, checkpoint=True), S(tp=4, sp="megatron")])),
     ]
+    for world in (2, 4):  # the design rule above, checked
+        seen: dict[tuple[int, str], int] = {}
+        for _, p in out:
+            if p.world_size == world:
+                for k in {(s.tp, s.sp) for s in p.layers}:
+                    seen[k] = seen.get(k, 0) + 1
+        once = sorted(k for k, n in seen.items() if n < 2)
+        if once:
+            raise ValueError(f"{world}-rank plans shard the block as {once} in only one plan. HINT: add a second "
+                             "plan with that sharding (leave-one-out could not calibrate it).")
     return out
 
 
@@ -388,7 +405,8 @@ not itemize on CPU. The user's budget (`memory_budget`) is compared with the pre
 bytes (plus the profile's framework bytes, 0 here).
 
 Calibration (issue 13): each in-sample plan is predicted with a `Calibration` fitted by least squares on the
-*other* in-sample plans of its world (leave-one-out); each held-out case with one fitted on all in-sample plans
+*other* in-sample plans of its world (leave-one-out; every sharding of the block occurs in at least two
+in-sample plans per world, so the fit has seen each one); each held-out case with one fitted on all in-sample plans
 of its world -- out of sample either way. Two forms: with a compute factor per measured sharding of the block
 (`Calibration.fit_plans` default) and with shared factors only (one compute scale per layer type, one
 collective scale, memory slack)."""
