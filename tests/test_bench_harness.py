@@ -1,0 +1,37 @@
+"""The benchmark harness (benchmarks/_results.py, _stats.py): stamped sections, replaced in place; t-intervals."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from _results import stamp, write_section  # noqa: E402
+from _stats import interval, t95  # noqa: E402
+
+
+def test_sections_are_stamped_and_replaced_without_touching_the_others(tmp_path: Path) -> None:
+    path = tmp_path / "RESULTS.md"
+    write_section("a", "## A\n\nfirst", path)
+    write_section("b", "## B\n\nother", path)
+    write_section("a", "## A\n\nsecond", path)
+    text = path.read_text()
+    assert "first" not in text and "second" in text and "other" in text
+    assert text.index("## A") < text.index("## B")  # replaced where it was
+    a = text[text.index("<!-- a:start -->"):text.index("<!-- a:end -->")]
+    assert a.splitlines()[1] == "## A" and a.splitlines()[3].startswith("*Run at commit ")
+    assert "1-min load average" in a and "command `python " in a
+
+
+def test_stamp_names_the_command_line() -> None:
+    line = stamp(["benchmarks/x.py", "--launches", "5", "--only", "2r dp2"])
+    assert "command `python benchmarks/x.py --launches 5 --only '2r dp2'`" in line
+
+
+def test_t_interval_uses_students_t() -> None:
+    assert t95(5) == pytest.approx(2.78) and t95(40) == pytest.approx(2.0227, abs=1e-3)
+    m, lo, hi = interval([1.0, 2.0, 3.0])
+    assert m == 2.0 and hi - m == pytest.approx(4.30 * 1.0 / 3 ** 0.5)
