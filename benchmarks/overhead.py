@@ -8,6 +8,10 @@ Three pairs on 4 CPU gloo ranks (LLaMA-style decoder, dim 256, 4 layers, seq 128
 * our ZeRO-3 plan   vs  ``ModelParallelStrategy`` + FSDP2 (``fully_shard`` per block in ``configure_model``)
 * our TP=4 plan     vs  ``ModelParallelStrategy`` + TP (``parallelize_module`` in ``configure_model``)
 
+Superseded for the headline figure by ``overhead_launches.py`` (one ratio per independent launch, with a
+t-interval over launches: one pooled launch says nothing about how much the ratio moves between runs, so its
+RESULTS.md section was removed); kept for its per-round and CPU-time breakdown of one launch.
+
 All fits run in one launch (see ``benchmarks/_overhead_runs.py``); the members of a pair alternate
 their order every round, and the ratio is ours / Lightning's median step time (goal <= 1.03).
 """
