@@ -4,7 +4,7 @@
     galv profile [--config R.yaml] [--devices 4]                  measure this machine and the model; cache it
     galv search [--config R.yaml] [--devices 4] [--top-k 5]      top plans with predictions; write the best
                 [--out plan.yaml] [--galvatron plan.json]
-    galv plan show PLAN                                           print a plan file, validated
+    galv plan show PLAN [--png OUT.png]                           print a plan file, validated; draw it
     galv fit --config recipes/tiny_cpu.yaml                        LightningCLI with our strategy
                                                                   (also validate / test / predict)
     galv tune --config tune.yaml [--out best.yaml]                 measure the planner's best plans (Optuna)
@@ -36,13 +36,16 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, FileNotFo
                                                 PermissionError)
 
 PLAN_HELP = """\
-usage: galv plan show PLAN
+usage: galv plan show PLAN [--png OUT.png]
 
 Print a plan file (YAML or JSON, as written by galv search, ParallelPlan.save or the tuner), validated:
 one line per run of layers with the same strategy, and the prediction when the file carries one.
+--png also draws it: layers x ranks coloured by strategy, each cell with the rank's tp / dp index,
+pipeline stages as bands (needs matplotlib: pip install "lightning_galv[plots]").
 
-example:
+examples:
   galv plan show recipes/plans/hetero4.yaml
+  galv plan show recipes/plans/hetero4.yaml --png hetero4.png
 """
 
 
@@ -84,12 +87,24 @@ def _plan(args: list[str]) -> None:
     if not args or args[0] in ("-h", "--help") or (args[0] == "show" and args[1:2] in (["-h"], ["--help"])):
         print(PLAN_HELP)
         return
+    png = None
+    if "--png" in args:
+        i = args.index("--png")
+        if i + 1 >= len(args):
+            raise ValueError("galv plan show --png: missing the output file. HINT: galv plan show PLAN --png plan.png")
+        png, args = args[i + 1], args[:i] + args[i + 2:]
     if args[0] != "show" or len(args) != 2:
-        raise ValueError(f"galv plan {' '.join(args)!r}: expected 'show PLAN'. HINT: galv plan show "
+        raise ValueError(f"galv plan {' '.join(args)!r}: expected 'show PLAN [--png OUT.png]'. HINT: galv plan show "
                          "recipes/plans/hetero4.yaml")
     from .plan import ParallelPlan
 
-    print(ParallelPlan.load(args[1]).describe())
+    plan = ParallelPlan.load(args[1])
+    print(plan.describe())
+    if png is not None:
+        from .plots import plan_diagram
+
+        plan_diagram(plan, png, title=f"{args[1]}: {plan.world_size} ranks, pp={plan.pp}")
+        print(f"wrote {png}")
 
 
 def _demo(args: list[str]) -> None:

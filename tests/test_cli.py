@@ -67,7 +67,7 @@ def test_galv_unknown_command() -> None:
 def test_galv_plan_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     galv(argv)
     out = capsys.readouterr().out
-    assert "usage: galv plan show PLAN" in out and "example:" in out
+    assert "usage: galv plan show PLAN" in out and "examples:" in out and "--png" in out
 
 
 @pytest.mark.parametrize("cmd", ["demo", "profile", "search", "tune", "fit", "validate"])
