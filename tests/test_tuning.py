@@ -447,3 +447,23 @@ def test_two_workers_share_a_journal_study_and_measure_each_plan_once(tmp_path) 
     ids = [t.params[PLAN_PARAM] for t in ran]
     assert len(ids) == len(set(ids)) and len(ids) >= 3, ids  # each plan measured once, by one worker or the other
     assert len({t.user_attrs["worker"] for t in ran}) == 2, tails  # both workers measured plans
+
+
+def test_the_progress_bar_counts_the_studys_finished_trials_and_shows_the_best(capsys: pytest.CaptureFixture[str]) -> None:
+    from optuna.distributions import IntDistribution
+    from optuna.trial import TrialState, create_trial
+
+    from lightning_galv.tuning.tuner import PLAN_PARAM, _Progress
+
+    study = optuna.create_study(direction="maximize")
+    dist = {PLAN_PARAM: IntDistribution(0, 10)}
+    study.add_trial(create_trial(value=3.0, params={PLAN_PARAM: 1}, distributions=dist))  # an earlier session's
+    bar = _Progress(True, study, 4)
+    assert bar._bar is not None and bar._bar.n == 1
+    study.add_trial(create_trial(value=5.0, params={PLAN_PARAM: 2}, distributions=dist))
+    study.add_trial(create_trial(state=TrialState.FAIL, params={PLAN_PARAM: 3}, distributions=dist))
+    bar.update(study, 4)
+    assert bar._bar.n == 3 and "best 5.00 samples/s" in str(bar._bar)
+    bar.close()
+    assert "galv tune" in capsys.readouterr().err
+    assert _Progress(False, study, 4)._bar is None  # verbose=False: silent

@@ -303,6 +303,8 @@ def tune(module_factory: str, data_factory: str, devices: int, n_trials: int = 1
         raise bad_value("no candidate plans", "the analytic search found nothing to measure",
                         "raise memory_budget or pass candidates=[...].")
     calibration = _calibrate(study, model, hw)
+    bar = _Progress(verbose, study, n_trials)
+
     def choose() -> tuple[int, dict[str, Any]] | None:
         nxt = _next_plan(study, candidates, model, hw, calibration, budget)
         if nxt is None:
@@ -339,6 +341,8 @@ def tune(module_factory: str, data_factory: str, devices: int, n_trials: int = 1
         _run_one(study, trial, plan, pid, module_factory, data_factory, devices, warmup_steps, steps, budget,
                  trial_timeout, extra_callbacks, model, hw, calibration, run_distributed, verbose, heartbeat_s)
         calibration = _calibrate(study, model, hw)
+        bar.update(study, n_trials)
+    bar.close()
     result = _result(study, url, candidates[0])
     if best_plan_path is not None and result.best_plan is not None:
         result.best_plan.save(best_plan_path)
@@ -618,4 +622,40 @@ def _analytic(model: Any, hw: Any, world: int, budget: float, top_k: int, loader
 
 def _say(enabled: bool, msg: str) -> None:
     if enabled:
-        print(f"[lightning_galv.tune] {msg}", flush=True)
+        from tqdm import tqdm
+
+        tqdm.write(f"[lightning_galv.tune] {msg}")  # above the progress bar, which stays at the bottom
+
+
+class _Progress:
+    """A progress bar over the study's finished trials (tqdm, on stderr) with the best throughput so far.
+
+    Counts every finished trial of the study -- earlier sessions' and other workers' too, since ``n_trials``
+    counts them -- so a resumed study starts where it stopped. Silent unless ``enabled``."""
+
+    def __init__(self, enabled: bool, study: Any, total: int) -> None:
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=min(_finished(study), total), desc="galv tune", unit="trial",
+                             dynamic_ncols=True)
+
+    def update(self, study: Any, total: int) -> None:
+        if self._bar is None:
+            return
+        done = _finished(study)
+        self._bar.total = max(total, done)
+        self._bar.n = done
+        best = max((t.value or 0.0 for t in _completed(study)), default=0.0)
+        if best:
+            self._bar.set_postfix_str(f"best {best:.2f} samples/s", refresh=False)
+        self._bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _finished(study: Any) -> int:
+    return sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
