@@ -175,3 +175,17 @@ def test_refining_on_galvatrons_1mb_grid_finds_the_memory_tight_plan() -> None:
     assert fine.plan.prediction.throughput == pytest.approx(68.6456, rel=1e-5)  # Galvatron's plan, by the judge: 68.646
     check = GalvatronAccounting(profile(), g2, 24).score(fine.plan).best
     assert check is not None and check.within_budget
+
+
+def test_contexts_sharing_layer_dps_find_what_each_finds_alone() -> None:
+    """galvatron_search shares one FrontsMemo across its contexts (their stages repeat each other's layer DPs
+    at other capacities): every context's plan and prediction are the ones it finds searched on its own."""
+    prof, hw = profile("llama-7b"), read_hardware_profile(DATA / "hardware", 1, 8)
+    together = galvatron_search(prof, hw, ghw(), 24, 32, sequence_parallel=True)
+    assert len(together.contexts) == 10 and together.plan is not None
+    for c in together.contexts:
+        alone = galvatron_search(prof, hw, ghw(), 24, 32, sequence_parallel=True, contexts=[(c.min_tp, c.max_tp)])
+        got, want = c.plan, alone.contexts[0].plan
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got.to_dict() == want.to_dict()  # strategies, division, prediction: exactly

@@ -11,6 +11,7 @@ import pytest
 from lightning_galv.plan import LayerStrategy, ModelShape, ParallelPlan
 from lightning_galv.planner.cost import GalvatronCostModel, StageContext
 from lightning_galv.planner.profiles import HardwareProfile, LayerTypeProfile, ModelProfile, TimeFit, act_key
+from lightning_galv.planner.layer_dp import FrontsMemo, LayerFronts, layer_dp
 from lightning_galv.planner.pareto import pareto_keep
 from lightning_galv.planner.search import DEFAULT_MEMORY_MARGIN, search
 from lightning_galv.planner.space import SearchSpace, candidate_strategies
@@ -128,6 +129,48 @@ def test_pareto_keep_drops_dominated_and_later_ties() -> None:
         pareto_keep(())
     with pytest.raises(ValueError, match="HINT:"):
         pareto_keep((time, memory[:3]))
+
+
+def test_fronts_are_the_dense_dp_bit_for_bit() -> None:
+    """Without transition costs the front DP returns the dense DP's values and paths exactly, ties included
+    (few distinct costs and memories, zero-memory and never-fitting strategies, inf costs), for every
+    capacity and path length, from one forward pass; homogeneous rows as one repeated row."""
+    rng = np.random.default_rng(7)
+    checked = 0
+    for _ in range(600):
+        J, n, K = int(rng.integers(0, 8)), int(rng.integers(1, 8)), int(rng.integers(1, 4))
+        repeat = bool(rng.random() < 0.5)
+        rows = 1 if repeat else n
+        if rng.random() < 0.5:  # coarse values: many exact ties between different strategy sequences
+            c = rng.choice([0.1, 0.2, 0.3, 1 / 3, 0.25, np.inf], size=(rows, J), p=[.25, .2, .15, .15, .2, .05])
+        else:
+            c = rng.random((rows, J)).round(int(rng.integers(1, 4)))
+        q = rng.integers(0, 12, size=(rows, J))
+        cls = rng.integers(0, K, size=J)
+        limit = int(rng.integers(5, 50))
+        fronts = LayerFronts(c, q, cls, limit, repeat=repeat)
+        c_full, q_full = (np.repeat(c, n, 0), np.repeat(q, n, 0)) if repeat else (c, q)
+        for cap in sorted({int(x) for x in rng.integers(-1, limit, size=3)}):
+            want, _ = layer_dp(c_full, q_full, cls, np.zeros((K, K)), n, cap)
+            assert np.array_equal(fronts.best(n, cap), want)
+            for w in range(1, n + 1):
+                assert fronts.path(w, cap) == layer_dp(c_full[:w], q_full[:w], cls, np.zeros((K, K)), w, cap,
+                                                       want_path=w)[1]
+            checked += 1
+    assert checked > 1000
+    with pytest.raises(ValueError, match="capacities below"):
+        LayerFronts(np.ones((1, 1)), np.ones((1, 1), dtype=int), np.zeros(1, dtype=int), 4).best(1, 4)
+
+
+def test_fronts_memo_is_content_addressed() -> None:
+    """Equal arrays give the one entry (a homogeneous stage of any length included), other limits or
+    classes another."""
+    memo = FrontsMemo()
+    c, q, cls = np.full((5, 2), 0.5), np.array([[1, 2]] * 5), np.array([0, 1])
+    a = memo.get(c, q, cls, 10)
+    assert memo.get(c[:3].copy(), q[:3].copy(), cls.copy(), 10) is a and a.repeat
+    assert memo.get(c, q, cls, 11) is not a and memo.get(c, q, np.array([0, 0]), 10) is not a
+    assert memo.built == 3
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from ..plan import LayerStrategy, ModelShape, ParallelPlan
 from .cost import CostModel, LayerCost, PlanCost, StageContext
 from .galvatron_accounting import (CONTEXT_MB, MB, GalvatronAccounting, GalvatronHardware, layer_chunks,
                                    pipeline_step, torch_chunks)
+from .layer_dp import FrontsMemo
 from .profiles import HardwareProfile, ModelProfile
 from .space import SearchSpace
 
@@ -308,6 +309,7 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
                         "HINT: compat.galvatron.read_model_profile(...).")
     t0 = time.perf_counter()
     world = ghw.world
+    memo = FrontsMemo()  # the contexts' stages repeat each other's layer DPs (same costs, other capacities)
     out: list[ContextResult] = []
     tops_of: list[list[ParallelPlan]] = []
     for lo, hi in (contexts or galvatron_contexts(world, max_tp, sequence_parallel)):
@@ -315,7 +317,7 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
         cost = Galvatron24CostModel(model, ghw, memory_gb, global_batch, lo, hi, sequence_parallel, default_dp_type)
         try:
             res = search(model, hw, world, cost.usable_bytes, global_batch=global_batch, top_k=top_k,
-                         space=cost.search_space(grid_mb, **space), cost_model=cost, memory_margin=0.0)
+                         space=cost.search_space(grid_mb, **space), cost_model=cost, memory_margin=0.0, memo=memo)
             plan = max(res, key=lambda p: p.prediction.throughput)  # type: ignore[union-attr]
             tops_of.append(list(res))
         except ValueError as exc:
@@ -339,7 +341,7 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
                           space=cost.search_space(refine_mb, **{**space, "pp_degrees": tuple(sorted({p.pp for p in tops})),
                                                                 "micro_batches": tuple(sorted({p.micro_batches
                                                                                                for p in tops}))}),
-                          cost_model=cost, memory_margin=0.0)[0]
+                          cost_model=cost, memory_margin=0.0, memo=memo)[0]
             out[i] = replace(c, plan=fine if faster(fine, c.plan) else c.plan, wall_s=c.wall_s + time.perf_counter() - c0)
             break
     best = None

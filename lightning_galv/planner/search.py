@@ -38,6 +38,7 @@ from ..plan import SCHEDULES, ModelShape, ParallelPlan, divisors
 from .cost import CostModel, GalvatronCostModel
 from ..units import format_bytes
 from .explain import explain
+from .layer_dp import FrontsMemo
 from .profiles import HardwareProfile, ModelProfile
 from .searcher import Config, Searcher
 from .space import SearchSpace
@@ -80,7 +81,7 @@ def _batches(global_batch: int | Sequence[int] | range) -> list[int]:
 def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: int | None = None,
            memory_budget_bytes: float | None = None, *, global_batch: int | Sequence[int] = 8,
            top_k: int = 5, space: SearchSpace | None = None, cost_model: CostModel | None = None,
-           memory_margin: float = DEFAULT_MEMORY_MARGIN) -> SearchResult:
+           memory_margin: float = DEFAULT_MEMORY_MARGIN, memo: FrontsMemo | None = None) -> SearchResult:
     """The ``top_k`` fastest plans (by throughput) that fit ``memory_budget_bytes`` per device.
 
     ``model`` is a measured/imported :class:`ModelProfile`, or a :class:`ModelShape` (then an analytic
@@ -88,7 +89,9 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
     memory. ``global_batch`` is one value or a range to sweep: plans are ranked by samples/second, ties
     going to the larger batch (fewer optimizer steps for the same samples). Raises ``ValueError`` with
     the smallest budget that would fit when nothing does. Plans must fit ``memory_budget_bytes x
-    (1 - memory_margin)`` (see the module docstring for why the margin exists).
+    (1 - memory_margin)`` (see the module docstring for why the margin exists). ``memo`` shares layer-DP
+    results (content-addressed, so any searches may share one) between searches that repeat each other's
+    stages, e.g. one per search context of a Galvatron search.
     """
     t_start = time.perf_counter()
     profile = _as_profile(model)
@@ -113,7 +116,7 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
                         "lightning_galv.planner.CostModel (and run it through planner.contract.check_cost_model).")
     cost = cost_model or GalvatronCostModel(profile, hw, space.default_embed_zero)
     batches = _batches(global_batch)
-    s = Searcher(profile, hw, world, budget, space, cost)
+    s = Searcher(profile, hw, world, budget, space, cost, memo)
     L = profile.num_layers
 
     configs: list[Config] = []

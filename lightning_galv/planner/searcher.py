@@ -11,6 +11,8 @@ options, runs the layer DP (:mod:`.layer_dp`) per stage and end option, places l
 Everything it computes is memoized across configurations: tables by (stage size, micro-batch), stage
 DPs by what they depend on, the ends' fixed costs by (embedding, head, stage context) -- one table
 serves every pipeline degree and micro-batch count of a batch sweep that lands on the same pair.
+Layer DPs without transition costs run on Pareto fronts (:class:`~.layer_dp.LayerFronts`), memoized by
+content for every capacity at once: stages that differ only in their ends' memory share one run.
 
 In the uniform ("3-D") space a unit is a (configuration, strategy) pair and a stage's cost is
 closed-form (n identical layers), so that space needs no layer DP at all.
@@ -25,7 +27,7 @@ import numpy as np
 
 from ..plan import LayerStrategy, ParallelPlan, Prediction, even_division
 from .cost import CostModel, LayerCost, StageContext, batch_layout
-from .layer_dp import layer_dp
+from .layer_dp import FrontsMemo, LayerFronts, layer_dp
 from .pareto import pareto_keep
 from .partition import place, stage_layer_ranges
 from .profiles import HardwareProfile, ModelProfile
@@ -103,11 +105,14 @@ class Searcher:
     """
 
     def __init__(self, profile: ModelProfile, hw: HardwareProfile, world: int, budget: float,
-                 space: SearchSpace, cost: CostModel) -> None:
+                 space: SearchSpace, cost: CostModel, memo: FrontsMemo | None = None) -> None:
         self.p, self.hw, self.world, self.budget, self.space, self.cost = profile, hw, world, budget, space, cost
         self.L = profile.num_layers
         self.types = sorted(set(profile.layer_type_of))
         self.grid = budget / space.memory_bins
+        # layer DPs without transition costs, by content (may be shared with other searches: search(memo=))
+        self.memo = memo if memo is not None else FrontsMemo()
+        self.dp_limit = int(math.floor(budget / self.grid + 1e-9)) + 1
         self.tables: dict[tuple[int, int], CostTable | None] = {}
         self.fixed_cache: dict[tuple, tuple[float, float, float]] = {}
         self.edge_cache: dict[tuple, list[LayerStrategy]] = {}
@@ -324,6 +329,7 @@ class Searcher:
                 continue
             q = q_all[layer_types][:, allowed]
             cl = tab.cls[allowed]
+            level = (c, q, cl)  # the level's whole strategy set, as stage_path sees it
             if types is None:  # drop dominated strategies (exact: same class, no better anywhere)
                 keep = pareto_keep((c[0], q[0], r_all[layer_types[0], allowed]), cl)
                 allowed, c, q, cl = allowed[keep], c[:, keep], q[:, keep], cl[keep]
@@ -344,7 +350,7 @@ class Searcher:
                 keep = pareto_keep(cols, cl)
                 allowed, c, q, cl = allowed[keep], c[:, keep], q[:, keep], cl[keep]
             self.stats["dp_runs"] += 1
-            best, _ = layer_dp(c, q, cl, trans, n_hi, capacity)
+            best = self._dp_values(c, q, cl, trans, n_hi, capacity, level)
             better = best < vals
             better[0] = False
             vals = np.where(better, best, vals)
@@ -354,6 +360,22 @@ class Searcher:
         info["choice"] = choice
         self.dp_cache[key][2][0].update({"choice": choice})
         return vals + base, info
+
+    def _dp_values(self, c: np.ndarray, q: np.ndarray, cls: np.ndarray, trans: np.ndarray, n_max: int,
+                   capacity: int, level: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+        """``layer_dp(...)[0]`` on the pruned strategies ``c`` / ``q`` / ``cls``. Without transition costs, from
+        the memoized fronts of the ``level``'s whole strategy set instead: dominated strategies never reach a
+        front, so the values are the same, and that is the set :meth:`stage_path` rebuilds paths on -- one
+        forward pass serves both, and every capacity (end options and search contexts differ only in
+        fixed memory)."""
+        if trans.any():
+            return layer_dp(c, q, cls, trans, n_max, capacity)[0]
+        return self._fronts(*level, capacity).best(n_max, capacity)
+
+    def _fronts(self, c: np.ndarray, q: np.ndarray, cls: np.ndarray, capacity: int) -> LayerFronts:
+        """The memo's fronts of a transition-free layer DP, built for every capacity up to the whole budget
+        (so the same layers under another end option or search context find them)."""
+        return self.memo.get(c, q, cls, max(self.dp_limit, capacity + 1))
 
     def stage_path(self, cfg: Config, tab: CostTable, info: dict, n: int, start: int) -> list[LayerStrategy]:
         """Reconstruct the strategies of the n layers chosen for a stage."""
@@ -366,8 +388,11 @@ class Searcher:
         q_all = np.ceil((tab.states + k * tab.act) / self.grid - 1e-9).astype(np.int64)
         allowed, c = level_costs(c_all, tab.transient, layer_types, tau)
         capacity = int(math.floor((self.budget - info["fixed_mem"] - max(0.0, tau - info["freed"])) / self.grid + 1e-9))
-        _, path = layer_dp(c, q_all[layer_types][:, allowed], tab.cls[allowed], cfg.m * tab.trans, n, capacity,
-                           want_path=n)
+        q, cl, trans = q_all[layer_types][:, allowed], tab.cls[allowed], cfg.m * tab.trans
+        if trans.any():
+            _, path = layer_dp(c, q, cl, trans, n, capacity, want_path=n)
+        else:
+            path = self._fronts(c, q, cl, capacity).path(n, capacity)
         assert path is not None
         return [tab.strategies[allowed[j]] for j in path]
 
