@@ -211,7 +211,22 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
         "placement": [st.__dict__ for st in extra[1].steps] if moe_callbacks else [],
         "switched": switcher.done if switcher is not None else [], "final_plan": strategy.plan.to_dict(),
         "logged": sorted(k for k in trainer.callback_metrics if "/" in k),
+        **_fsdp_root_report(module, strategy),
     }
+
+
+def _fsdp_root_report(module: L.LightningModule, strategy: GalvatronStrategy) -> dict[str, Any]:
+    """Where the runtime put the shared FSDP2 root (its name in ``module``, None if none), whether FSDP2 made it
+    the root, which other states are roots, and whether the LightningModule itself stayed a plain module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root = getattr(strategy.runtime, "fsdp_root", None)
+    names = {id(m): n for n, m in module.named_modules()}
+    return {"fsdp_root": names.get(id(root)) if root is not None else None,
+            "fsdp_root_is_root": bool(root is not None and root._get_fsdp_state()._is_root),
+            "fsdp_roots": sorted(n for n, m in module.named_modules()
+                                 if isinstance(m, FSDPModule) and m._get_fsdp_state()._is_root),
+            "module_is_fsdp": isinstance(module, FSDPModule)}
 
 
 class _SwitchAt(L.Callback):

@@ -254,13 +254,28 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     weight_err = errs[worst]
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     moe_layers = model.moe_layers if isinstance(model, MoEDecoder) else []
+    from torch.distributed.fsdp import FSDPModule
+
+    # the modules under FSDP2, grouped by state (a unit of several modules may share one), and which
+    # states ended up roots ("" = the model itself)
+    fsdp_states: dict[int, list[str]] = {}
+    for n, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            fsdp_states.setdefault(id(m._get_fsdp_state()), []).append(n)
+    fsdp_roots = sorted(n for n, m in model.named_modules()
+                        if isinstance(m, FSDPModule) and m._get_fsdp_state()._is_root)
+    names = {id(m): n for n, m in model.named_modules()}
+    fsdp_prefetch = {n: [names[id(t._modules[0])] for t in m._get_fsdp_state()._states_to_forward_prefetch]
+                     for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+    fsdp_prefetch = {n: t for n, t in fsdp_prefetch.items() if t}
     experts_held = [sum(1 for e in m.experts if any(True for _ in e.parameters())) for m in moe_layers]
     all_to_all = [m.last_stats is not None and m.last_stats.send_splits is not None for m in moe_layers]
     return {"loss_err": loss_err, "weight_err": weight_err, "losses": losses, "ref_losses": ref_losses,
             "experts_held": experts_held, "all_to_all": all_to_all, "routing": routing,
             "keys_equal": sorted(got) == sorted(want), "worst": worst, "grad_err": grad_err, "pp": plan.pp,
             "norm_err": max(norm_errs, default=0.0), "clipped": clipped, "sharded_seen": sharded_seen,
-            "relayout": relayout_records, "placement": placement_steps}
+            "relayout": relayout_records, "placement": placement_steps, "fsdp_roots": fsdp_roots,
+            "fsdp_states": sorted(fsdp_states.values()), "fsdp_prefetch": fsdp_prefetch}
 
 
 def _shuffle_solver() -> Any:

@@ -44,6 +44,12 @@ def _cases4() -> list[tuple[str, dict, dict]]:
         ("zero3_relayout_llama", ParallelPlan(4, (L(tp=2, dp=2, zero=3), L(tp=4, zero=2), L(dp=4, zero=3)),
                                               embed=L(tp=2, dp=2, zero=3), head=L(tp=4, zero=3)).to_dict(), {}),
         ("tp2_strided_gpt2", u(4, 3, L(tp=2, dp=2, tp_consecutive=False)).to_dict(), {"kind": "gpt2"}),
+        # issue 17 item 5: the ZeRO-2/3 units' FSDP2 states share one root (the model), with accumulation; per-layer
+        # meshes under that root: ZeRO-3 on dp4, ZeRO-3 x tp2 on dp2, ZeRO-0, a ZeRO-1 embedding, a ZeRO-2 tp head
+        ("zero3_shared_root_accum", u(4, 3, L(dp=4, zero=3)).to_dict(), {"accumulate": 2}),
+        ("hetero_shared_root_accum", ParallelPlan(4, (L(dp=4, zero=3), L(tp=2, dp=2, zero=3), L(dp=4)),
+                                                  embed=L(dp=4, zero=1), head=L(tp=2, dp=2, zero=2)).to_dict(),
+         {"accumulate": 2, "clip": 0.05}),
         ("ckpt_mixed_clip", ParallelPlan(4, (L(dp=4, checkpoint=True), L(dp=4), L(dp=4, zero=3, checkpoint=True)))
          .to_dict(), {"clip": 0.05}),
         ("hetero3", ParallelPlan(4, (L(tp=4), L(tp=2, dp=2), L(dp=4, zero=3))).to_dict(), {"clip": 0.05}),
@@ -202,6 +208,19 @@ def _check(results: list[dict]) -> None:
             assert other[name]["losses"] == results[0][name]["losses"], name
 
 
+def _check_fsdp_root(name: str, plan: ParallelPlan, results: list[dict]) -> None:
+    """Without a pipeline, two or more ZeRO-2/3 modules (embedding, blocks, final norm + head) share one FSDP2
+    root, the model (``""``), which is the only root; a lone one is its own root, and pipelines keep a root
+    per unit (issue 17 item 5)."""
+    modules = (plan.embed.zero >= 2) + sum(s.zero >= 2 for s in plan.layers) + 2 * (plan.head.zero >= 2)
+    for rank, r in enumerate(results):
+        roots = r[name]["fsdp_roots"]
+        if plan.pp == 1 and modules >= 2:
+            assert roots == [""], (rank, name, roots)
+        else:
+            assert "" not in roots, (rank, name, roots)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_parity_4_ranks() -> None:
@@ -216,6 +235,16 @@ def test_parity_4_ranks() -> None:
             assert r[name]["experts_held"] == [4 // ep, 4 // ep], (name, r[name]["experts_held"])
             assert r[name]["all_to_all"] == [ep > 1, ep > 1], name
             assert r[name]["routing"] and all(all(c.values()) for c in r[name]["routing"]), (name, r[name]["routing"])
+    for name, plan, _ in _cases4() + _cases_vocab_loss() + _cases_moe() + _cases_moe_pp():
+        _check_fsdp_root(name, ParallelPlan.from_dict(plan), results)
+    for r in results:  # one state per unit, the head's two modules in one; the next unit prefetched in forward
+        assert r["zero3_shared_root_accum"]["fsdp_states"] == [[""], ["layers.0"], ["layers.1"], ["layers.2"],
+                                                               ["norm", "output"], ["tok_embeddings"]], r
+        assert r["zero3_shared_root_accum"]["fsdp_prefetch"] == {
+            "tok_embeddings": ["layers.0"], "layers.0": ["layers.1"], "layers.1": ["layers.2"],
+            "layers.2": ["norm"]}, r["zero3_shared_root_accum"]["fsdp_prefetch"]
+        assert r["hetero_shared_root_accum"]["fsdp_states"] == [[""], ["layers.0"], ["layers.1"],
+                                                                ["norm", "output"]], r
     for name, _, _ in _cases_vocab_loss():
         # the loss really got vocab-sharded logits (every step; under pp only on the last stage's ranks)
         seen = [r[name]["sharded_seen"] for r in results]
@@ -280,7 +309,11 @@ def test_random_cases_are_valid_and_varied() -> None:
 @pytest.mark.distributed
 def test_parity_random_plans_4_ranks() -> None:
     """20 seeded random valid plans on 4 ranks, each equal to one process (losses, weights, clip norms)."""
-    _check(run_distributed(CHECKS, 4, (random_cases(0, 4, 20),), timeout=1200))
+    cases = random_cases(0, 4, 20)
+    results = run_distributed(CHECKS, 4, (cases,), timeout=1200)
+    _check(results)
+    for name, plan, _ in cases:
+        _check_fsdp_root(name, ParallelPlan.from_dict(plan), results)
 
 
 @pytest.mark.slow

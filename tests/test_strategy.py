@@ -41,6 +41,11 @@ PP2_B = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(1, 2), embed=L(dp=2,
                      layers=(L(dp=2, checkpoint=True), L(tp=2, sp="megatron"), L(dp=2, zero=3)), head=L(dp=2)).to_dict()
 MOE_CB_B = ParallelPlan(4, (L(dp=4, ep=4, zero=2), L(tp=2, dp=2), L(dp=4, ep=2, zero=3)), embed=L(dp=4),
                         head=L(dp=4)).to_dict()
+# issue 17 item 5: ZeRO-2/3 units under one shared FSDP2 root (on per-layer meshes), switched to a plan with a
+# single ZeRO-3 layer (its own root) and back to uniform ZeRO-3
+ZERO3_HET = ParallelPlan(4, (L(dp=4, zero=3), L(tp=2, dp=2, zero=3), L(dp=4)), embed=L(dp=4, zero=1),
+                         head=L(tp=2, dp=2, zero=2)).to_dict()
+ZERO3 = ParallelPlan.uniform(4, 3, L(dp=4, zero=3)).to_dict()
 
 
 # vocab-parallel heads (issue 9, item 5); CausalLM declares galv_vocab_parallel_loss, the plans do not
@@ -112,6 +117,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("eval_reuse", "fit_then_eval", dict(plan=HETERO)),
         ("bf16_mixed", "fit_precision", dict(plan=HETERO, precision="bf16-mixed")),
         ("bf16_true", "fit_precision", dict(plan=TP_ZERO1, precision="bf16-true")),
+        ("bf16_true_zero3", "fit_precision", dict(plan=ZERO3, precision="bf16-true")),  # bf16 units, shared root
         ("unseeded_init", "unseeded_init", dict(plan=HETERO)),
         ("pp2_accum_clip", "fit_compare", dict(plan=PP2, accumulate=2, clip=0.05)),
         ("moe_ep_accum_clip", "fit_compare", dict(plan=MOE_EP, kind="moe", accumulate=2, clip=0.05)),
@@ -120,6 +126,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("switch_plans", "fit_compare", dict(plan=HETERO, steps=6, accumulate=2, clip=0.05, scheduled=True,
                                              switches=((2, MIXED), (4, ULY_MIX)))),
         ("switch_pp2", "fit_compare", dict(plan=PP2, steps=4, accumulate=2, switches=((2, PP2_B),))),
+        ("switch_shared_root", "fit_compare", dict(plan=ZERO3_HET, steps=6, accumulate=2, clip=0.05,
+                                                   switches=((2, MIXED), (4, ZERO3)))),
         ("switch_moe_callbacks", "fit_compare", dict(plan=MOE_CB, kind="moe", steps=4, moe_callbacks=True,
                                                      switches=((2, MOE_CB_B),))),
         ("pp2_eval_reuse", "fit_then_eval", dict(plan=PP2)),
@@ -144,7 +152,7 @@ def test_fit_parity(results: dict, name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["switch_plans", "switch_pp2", "switch_moe_callbacks"])
+@pytest.mark.parametrize("name", ["switch_plans", "switch_pp2", "switch_moe_callbacks", "switch_shared_root"])
 def test_switching_plans_mid_fit_is_exact(results: dict, name: str) -> None:
     """Issue 13: ``strategy.switch_plan`` between optimizer steps (checkpoint, re-parallelize, reload) -- across
     TP/Megatron-SP/Ulysses/ZeRO-1/2/3/checkpointing, with accumulation, clipping and an LR schedule; between two
@@ -152,13 +160,31 @@ def test_switching_plans_mid_fit_is_exact(results: dict, name: str) -> None:
     re-attaching -- trains to the single-process losses and weights."""
     r = results[name]
     steps = [s for s, _ in r["switched"]]
-    assert steps == {"switch_plans": [2, 4], "switch_pp2": [2], "switch_moe_callbacks": [2]}[name], r["switched"]
-    final = {"switch_plans": ULY_MIX, "switch_pp2": PP2_B, "switch_moe_callbacks": MOE_CB_B}[name]
+    assert steps == {"switch_plans": [2, 4], "switch_pp2": [2], "switch_moe_callbacks": [2],
+                     "switch_shared_root": [2, 4]}[name], r["switched"]
+    final = {"switch_plans": ULY_MIX, "switch_pp2": PP2_B, "switch_moe_callbacks": MOE_CB_B,
+             "switch_shared_root": ZERO3}[name]
     assert ParallelPlan.from_dict(r["final_plan"]).layers == ParallelPlan.from_dict(final).layers
     assert r["keys_equal"] and r["loss_err"] < TOL and r["weight_err"] < TOL, r
     if name == "switch_moe_callbacks":
         # one record per EP layer (2) per step and one placement step per step, across the switch
         assert len(r["relayout"]) == 8 and len(r["placement"]) == 4, (len(r["relayout"]), len(r["placement"]))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["tp_zero3_norm_clip", "switch_shared_root", "hetero_accum_clip", "pp2_accum_clip"])
+def test_zero_units_share_one_fsdp_root_under_the_trainer(results: dict, name: str) -> None:
+    """Issue 17 item 5: under the Trainer the ZeRO-2/3 units' FSDP2 states share one root, the LightningModule's
+    ``model`` (never the LightningModule itself, whose children a plan switch replaces), also after switching
+    back into such a plan; a plan with a single ZeRO-3 module keeps that module its own root, a pipeline a root
+    per unit."""
+    r = results[name]
+    assert not r["module_is_fsdp"], r
+    if name in ("tp_zero3_norm_clip", "switch_shared_root"):
+        assert r["fsdp_root"] == "model" and r["fsdp_root_is_root"] and r["fsdp_roots"] == ["model"], r
+    else:
+        assert r["fsdp_root"] is None and "model" not in r["fsdp_roots"] and r["fsdp_roots"], r
 
 
 @pytest.mark.slow
@@ -312,6 +338,8 @@ def test_bf16(results: dict) -> None:
     assert results["bf16_mixed"]["dtypes"] == ["torch.float32"]  # mixed: fp32 master weights
     assert results["bf16_true"]["loss_err"] < 5e-2, results["bf16_true"]
     assert results["bf16_true"]["dtypes"] == ["torch.bfloat16"]
+    assert results["bf16_true_zero3"]["loss_err"] < 5e-2, results["bf16_true_zero3"]
+    assert results["bf16_true_zero3"]["dtypes"] == ["torch.bfloat16"]
 
 
 @pytest.mark.slow

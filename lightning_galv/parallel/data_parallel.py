@@ -58,6 +58,143 @@ def apply_fsdp(modules: nn.Module | list[nn.Module], mesh: Any, strategy: LayerS
     fsdp_mod.set_gradient_divide_factor(float(divide_factor))
 
 
+def _is_lightning_module(module: nn.Module) -> bool:
+    """Whether ``module`` is a LightningModule (checked without importing Lightning: if it is not imported,
+    no object can be one)."""
+    import sys
+
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        pkg = sys.modules.get(name)
+        cls = getattr(pkg, "LightningModule", None) if pkg is not None else None
+        if cls is not None and isinstance(module, cls):
+            return True
+    return False
+
+
+def _common_container(model: nn.Module, modules: list[nn.Module]) -> nn.Module | None:
+    """The innermost module of ``model`` containing every module of ``modules`` whose ``forward`` can run.
+
+    Containers without a forward (``nn.ModuleList``/``ModuleDict``) are skipped upwards: an FSDP2 root's
+    pre-forward hook would never fire on them. ``None`` when a module is not inside ``model`` or no
+    ancestor has a forward."""
+    names: dict[int, str] = {id(m): n for n, m in model.named_modules()}
+    paths: list[list[str]] = []
+    for m in modules:
+        if id(m) not in names:
+            return None
+        paths.append(names[id(m)].split(".") if names[id(m)] else [])
+    prefix: list[str] = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        prefix.append(parts[0])
+    while True:
+        container = model.get_submodule(".".join(prefix))
+        if type(container).forward is not nn.Module.forward:
+            return container
+        if not prefix:
+            return None
+        prefix.pop()
+
+
+def shared_root_container(model: nn.Module, modules: list[nn.Module]) -> nn.Module | None:
+    """Where the ZeRO-2/3 ``modules`` of a ``pp == 1`` plan get their shared FSDP2 root, or ``None`` when
+    they keep one root each.
+
+    The root is the innermost module containing them all (see :func:`_common_container`). ``None`` when
+    there are fewer than two modules, when that module is one of them or already has an FSDP state
+    (nothing to share), or when it is the model handed to ``parallelize`` and that is a LightningModule:
+    ``fully_shard`` swaps the object's class, and ``GalvatronStrategy.switch_plan`` rebuilds that same
+    LightningModule's children and parallelizes it again.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if len(modules) < 2:
+        return None
+    container = _common_container(model, modules)
+    if container is None or isinstance(container, FSDPModule) or any(container is m for m in modules):
+        return None
+    if container is model and _is_lightning_module(model):
+        return None
+    return container
+
+
+def apply_shared_root(container: nn.Module, units: list[nn.Module], mesh: Any) -> None:
+    """Make ``container`` the FSDP2 root of the units' states (``units``: the modules ``apply_fsdp`` sharded
+    inside it), managing no parameters itself.
+
+    Why: ``fully_shard`` on sibling modules leaves each one its own root at lazy init, with its own state
+    context: no implicit backward prefetch across units (the post-forward order is per root), a root
+    pre-forward and a post-backward final callback per unit, and a unit of several modules (final norm +
+    head) needs one state per module, since a state over several modules cannot be a root. ``fully_shard``
+    on the container (Lightning's FSDP2 recipe does the same on its model) makes it the root and the units
+    its children, sharing one context. Everything the units' states do not manage (ZeRO-0/1 units, loose
+    parameters: :class:`GradientSync` and :class:`OptimizerStateSharding` keep them) is passed as
+    ``ignored_params``, so the root has no parameter group: no collective of its own, nothing for the
+    gradient divide factor or forced sums (``apply_fsdp``) to apply to, and the units keep their own
+    meshes (children of one root may shard on different data meshes: torch 2.13 runs every collective on
+    the parameter group's own process group). ``mesh`` only names the device type and must be valid on
+    every rank (the stage's world mesh). The root's mixed-precision policy is the default (no input or
+    output casts), so outputs are cast exactly as before, by the units' own policies.
+
+    Lazy init. FSDP2 decides roots at the first forward through a state: if some code ran a unit's forward
+    before the container's, that unit would make itself a root and the container's first forward would then
+    fail. A one-shot pre-forward hook on every unit therefore initializes the shared root first, whichever
+    forward comes first (a unit running alone is then only that forward's "iteration root", which torch
+    supports, e.g. for encoder-only evaluation).
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    managed = {id(p) for m in container.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    ignored = {p for p in container.parameters() if id(p) not in managed}
+    # no parameters: nothing to reshard after forward (an explicit value also keeps lazy init from
+    # re-deciding it for the root)
+    fully_shard(container, mesh=mesh, reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(),
+                ignored_params=ignored)
+    state = container._get_fsdp_state()  # type: ignore[operator]
+    if state._fsdp_param_groups:
+        raise RuntimeError(f"shared FSDP2 root {type(container).__name__} took parameters of its own "
+                           "(expected every parameter either in a unit's state or ignored). HINT: this is a "
+                           "lightning_galv bug, please report it with the plan and the model.")
+    if mesh.device_type == "cpu":
+        _overlap_all_gathers(container, units)
+    handles: list[Any] = []
+
+    def init_root(*_: Any) -> None:
+        if state._is_root is None:  # torch 2.13 FSDPState: None until lazily initialized
+            state._lazy_init()
+        for h in handles:
+            h.remove()
+        handles.clear()
+
+    for u in units:
+        handles.append(u.register_forward_pre_hook(init_root, prepend=True))
+
+
+def _overlap_all_gathers(root: nn.Module, units: list[nn.Module]) -> None:
+    """CPU: run prefetched all-gathers asynchronously, and prefetch the next unit in forward.
+
+    Why: FSDP2 overlaps a prefetched all-gather with compute through CUDA streams; on CPU its streams are
+    no-ops and its default synchronous all-gather blocks the rank, so a prefetch (the shared root's implicit
+    one in backward) only moves the wait. With ``async_op`` unshards (torch 2.13's ``_set_unshard_async_op``,
+    recursive over the root's states) gloo runs a prefetched all-gather on its own thread while this rank
+    computes: unit ``i-1``'s during unit ``i``'s backward (implicit, from the shared post-forward order),
+    and, with an explicit forward prefetch (as torchtitan sets), unit ``i+1``'s during unit ``i``'s forward.
+    Values are the same all-gathered shards as before (exactness unchanged); every rank issues the same
+    collectives in the same order, so ranks agree on each group's sequence. ``units`` come in flow order.
+    """
+    root._set_unshard_async_op(True)  # type: ignore[operator]
+    chain: list[nn.Module] = []
+    seen: set[int] = set()
+    for u in units:  # one entry per state (final norm + head share one)
+        state = u._get_fsdp_state()  # type: ignore[operator]
+        if id(state) not in seen:
+            seen.add(id(state))
+            chain.append(u)
+    for cur, nxt in zip(chain, chain[1:]):
+        cur.set_modules_to_forward_prefetch([nxt])  # type: ignore[operator]
+
+
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 
 

@@ -13,7 +13,11 @@ Order, and why:
 4. **Layout re-distribution hooks** between units whose batch sharding differs (and from/to the data
    loader's layout at the model's input and output).
 5. **Data parallelism / ZeRO** per unit: FSDP2 for ZeRO-2/3 (registered last so its pre-forward
-   all-gather runs after our re-distribution), gradient sum + ZeRO-1 ownership for the rest.
+   all-gather runs after our re-distribution), gradient sum + ZeRO-1 ownership for the rest. Without a
+   pipeline the units' FSDP2 states then get one shared root on the innermost module containing them
+   (``apply_shared_root``: one state context, backward prefetch across units; on CPU asynchronous
+   prefetched all-gathers and a forward prefetch of the next unit), which manages no parameters; a unit
+   of several modules (final norm + head) then shares one state.
 
 Everything is collected into a runtime (``parallel/runtime.py``) that the strategy drives: a
 :class:`~.runtime.ParallelRuntime`, or a :class:`~.pipeline.PipelineRuntime` when ``pp > 1``. Plans with
@@ -37,7 +41,8 @@ from ..plan import LayerStrategy, ParallelPlan
 from . import grads
 from .block import apply_block
 from .activation_checkpoint import apply_checkpointing
-from .data_parallel import DEFAULT_BUCKET_BYTES, GradientSync, OptimizerStateSharding, apply_fsdp
+from .data_parallel import (DEFAULT_BUCKET_BYTES, GradientSync, OptimizerStateSharding, apply_fsdp, apply_shared_root,
+                            shared_root_container)
 from .redistribute import BatchLayout, add_input_redistribution, add_output_redistribution
 from .runtime import ParallelRuntime, Runtime, Unit
 from .tensor import apply_tp_embedding, apply_tp_head
@@ -115,7 +120,7 @@ def _apply_expert_data_parallel(unit: Unit, factory: MeshFactory, runtime: Paral
     if s.zero >= 2:
         for m in unit.experts:
             apply_fsdp(m, edp, s, plan.data_parallel_size, mp_policy)
-        runtime.fsdp_roots += unit.experts
+        runtime.fsdp_units += unit.experts
     else:
         expert_params = [p for m in unit.experts for p in m.parameters()]
         edp_ranks = edp.mesh.flatten().tolist()
@@ -124,6 +129,13 @@ def _apply_expert_data_parallel(unit: Unit, factory: MeshFactory, runtime: Paral
             runtime.zero1.add([p for p in expert_params if p.requires_grad], edp_ranks, edp.get_group())
     mark_expert_params(unit.experts, s.ep)
     return others
+
+
+def _sharded_modules(unit: Unit) -> list[nn.Module]:
+    """The modules of a ZeRO-2/3 unit that get an FSDP2 state (those holding parameters); none under ZeRO-0/1."""
+    if unit.strategy.zero < 2:
+        return []
+    return [m for m in unit.modules if any(True for _ in m.parameters())]
 
 
 @torch.no_grad()
@@ -230,22 +242,35 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
     runtime = runtime_cls(plan, layout, factory, rank, units, data_s,
                           GradientSync(plan.data_parallel_size, bucket_bytes=grad_bucket_bytes),
                           OptimizerStateSharding())
+    # without a pipeline the units' FSDP2 states share one root (5b); pipelines keep a root per unit
+    root = shared_root_container(model, [m for u in units for m in _sharded_modules(u)]) if stages is None else None
+    unit_fsdp_mods: list[nn.Module] = []  # the units' own FSDP2 modules (experts' states nest inside them)
     for unit in units:
         s = unit.strategy
         data_mesh = factory.data_mesh(s)
         params = unit.parameters()
         if unit.experts:  # expert parameters: their own (expert-data) group, sharded there first under ZeRO-2/3
             params = _apply_expert_data_parallel(unit, factory, runtime, plan, mp_policy)
-        fsdp_mods = [m for m in unit.modules if any(True for _ in m.parameters())] if s.zero >= 2 else []
+        fsdp_mods = _sharded_modules(unit)
         if fsdp_mods:
-            for m in fsdp_mods:  # one FSDP state each: siblings cannot share a root
-                apply_fsdp(m, data_mesh, s, plan.data_parallel_size, mp_policy)
-            runtime.fsdp_roots += fsdp_mods
+            if root is not None and len(fsdp_mods) > 1:
+                # one state for the unit (final norm + head): one all-gather and one reduce-scatter instead
+                # of one per module; a state over several modules cannot be a root, so only under a shared one
+                apply_fsdp(fsdp_mods, data_mesh, s, plan.data_parallel_size, mp_policy)
+            else:
+                for m in fsdp_mods:
+                    apply_fsdp(m, data_mesh, s, plan.data_parallel_size, mp_policy)
+            runtime.fsdp_units += fsdp_mods
+            unit_fsdp_mods += fsdp_mods
             params = list(unit.extra)  # loose parameters stay replicated
         group_ranks = data_mesh.mesh.flatten().tolist()
         runtime.grad_sync.add(params, data_mesh.get_group(), len(group_ranks))
         if s.zero == 1:
             runtime.zero1.add([p for p in params if p.requires_grad], group_ranks, data_mesh.get_group())
+
+    if root is not None:  # 5b. one FSDP2 root over the units' states, managing no parameters
+        apply_shared_root(root, unit_fsdp_mods, pure_dp["dp"])
+        runtime.fsdp_root = root
 
     runtime.params = list(model.parameters())
     if stages is None:  # a pipeline's backward runs once per micro-batch inside its schedule: reduce after it

@@ -158,7 +158,8 @@ class ParallelRuntime:
     data_strategy: LayerStrategy
     grad_sync: GradientSync
     zero1: OptimizerStateSharding
-    fsdp_roots: list[nn.Module] = field(default_factory=list)
+    fsdp_units: list[nn.Module] = field(default_factory=list)  # modules with their own FSDP2 state (ZeRO-2/3)
+    fsdp_root: nn.Module | None = None  # the parameter-less FSDP2 root shared by the units (pp == 1), if any
     params: list[nn.Parameter] = field(default_factory=list)  # this stage's, same order on its ranks
     pipeline: Any = None  # PipelineDriver when plan.pp > 1 (PipelineRuntime)
     sync_enabled: bool = True
@@ -185,7 +186,10 @@ class ParallelRuntime:
     def set_gradient_sync(self, enabled: bool) -> None:
         self.sync_enabled = enabled
         self.grad_sync.enabled = enabled
-        for m in self.fsdp_roots:
+        # per unit (recursing into nested expert states); the shared root has no parameter group of its own,
+        # and its state context's ``is_last_backward`` stays True, so every backward still finalizes (waits
+        # for its reduce-scatters and clears the prefetch order) as each unit's own root did before
+        for m in self.fsdp_units:
             m.set_requires_gradient_sync(enabled)  # type: ignore[operator]
 
     def backward(self, loss: torch.Tensor, default: Callable[[torch.Tensor], None]) -> None:
