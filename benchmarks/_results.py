@@ -1,8 +1,9 @@
 """One writer for benchmarks/RESULTS.md: each benchmark owns one delimited section and replaces only it.
 
 Every section is stamped when written (issue 17): the commit it was measured at (``+uncommitted`` when the
-work tree differed from it), the date, the 1-minute load average when the script started and when it wrote,
-and the exact command line -- so a reader can re-run the figure and knows how busy the machine was.
+work tree differed from it), the date, the 1-, 5- and 15-minute load averages when it wrote (the longer ones
+cover most of a benchmark's run), and the exact command line -- so a reader can re-run the figure and knows
+how busy the machine was.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 HERE = Path(__file__).resolve().parent
-_LOAD_AT_START = os.getloadavg()[0]  # this module is imported when the benchmark starts
 
 
 def commit() -> str:
@@ -35,8 +35,9 @@ def stamp(argv: list[str] | None = None) -> str:
     argv = sys.argv if argv is None else argv
     script = os.path.relpath(os.path.abspath(argv[0]), HERE.parent) if argv and argv[0] else "?"
     cmd = " ".join(["python", script, *map(shlex.quote, argv[1:])])
-    return (f"*Run at commit {commit()}, {datetime.date.today()}, 1-min load average {_LOAD_AT_START:.1f} at start "
-            f"/ {os.getloadavg()[0]:.1f} at the end, {os.cpu_count()} cores; command `{cmd}`.*")
+    one, five, fifteen = os.getloadavg()
+    return (f"*Run at commit {commit()}, {datetime.date.today()}, load average over the last 1 / 5 / 15 min when "
+            f"written {one:.1f} / {five:.1f} / {fifteen:.1f} on {os.cpu_count()} cores; command `{cmd}`.*")
 
 
 def write_section(name: str, body: str, path: Path = RESULTS, stamped: bool = True) -> None:

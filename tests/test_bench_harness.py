@@ -23,7 +23,7 @@ def test_sections_are_stamped_and_replaced_without_touching_the_others(tmp_path:
     assert text.index("## A") < text.index("## B")  # replaced where it was
     a = text[text.index("<!-- a:start -->"):text.index("<!-- a:end -->")]
     assert a.splitlines()[1] == "## A" and a.splitlines()[3].startswith("*Run at commit ")
-    assert "1-min load average" in a and "command `python " in a
+    assert "load average over the last 1 / 5 / 15 min" in a and "command `python " in a
 
 
 def test_stamp_names_the_command_line() -> None:
