@@ -8,11 +8,14 @@ took from the judge and committed to ``tests/data/galvatron/judge_golden.json``:
   embed_sdp, ddp, 2 nodes; and gpipe plans) with the judge's best context that fits -- (min_tp, max_tp,
   sp_search), time per iteration, memory per stage as its DP adds it up, usable memory;
 * ``searches``: Galvatron's own search (its code, ``GalvatronSearchEngine.parallelism_optimization``) in
-  ``--sp_space tp+sp`` on a few configurations, the plan it returned and the judge's score of it.
+  ``--sp_space tp+sp`` on a few configurations, the plan it returned and the judge's score of it; and ours
+  (``galvatron_search(..., sp_space='tp+sp')`` of this checkout) with the judge's score of its plan.
 
 Runs under the judge's venv (re-executes itself there; ``shared/galvatron-judge/setup.sh`` once)::
 
-    flock /tmp/galv-cpu.lock python benchmarks/galvatron_judge_golden.py [--no-search] [--out PATH]
+    flock /tmp/galv-cpu.lock python benchmarks/galvatron_judge_golden.py [--no-search | --redo-search] [--out PATH]
+
+Galvatron's searches take minutes: by default only those of ``SEARCHES`` missing from the file are run.
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ VENV = Path(os.environ.get("JUDGE_VENV", Path(tempfile.gettempdir()) / "judge-ve
 if __name__ == "__main__" and os.path.realpath(sys.prefix) != os.path.realpath(VENV) and (VENV / "bin/python").exists():
     os.execv(str(VENV / "bin/python"), [str(VENV / "bin/python"), os.path.abspath(__file__)] + sys.argv[1:])
 sys.path.insert(0, str(JUDGE))
+sys.path.insert(0, str(ROOT))
 
 OUT = ROOT / "tests" / "data" / "galvatron" / "judge_golden.json"
 # Galvatron's own searches in --sp_space tp+sp: (model, nodes, memory GB, global batch)
-SEARCHES = [("gpt-2.7b", 1, 24, 32), ("llama-7b", 1, 24, 32)]
+SEARCHES = [("gpt-2.7b", 1, 24, 32), ("llama-7b", 1, 24, 32), ("llama-7b", 1, 40, 32), ("gpt-6.7b", 1, 40, 32),
+            ("gpt-6.7b", 2, 24, 32)]
 
 
 def plan(n: int, pp: int, tp, use_sp, bsz: int, chunks: int, *, z3=0, ckpt=0, consec=1, vtp: int = 1, vsp: int = 0,
@@ -79,6 +84,26 @@ def cases() -> list[tuple[str, str, int, int, dict]]:
         [(a, m, nd, mem, "tp", p) for a, m, nd, mem, p in gpipe]
 
 
+def our_search(model: str, nodes: int, mem: int, bsz: int) -> dict | None:
+    """Our tp+sp search's plan as Galvatron plan JSON (keys Galvatron reads only), None when nothing fits."""
+    from lightning_galv.compat.galvatron import (SIDE_FIELD, read_galvatron_hardware, read_hardware_profile,
+                                                 read_model_profile, write_plan)
+    from lightning_galv.planner.galvatron_model import galvatron_search
+
+    fam, kw, sp = {"gpt-2.7b": ("gpt_hf", dict(layout="legacy"), False),
+                   "gpt-6.7b": ("gpt_hf", dict(layout="2.4", memory_mode="sequence"), True),
+                   "llama-7b": ("llama_hf", dict(layout="legacy"), True)}[model]
+    data = ROOT / "tests" / "data" / "galvatron"
+    prof = read_model_profile(data / "models" / fam / "meta_configs" / f"{model}.json", data / "models" / fam / "configs",
+                              **kw)
+    res = galvatron_search(prof, read_hardware_profile(data / "hardware", nodes, 8),
+                           read_galvatron_hardware(data / "hardware", nodes, 8), mem, bsz, sequence_parallel=sp,
+                           sp_space="tp+sp")
+    if res.plan is None:
+        return None
+    return {k: v for k, v in write_plan(res.plan, side=True).items() if k != SIDE_FIELD}
+
+
 def best_of(score: dict | None) -> dict | None:
     if score is None:
         return None
@@ -89,6 +114,7 @@ def best_of(score: dict | None) -> dict | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-search", action="store_true", help="skip Galvatron's own searches (keep the file's)")
+    ap.add_argument("--redo-search", action="store_true", help="re-run every search, not only the missing ones")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     import score_plan as SP
@@ -110,10 +136,12 @@ def main() -> None:
         plans.append({"name": name, "model": model, "nodes": nodes, "memory_gb": mem, "sp_space": sp_space,
                       "plan": d, "judge": best_of(r["score"])})
         print(name, model, json.dumps(plans[-1]["judge"]), flush=True)
-    searches = old.get("searches", [])
+    searches = [] if args.redo_search else old.get("searches", [])
+    done = {(s["model"], s["nodes"], s["memory_gb"], s["global_batch"]) for s in searches}
     if not args.no_search:
-        searches = []
         for model, nodes, mem, bsz in SEARCHES:
+            if (model, nodes, mem, bsz) in done:
+                continue
             out = tempfile.mkdtemp(prefix="galv_search_")
             E = SP.load_engine(model, nodes, 8, mem, bsz=bsz, sp_space="tp+sp",
                                extra=("--output_config_path", out, "--log_dir", out + "/logs"))
@@ -131,6 +159,14 @@ def main() -> None:
             searches.append({"model": model, "nodes": nodes, "memory_gb": mem, "global_batch": bsz,
                              "sp_space": "tp+sp", "plan": d, "judge": score})
             print("search", model, nodes, mem, bsz, json.dumps(d), json.dumps(score), flush=True)
+    for s in searches:  # ours, every time: cheap, and the file then holds the judge's word on this checkout's plans
+        mine = our_search(s["model"], s["nodes"], s["memory_gb"], s["global_batch"])
+        score = None
+        if mine is not None:
+            E = SP.load_engine(s["model"], s["nodes"], 8, s["memory_gb"], bsz=s["global_batch"], sp_space="tp+sp")
+            score = best_of(SP.score_plan(E, mine)["score"])
+        s["ours"] = {"plan": mine, "judge": score}
+        print("ours", s["model"], s["nodes"], s["memory_gb"], json.dumps(score), flush=True)
     args.out.write_text(json.dumps({
         "source": "Galvatron 2.4.0's cost model via shared/galvatron-judge/score_plan.py (its best search context: "
                   "the fastest that fits, else the fastest); written by benchmarks/galvatron_judge_golden.py",

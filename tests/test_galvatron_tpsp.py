@@ -161,28 +161,52 @@ def test_tp_sp_keeps_the_cost_model_contract(S: int, min_tp: int, sps: int) -> N
     check_cost_model(cost, prof, world_size=S, space=cost.search_space())
 
 
-SEARCHES = [s for s in GOLDEN["searches"] if s["plan"] is not None and "1" in s["plan"]["use_sp"].split(",")]
+SEARCHES = [s for s in GOLDEN["searches"] if s["plan"] is not None]
+# our price of a plan matches the judge's to ~1e-5 (Galvatron fits its collective lines with scipy's iterative
+# curve_fit, we in closed form; llama's legacy profile adds ~1e-5 more), so "at least as fast" is up to that
+SLACK = 1e-4
 
 
-def test_galvatron_chose_ulysses_somewhere() -> None:
-    assert SEARCHES, "no golden configuration where Galvatron's own tp+sp search chose a Ulysses layer"
+def uses_ulysses(d: dict) -> bool:
+    return "1" in str(d["use_sp"]).split(",")
 
 
 @pytest.mark.parametrize("s", SEARCHES, ids=lambda s: f"{s['model']}-{s['nodes']}x8-{s['memory_gb']}G")
 def test_tp_sp_search_at_least_galvatrons(s: dict) -> None:
-    """Where Galvatron's own tp+sp search picks Ulysses layers, ours (tp+sp, in the context Galvatron's plan
-    scores best in) finds a plan at least as fast under Galvatron's model that fits its usable memory."""
+    """Galvatron's own tp+sp search's plan is priced by us as by the judge, and our tp+sp search (every context)
+    finds a plan at least as fast under Galvatron's model that fits its usable memory."""
     name, nodes, mem, bsz, j = s["model"], s["nodes"], s["memory_gb"], s["global_batch"], s["judge"]
     sp = MODELS[name][2]
     galv = read_plan(s["plan"], 8 * nodes, sequence_parallel=sp)
     acc = GalvatronAccounting(profile(name), ghw(nodes), mem, sequence_parallel=sp, sp_space="tp+sp")
     mine = acc.score(galv).best
     assert mine is not None and rel(mine.time_s, j["time_per_iter_s"]) < TOL  # our price of Galvatron's plan
+    assert max(rel(a, b) for a, b in zip(mine.used_mb, j["mem_used_MB_per_stage"])) < TOL
     hw = read_hardware_profile(DATA / "hardware", nodes, 8)
-    res = galvatron_search(profile(name), hw, ghw(nodes), mem, bsz, sequence_parallel=sp, sp_space="tp+sp",
-                           contexts=[(j["min_tp"], j["max_tp"], j["sp_search"])])
+    res = galvatron_search(profile(name), hw, ghw(nodes), mem, bsz, sequence_parallel=sp, sp_space="tp+sp")
     assert res.plan is not None and res.plan.prediction is not None
-    assert res.plan.prediction.step_time_s <= j["time_per_iter_s"] * (1 + 1e-9)
+    assert res.plan.prediction.step_time_s <= j["time_per_iter_s"] * (1 + SLACK)
     check = acc.score(res.plan).best
     assert check is not None and check.within_budget
-    assert check.time_s <= j["time_per_iter_s"] * (1 + 1e-9)
+    assert check.time_s <= j["time_per_iter_s"] * (1 + SLACK)
+
+
+def test_ulysses_where_it_pays() -> None:
+    """Under Galvatron's model a Ulysses layer pays only in the Ulysses-only context (no Megatron-SP buffer):
+    elsewhere its all-to-alls cost more than the all-reduce halves of tp and its states are tp times larger.
+    Galvatron's own search picked none on the golden configurations; ours does on at least one (gpt-6.7b
+    2x8 24 GB), and the judge scored that plan (golden 'ours') within Galvatron's budget and at least as fast
+    as Galvatron's own tp+sp plan -- and we price it as the judge did."""
+    hits = [s for s in SEARCHES if s["ours"]["plan"] is not None and uses_ulysses(s["ours"]["plan"])]
+    assert hits, "our tp+sp search chose no Ulysses layer on any golden configuration"
+    for s in hits:
+        ours, galv = s["ours"]["judge"], s["judge"]
+        assert ours["within_budget"] and ours["time_per_iter_s"] <= galv["time_per_iter_s"] * (1 + SLACK)
+        sp = MODELS[s["model"]][2]
+        plan = read_plan(s["ours"]["plan"], 8 * s["nodes"], sequence_parallel=sp)
+        best = GalvatronAccounting(profile(s["model"]), ghw(s["nodes"]), s["memory_gb"], sequence_parallel=sp,
+                                   sp_space="tp+sp").score(plan).best
+        assert best is not None and (best.min_tp, best.max_tp, best.sp_search) == (ours["min_tp"], ours["max_tp"],
+                                                                                    ours["sp_search"])
+        assert rel(best.time_s, ours["time_per_iter_s"]) < TOL
+        assert max(rel(a, b) for a, b in zip(best.used_mb, ours["mem_used_MB_per_stage"])) < TOL
