@@ -263,7 +263,9 @@ class GalvatronAccounting:
         return v / MB
 
     def layer_states_mb(self, i: int, s: LayerStrategy, chunks: int) -> float:
-        """Model states of one layer in MB: 4x the parameters, sharded by ZeRO-3 or the default ZeRO-2 over the data group (cost_model.py MemoryCostModel.estimate_model_states_size)."""
+        """Model states of one layer in MB: 4x the parameters, sharded by ZeRO-3 or the default ZeRO-2 over the data group (cost_model.py MemoryCostModel.estimate_model_states_size).
+        A Ulysses layer keeps all parameters, sharded over tp*dp -- and not at all when dp is 1, Galvatron's
+        strategy then having no 'fsdp' key (MemoryCostModel.initialize / estimate_parameter_size)."""
         z2, z3 = zero_ratios(chunks, self.mixed)
         ms = 4 * self._param_mb(i, s)
         if s.dp > 1 and s.zero == 3:
