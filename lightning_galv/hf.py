@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as L
-
 from .demo.module import CausalLM
 from .models.hf import HFCausalLM, galv_hf
 
@@ -33,7 +31,9 @@ class GalvHFCausalLM(CausalLM):
 
     def __init__(self, model: Any, lr: float = 3e-3, weight_decay: float = 0.0, optimizer: str = "adamw",
                  momentum: float = 0.0, untie_embeddings: bool = False) -> None:
-        L.LightningModule.__init__(self)  # not CausalLM's: it builds a reference decoder from its arguments
+        # LightningModule's __init__, not CausalLM's (which builds a reference decoder from its arguments); through
+        # super(), whose __class__ cell is what lets save_hyperparameters find these arguments
+        super(CausalLM, self).__init__()
         self.save_hyperparameters(ignore=["model"])
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer={optimizer!r}: must be 'adamw' or 'sgd'. HINT: optimizer='adamw'")

@@ -173,7 +173,7 @@ def _block_pre_hook(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
 
     A hook, not the caller's job, so every caller (the adapter's forward, pipeline stages) may call
     ``block(x)``; it runs before a sequence-parallel entry slices ``x``, so it sees the full sequence."""
-    if not args or not isinstance(args[0], torch.Tensor):
+    if len(args) != 1 or not isinstance(args[0], torch.Tensor):  # the model's own forward passes its extras
         return args, kwargs
     x = args[0]
     rotary = block.__dict__.get("_galv_rotary")
