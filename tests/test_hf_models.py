@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_galv.models.hf import galv_hf
 from lightning_galv.models.protocol import find_parts
+from lightning_galv.parallel.parallelize import check_plan_for_model
 from lightning_galv.plan import LayerStrategy as L
 from lightning_galv.plan import ParallelPlan
 from lightning_galv.testing import random_plan, run_distributed
@@ -99,6 +100,8 @@ def test_unsupported_architecture_and_limits_are_refused_with_a_hint() -> None:
     with pytest.raises(ValueError, match="Conv1D.*HINT: use sp='ulysses'"):
         gpt2.galv_check_plan(ParallelPlan.uniform(2, 2, L(tp=2)))
     gpt2.galv_check_plan(ParallelPlan.uniform(2, 2, L(tp=2, sp="ulysses")))  # accepted
+    with pytest.raises(ValueError, match="Conv1D.*HINT"):  # parallelize asks the model first, before any mesh
+        check_plan_for_model(ParallelPlan(2, (L(dp=2), L(tp=2, sp="megatron"))), find_parts(gpt2))
     mixtral = galv_hf(_hf("mixtral"))
     with pytest.raises(ValueError, match="expert parallelism.*HINT: use ep=1"):
         mixtral.galv_check_plan(ParallelPlan.uniform(2, 2, L(dp=2, ep=2)))
@@ -141,6 +144,10 @@ def _cases() -> list[tuple[str, dict, dict]]:
     plan = random_plan(random.Random(16), 4, model.galv_shape(16))
     cases.append(("hf_llama_random", plan.to_dict(), {**kw, "kind": "hf_llama", "global_batch": plan.global_batch,
                                                       "galv_loss": plan.vocab_parallel_loss}))
+    # and one without a pipeline, so its first-step gradients are compared too
+    plan = random_plan(random.Random(17), 4, drc.make_hf_model("qwen2", 3).galv_shape(16), pp_choices=(1,))
+    cases.append(("hf_qwen2_random", plan.to_dict(), {**kw, "kind": "hf_qwen2", "global_batch": plan.global_batch,
+                                                      "galv_loss": plan.vocab_parallel_loss}))
     return cases
 
 
@@ -162,8 +169,9 @@ def test_hf_parity_4_ranks() -> None:
     for other in results[1:]:
         for name in results[0]:
             assert other[name]["losses"] == results[0][name]["losses"], name
-    for name, r in results[0].items():  # loss / weight / worst first-step gradient error, for the record
-        print(name, f"{r['loss_err']:.1e}", f"{r['weight_err']:.1e}", f"{max(r['grad_err'].values(), default=0):.1e}")
+    for (name, plan, _), r in zip(cases, results[0].values()):  # errors: loss, weight, worst first-step gradient
+        print(name, f"{r['loss_err']:.1e}", f"{r['weight_err']:.1e}", f"{max(r['grad_err'].values(), default=0):.1e}",
+              ParallelPlan.from_dict(plan).describe())
 
 
 @pytest.mark.slow

@@ -74,7 +74,8 @@ def check_protocol(block: nn.Module, strategy: LayerStrategy, attr: str) -> Any:
     value = getattr(block, attr, None)
     if not value:
         raise ValueError(
-            f"block {type(block).__name__}: has no class attribute `{attr}`, so {strategy.short()} "
+            f"block {type(block).__name__}: has no attribute `{attr}` (on its class, or set by an adapter), so "
+            f"{strategy.short()} "
             f"(tp={strategy.tp}, sp={strategy.sp!r}) cannot be applied; tensor/sequence parallelism needs the "
             "model protocol. HINT: give the block class `galv_tp_plan = {'attn.q': 'colwise', ..., "
             "'attn.o': 'rowwise', 'norm1': 'norm'}` and `galv_attention = 'attn.core'` (see "
