@@ -94,7 +94,8 @@ def test_unsupported_architecture_and_limits_are_refused_with_a_hint() -> None:
     tied = AutoConfig.for_model("gpt2", vocab_size=64, n_embd=32, n_head=4, n_layer=2, n_positions=16)
     with pytest.raises(ValueError, match="tie_word_embeddings.*HINT"):
         galv_hf(AutoModelForCausalLM.from_config(tied))
-    untied = galv_hf(AutoModelForCausalLM.from_config(tied), untie_embeddings=True)
+    untied = galv_hf(AutoModelForCausalLM.from_config(tied), untie_embeddings=True)  # GPT-2's default dropout p
+    assert {type(m).__name__ for n, m in untied.named_modules() if "drop" in n} == {"KeyedDropout"}
     assert untied.galv_head.weight is not untied.galv_embedding.weight
     gpt2 = galv_hf(_hf("gpt2"))
     with pytest.raises(ValueError, match="Conv1D.*HINT: use sp='ulysses'"):
@@ -107,6 +108,17 @@ def test_unsupported_architecture_and_limits_are_refused_with_a_hint() -> None:
         mixtral.galv_check_plan(ParallelPlan.uniform(2, 2, L(dp=2, ep=2)))
     with pytest.raises(ValueError, match="sliding_window.*HINT"):
         galv_hf(_hf("mistral"))(torch.zeros(1, 32, dtype=torch.long))
+
+
+def test_lightning_module_from_a_config() -> None:
+    """GalvHFCausalLM takes a config too (random weights, no hub) and keeps its optimizer arguments."""
+    from lightning_galv.hf import GalvHFCausalLM
+
+    module = GalvHFCausalLM(drc.hf_config("mistral", 2), optimizer="sgd", lr=0.1)
+    assert module.hparams.optimizer == "sgd" and isinstance(module.configure_optimizers(), torch.optim.SGD)
+    loss = module._loss(torch.randint(0, 64, (2, 17)))
+    assert loss.ndim == 0 and 3.0 < float(loss.detach()) < 5.5  # ~ln(64) for a fresh model
+    assert list(module.model.hf.state_dict()) == list(_hf("mistral").state_dict())
 
 
 def _cases() -> list[tuple[str, dict, dict]]:
@@ -138,6 +150,10 @@ def _cases() -> list[tuple[str, dict, dict]]:
                                         head=L(tp=4)).to_dict(), {**kw, "kind": "hf_gpt2"}),
         ("hf_gpt2_pp2", u(4, 4, L(dp=2, zero=2), pp=2, micro_batches=2).to_dict(),
          {**kw, "kind": "hf_gpt2", "layers": 4}),
+        # GPT-2's embedding and residual dropout (p=0.1), keyed: one process draws the same masks
+        ("hf_gpt2_dropout", ParallelPlan(4, (L(tp=4, sp="ulysses"), L(dp=4, zero=3, checkpoint=True),
+                                             L(tp=2, dp=2, sp="ulysses")), embed=L(tp=2, dp=2), head=L(dp=4)).to_dict(),
+         {**kw, "kind": "hf_gpt2", "dropout": 0.1}),
     ]
     # a seeded random plan valid for the model (any tp / sp / ZeRO / checkpointing / pp the generator draws)
     model = drc.make_hf_model("llama", 3)

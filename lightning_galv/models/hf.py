@@ -71,6 +71,7 @@ import torch
 from torch import nn
 
 from ..plan import ModelShape, ParallelPlan
+from .dropout import keyed_dropout_
 
 __all__ = ["HFCausalLM", "galv_hf", "SUPPORTED_FAMILIES", "TESTED_TRANSFORMERS"]
 
@@ -292,6 +293,9 @@ class HFCausalLM(nn.Module):
             config.tie_word_embeddings = False
         hidden = embedding.embedding_dim
         self.hf = model
+        # HF's nn.Dropout layers (GPT-2's embedding / residual dropout) draw keyed masks, as the reference models'
+        # do: the same masks under every plan, and ordinary dropout outside the strategy (models/dropout.py)
+        keyed_dropout_(self)
         self.family = family
         self._blocks_name = blocks_name
         parts: dict[str, nn.Module | None] = {"norm": None, "positions": None, "drop": None, "rotary": None}
@@ -330,9 +334,9 @@ class HFCausalLM(nn.Module):
             self._impl = getattr(model, "_galv_impl", "sdpa")
         model.__dict__["_galv_impl"] = self._impl
 
-        self._tp_refusal = NO_TP_PLAN.get(family) if not getattr(config, "base_model_tp_plan", None) else None
-        if self._tp_refusal is None and not getattr(config, "base_model_tp_plan", None):
-            self._tp_refusal = f"{type(model).__name__} publishes no base_model_tp_plan"
+        self._tp_refusal: str | None = None  # why Megatron TP / SP of the blocks is refused, if it is
+        if not getattr(config, "base_model_tp_plan", None):
+            self._tp_refusal = NO_TP_PLAN.get(family, f"{type(model).__name__} publishes no base_model_tp_plan")
         tp_plan = derive_tp_plan(model, blocks_name, blocks[0], hidden) if self._tp_refusal is None else None
         for block in blocks:
             attn = block.get_submodule(attn_path)
