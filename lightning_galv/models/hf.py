@@ -34,15 +34,16 @@ How the parts are found -- from the model's own structure and metadata, not from
   hooks that module; rotary tables are cut to the positions a Ulysses rank holds (HF applies rotary before
   the attention function, on the sequence chunk).
 
-What each family supports (tested for parity against one process, fp32, in ``tests/test_hf_models.py``):
+What each family supports (``tests/test_hf_models.py`` trains each family under hybrid plans against one process,
+fp32; its cases list which strategy ran on which family):
 
 ==========================  ==========================================================================
 LLaMA, Qwen2, Mistral        everything: DP, ZeRO-1/2/3, TP, TP + Megatron-SP, Ulysses, checkpointing, pp,
-                             vocab-parallel embedding / head
+                             vocab-parallel embedding / head (one structure; pp is exercised on LLaMA)
 Mixtral (MoE)                the same, the MoE block replicated on tp ranks; **no expert parallelism**:
                              ``ep > 1`` is refused (HF's experts are one fused module; routing them through
                              this package's all-to-all EP is not implemented). The router aux loss is not
-                             added (``output_router_logits`` stays off).
+                             added (``output_router_logits`` stays off). pp is not exercised in the tests.
 GPT-2                        DP, ZeRO, Ulysses, checkpointing, pp, vocab-parallel embedding / head;
                              Megatron TP / SP of the blocks is **refused**: GPT-2 publishes no TP plan and
                              fuses q/k/v in one ``Conv1D`` (``c_attn``) whose column split would have to keep
@@ -52,12 +53,12 @@ GPT-2                        DP, ZeRO, Ulysses, checkpointing, pp, vocab-paralle
 Other architectures raise a ``ValueError`` with a ``HINT``: the adapter composes the forward (embedding ->
 blocks -> norm -> head) itself, and only the families above are verified to equal the model's own forward.
 
-Limits, all refused with an error rather than run wrongly: tied input/output embeddings (the two units may
-run different strategies or pipeline stages; pass ``untie_embeddings=True`` to give the head its own copy),
-padding masks (the adapter is for causal training on full windows: ``forward(tokens)``), sequences longer than
-a sliding attention window. HF's own ``nn.Dropout`` layers become keyed dropout under the runtime (the same
-masks under every plan); attention-probability dropout is drawn by torch inside attention and is not keyed:
-keep ``attention_dropout`` at 0 for plan-independent results.
+Limits, refused with an error rather than run wrongly: tied input/output embeddings (the two units may run
+different strategies or pipeline stages; pass ``untie_embeddings=True`` to give the head its own copy), sequences
+longer than a sliding attention window. ``forward(tokens)`` takes no padding mask: it is for causal training on
+full windows. HF's own ``nn.Dropout`` layers become keyed dropout (the same masks under every plan);
+attention-probability dropout is drawn by torch inside attention and is not keyed: keep ``attention_dropout``
+(``attn_pdrop``) at 0 for plan-independent results.
 """
 
 from __future__ import annotations
