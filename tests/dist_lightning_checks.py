@@ -52,6 +52,16 @@ class LossRecorder(L.Callback):
 
 
 def make_module(kind: str = "llama", seed: int = 0, **extra: Any) -> CausalLM:
+    if kind.startswith("hf_"):  # a Hugging Face model of that family, the two lines of the README
+        from transformers import AutoModelForCausalLM
+
+        from dist_runtime_checks import hf_config
+        from lightning_galv.hf import GalvHFCausalLM
+
+        torch.manual_seed(seed)
+        config = hf_config(kind[3:], SMALL["n_layers"], extra.pop("dropout", 0.0))
+        return GalvHFCausalLM(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"),
+                              optimizer="sgd", lr=0.2, momentum=0.9, **extra)
     torch.manual_seed(seed)
     cfg = dict(SMALL)
     if kind == "llama":

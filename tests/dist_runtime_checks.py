@@ -20,7 +20,37 @@ from lightning_galv.models import GPT2, GPT2Config, Llama, LlamaConfig, MoEConfi
 from lightning_galv.plan import ParallelPlan
 
 
+def hf_config(family: str, layers: int = 3, dropout: float = 0.0) -> Any:
+    """Tiny random Hugging Face configs (no hub) shaped like the reference models: vocab 64, hidden 32, seq 16."""
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=64, num_hidden_layers=layers, tie_word_embeddings=False)
+    if family == "gpt2":
+        return AutoConfig.for_model("gpt2", n_embd=32, n_head=4, n_positions=16, resid_pdrop=dropout,
+                                    embd_pdrop=dropout, attn_pdrop=0.0, **common)
+    extra: dict[str, Any] = {"qwen2": {"use_sliding_window": False}, "mistral": {"sliding_window": 16},
+                             "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
+                                         "router_jitter_noise": 0.0}}.get(family, {})
+    return AutoConfig.for_model(family, hidden_size=32, num_attention_heads=8, num_key_value_heads=4,
+                                intermediate_size=64 if family != "mixtral" else 32, max_position_embeddings=16,
+                                attention_dropout=0.0, **extra, **common)
+
+
+def make_hf_model(family: str, layers: int = 3, seed: int = 0, dropout: float = 0.0,
+                  attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A tiny ``AutoModelForCausalLM.from_config`` model of ``family`` under the lightning_galv adapter."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_galv.models.hf import galv_hf
+
+    torch.manual_seed(seed)
+    cfg = hf_config(family, layers, dropout)
+    return galv_hf(AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation))
+
+
 def make_model(kind: str, layers: int = 3, seed: int = 0, dropout: float = 0.0) -> torch.nn.Module:
+    if kind.startswith("hf_"):
+        return make_hf_model(kind[3:], layers, seed, dropout)
     torch.manual_seed(seed)
     if kind == "moe":  # MoE blocks 0, 2, ... (dense in between), 4 experts top-2 + a gated shared expert
         return MoEDecoder(MoEConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=8, n_kv_heads=4, ffn_hidden=64,

@@ -14,7 +14,11 @@ Optional, for pipeline stages: ``galv_embed_forward(tokens)`` (what forward does
 block; default ``galv_embedding(tokens)``) and ``galv_head_forward(h)`` (after the last block; default
 ``galv_head(galv_final_norm(h))``).
 
-and each block class carries two class attributes:
+Optional, for models that cannot run every strategy: ``galv_check_plan(plan)`` is called before anything
+is applied and raises a ``ValueError`` (with a ``HINT:``) for a plan the model cannot take (an adapted
+Hugging Face GPT-2, whose fused ``Conv1D`` projections are not split, refuses tensor parallelism so).
+
+and each block carries two attributes (on its class, or set on the instance by an adapter):
 
 ``galv_tp_plan``     ``{submodule path: "colwise" | "rowwise" | "norm" | "replicated"}``: Megatron column /
                      row splits of the projections, the norms that Megatron-SP shards on the sequence,
@@ -33,10 +37,11 @@ raises a ``ValueError`` with a hint.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from torch import nn
 
-from ..plan import ModelShape
+from ..plan import ModelShape, ParallelPlan
 
 
 @dataclass
@@ -47,6 +52,7 @@ class ModelParts:
     head: nn.Linear | None
     shape: ModelShape | None
     understood: bool  # True when the model implements the protocol (TP/SP allowed)
+    check_plan: Callable[[ParallelPlan], None] | None = None  # the model's own galv_check_plan, if any
 
 
 def find_parts(model: nn.Module) -> ModelParts:
@@ -56,7 +62,7 @@ def find_parts(model: nn.Module) -> ModelParts:
         shape = inner.galv_shape() if hasattr(inner, "galv_shape") else None
         return ModelParts(inner.galv_blocks, getattr(inner, "galv_embedding", None),
                           getattr(inner, "galv_final_norm", None), getattr(inner, "galv_head", None),
-                          shape, understood=True)
+                          shape, understood=True, check_plan=getattr(inner, "galv_check_plan", None))
     best: nn.ModuleList | None = None
     for mod in inner.modules():
         if isinstance(mod, nn.ModuleList) and len(mod) and len({type(m) for m in mod}) == 1:

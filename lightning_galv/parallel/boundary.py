@@ -67,11 +67,15 @@ def tp_submesh(mesh: DeviceMesh, strategy: LayerStrategy, what: str) -> DeviceMe
 
 
 def check_protocol(block: nn.Module, strategy: LayerStrategy, attr: str) -> Any:
-    """The block class's protocol attribute ``attr``, or a ValueError explaining the protocol."""
-    value = getattr(type(block), attr, None)
+    """The block's protocol attribute ``attr``, or a ValueError explaining the protocol.
+
+    Read from the block itself, so a class attribute (the reference models) and an instance attribute (set by
+    an adapter on a class it does not own, e.g. :mod:`lightning_galv.models.hf`) both count."""
+    value = getattr(block, attr, None)
     if not value:
         raise ValueError(
-            f"block {type(block).__name__}: has no class attribute `{attr}`, so {strategy.short()} "
+            f"block {type(block).__name__}: has no attribute `{attr}` (on its class, or set by an adapter), so "
+            f"{strategy.short()} "
             f"(tp={strategy.tp}, sp={strategy.sp!r}) cannot be applied; tensor/sequence parallelism needs the "
             "model protocol. HINT: give the block class `galv_tp_plan = {'attn.q': 'colwise', ..., "
             "'attn.o': 'rowwise', 'norm1': 'norm'}` and `galv_attention = 'attn.core'` (see "

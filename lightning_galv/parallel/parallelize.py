@@ -82,6 +82,8 @@ def model_units(parts: ModelParts, plan: ParallelPlan, root: nn.Module,
 
 
 def check_plan_for_model(plan: ParallelPlan, parts: ModelParts) -> None:
+    if parts.check_plan is not None:  # what the model itself cannot run (models/protocol.py)
+        parts.check_plan(plan)
     if len(plan.layers) != len(parts.blocks):
         raise ValueError(f"plan with {len(plan.layers)} layer strategies: the model has {len(parts.blocks)} blocks. "
                          "HINT: give one LayerStrategy per block (ParallelPlan.uniform(world, num_layers, ...)).")

@@ -96,9 +96,29 @@ def _redistribute_first_arg(args: tuple, mesh: DeviceMesh, src: Placement, dst: 
     return (local_output(x) if use_local else x, *args[1:])
 
 
-def _first_arg_pre_hook(mesh: DeviceMesh, src: Placement, dst: Placement, use_local: bool) -> Callable:
-    def hook(module: nn.Module, args: tuple) -> tuple:
-        return _redistribute_first_arg(args, mesh, src, dst, use_local)
+def _first_param_name(module: nn.Module) -> str | None:
+    """Name of the first parameter of the module class's ``forward`` (after ``self``), to find that input when a
+    caller passes it by keyword (Hugging Face layers call ``self_attn(hidden_states=...)``)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    first = params[0] if params else None
+    return first.name if first is not None and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD) \
+        else None
+
+
+def _first_arg_pre_hook(mesh: DeviceMesh, src: Placement, dst: Placement, use_local: bool,
+                        name: str | None = None) -> Callable:
+    """A ``with_kwargs`` pre-hook converting the module's first input, positional or passed as ``name=...``."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not args and name is not None and isinstance(kwargs.get(name), torch.Tensor):
+            kwargs = dict(kwargs)
+            kwargs[name] = _redistribute_first_arg((kwargs[name],), mesh, src, dst, use_local)[0]
+            return args, kwargs
+        return _redistribute_first_arg(args, mesh, src, dst, use_local), kwargs
     return hook
 
 
@@ -241,8 +261,10 @@ def apply_tp(block: nn.Module, mesh: DeviceMesh, strategy: LayerStrategy) -> Non
     # projections consume without further conversion; a consumer only reads its shape and feeds it to
     # linears (true of the reference models and of the torchtitan-style plans this mirrors).
     for parent in sorted(colwise_parents - {""}, key=len):
-        block.get_submodule(parent).register_forward_pre_hook(
-            _first_arg_pre_hook(tp_mesh, stream, Replicate(), use_local=False))
+        consumer = block.get_submodule(parent)
+        consumer.register_forward_pre_hook(
+            _first_arg_pre_hook(tp_mesh, stream, Replicate(), use_local=False, name=_first_param_name(consumer)),
+            with_kwargs=True)
 
     if sp:
         for path, kind in tp_plan.items():
