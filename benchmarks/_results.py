@@ -19,12 +19,20 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 HERE = Path(__file__).resolve().parent
 
 
+def _is_output(line: str) -> bool:
+    """A ``git status --porcelain`` line about a benchmark's own output (RESULTS.md, benchmarks/data/): scripts
+    run one after another must not stamp each other's results as uncommitted code."""
+    path = line[3:].strip()
+    return path in ("benchmarks/RESULTS.md",) or path.startswith("benchmarks/data/")
+
+
 def commit() -> str:
-    """Short hash of HEAD, with ``+uncommitted`` when tracked files differ from it."""
+    """Short hash of HEAD, with ``+uncommitted`` when tracked files other than benchmark outputs differ from it."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
-                               capture_output=True, text=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                                capture_output=True, text=True).stdout.splitlines()
+        dirty = [line for line in status if line.strip() and not _is_output(line)]
         return (head.stdout.strip() or "unknown") + ("+uncommitted" if dirty else "")
     except OSError:
         return "unknown"
