@@ -158,6 +158,12 @@ class ParallelPlan:
     only a runtime switch, because it changes what the plan costs (the head's saved logits shrink by
     ``tp`` and an all-gather of logits becomes all-reduces of per-token statistics), so the cost model
     and the search must see it. It has no effect when ``head.tp == 1``.
+
+    ``vocab_sp`` is Galvatron's ``vsp`` flag on ends without vocabulary parallelism (``vtp`` 1), which a
+    :class:`LayerStrategy` cannot carry (Ulysses needs ``tp > 1``; with ``tp > 1`` a sequence-split end is
+    ``sp='ulysses'``). Our runtime ignores it -- a 1-way split is no split -- but Galvatron's cost model does
+    not: it admits the plan to its Ulysses-only search context and sizes the ends' gradients differently, so a
+    Galvatron plan read and written back keeps it.
     """
 
     world_size: int
@@ -173,6 +179,7 @@ class ParallelPlan:
     backend: str = "native"
     vocab_parallel_loss: bool = False
     prediction: Prediction | None = field(default=None, compare=False)
+    vocab_sp: bool = False
 
     def __post_init__(self) -> None:
         _check_int("world_size", self.world_size)
@@ -203,6 +210,12 @@ class ParallelPlan:
         if not isinstance(self.vocab_parallel_loss, bool):
             raise TypeError(f"vocab_parallel_loss={self.vocab_parallel_loss!r}: must be a bool. HINT: true only when "
                             "the training loss uses lightning_galv.loss.cross_entropy on the head's output.")
+        if not isinstance(self.vocab_sp, bool):
+            raise TypeError(f"vocab_sp={self.vocab_sp!r}: must be a bool. HINT: Galvatron's vsp with vtp 1.")
+        if self.vocab_sp and (self.embed.tp > 1 or self.head.tp > 1):  # type: ignore[union-attr]
+            raise bad_value(f"vocab_sp=True with embed tp={self.embed.tp}, head tp={self.head.tp}",  # type: ignore[union-attr]
+                            "vocab_sp marks Galvatron's vsp on ends with vtp 1 only",
+                            "give tp > 1 ends sp='ulysses' to sequence-split them.")
         if self.backend not in BACKENDS:
             raise bad_value(f"backend={self.backend}", f"must be one of {BACKENDS}", "use 'native'.")
         if self.backend == "deepspeed":
@@ -345,6 +358,8 @@ class ParallelPlan:
             "head": self.head.to_dict() if self.head else None,
             "layers": [s.to_dict() for s in self.layers],
         }
+        if self.vocab_sp:  # only when set: plans without it serialize as before
+            out["vocab_sp"] = True
         if self.prediction is not None:
             out["prediction"] = self.prediction.to_dict()
         return out

@@ -8,6 +8,8 @@ matplotlib ``Figure`` and writes a PNG when given a path:
   with the rank's tensor-parallel and data-parallel index, pipeline stages as bands;
 * :func:`pipeline_timeline` -- the schedule (GPipe or 1F1B) of one step per stage, drawn from the cost model's
   per-micro-batch stage times (or from measured ones), with the per-step tail (gradient sync, optimizer);
+* :func:`measured_timeline` -- the same picture from what a run did: the online profiler's record of every
+  micro-batch's forward and backward on every stage of a sampled step;
 * :func:`cost_breakdown` -- per unit the predicted forward, backward (recompute included) and per-step time;
 * :func:`tuner_scatter` -- the tuner's trials, predicted vs measured throughput.
 
@@ -186,6 +188,49 @@ def pipeline_timeline(plan: ParallelPlan, cost: "PlanCost", path: str | Path | N
     what = "measured" if measured else "predicted"
     ax.set_title(f"{what} {kind if plan.pp > 1 else 'no pipeline'}: pp={plan.pp}, m={plan.micro_batches}, "
                  f"step {cost.step_time_s * 1e3:.1f} ms, bubble {bubble:.1%}", fontsize=9)
+    return _save(fig, path)
+
+
+def measured_timeline(record: Any, path: str | Path | None = None, title: str | None = None) -> "Figure":
+    """One measured step of a pipelined plan: per pipeline rank the forward (blue) and backward (orange) of
+    each micro-batch as it ran, from ``record`` -- an :class:`~lightning_galv.callbacks.OnlineProfiler`
+    ``StepRecord`` (its ``pipeline_ops``) or the ops themselves, ``(rank, "F" | "B", chunk, micro-batch,
+    start s, end s)``. Gaps are waits: the bubble, sends and receives, and the other stages' slowness. The
+    bubble printed is ``1 - busy / (ranks x span)`` over the drawn ops (the per-step tail is not in them)."""
+    ops = list(getattr(record, "pipeline_ops", record))
+    if not ops:
+        raise bad_value("pipeline_ops=[]", "the measured timeline needs the ops of a pipelined step",
+                        "use a plan with pp > 1 and an OnlineProfiler whose sampled step has run "
+                        "(profiler.records[-1]).")
+    for op in ops:
+        if len(op) != 6 or op[1] not in ("F", "B") or not op[5] >= op[4]:
+            raise bad_value(f"pipeline op {op!r}", "must be (rank, 'F'|'B', chunk, micro-batch, start, end) with "
+                            "end >= start", "pass OnlineProfiler.records[i] or its pipeline_ops.")
+    plt = _plt()
+    first_chunk: dict[int, int] = {}
+    for r, _, c, *_ in ops:
+        first_chunk[r] = min(c, first_chunk.get(r, c))
+    ranks = sorted(first_chunk, key=lambda r: (first_chunk[r], r))  # rows in stage order
+    row = {r: k for k, r in enumerate(ranks)}
+    chunks_per_rank = {r: len({c for rr, _, c, *_ in ops if rr == r}) for r in ranks}
+    origin = min(op[4] for op in ops)
+    span = max(op[5] for op in ops) - origin
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(ranks) + 1.6))
+    shades = {"F": ("#4c72b0", "#7f9fd0"), "B": ("#dd8452", "#eab08e")}
+    micro = {i for *_, i, _, _ in ops}
+    for r, k, c, i, a, b in ops:
+        colour = shades[k][(c // len(ranks)) % 2]  # interleaved: a rank's second chunk is lighter
+        ax.barh(row[r], b - a, left=a - origin, height=0.8, color=colour, edgecolor="white", linewidth=0.5)
+        if len(micro) <= 16:
+            label = f"{k}{i}" if chunks_per_rank[r] == 1 else f"{k}{i}.{c}"
+            ax.text((a + b) / 2 - origin, row[r], label, ha="center", va="center", fontsize=6, color="white")
+    busy = sum(b - a for *_, a, b in ops)
+    bubble = 1.0 - busy / (len(ranks) * span) if span > 0 else 0.0
+    ax.set_yticks(range(len(ranks)), [f"rank {r} (stage {first_chunk[r]})" for r in ranks])
+    ax.set_ylim(len(ranks) - 0.5, -0.5)
+    ax.set_xlabel("seconds from the step's start (measured; gaps are waits)")
+    ax.set_title(title or f"measured: {len(ranks)} stages, {len(micro)} micro-batches, span {span * 1e3:.1f} ms, "
+                 f"bubble {bubble:.1%}", fontsize=9)
     return _save(fig, path)
 
 

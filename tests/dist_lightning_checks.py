@@ -159,13 +159,16 @@ def trainer_kwargs(**kw: Any) -> dict[str, Any]:
 def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_batch: int = 8,
                 accumulate: int = 1, clip: float | None = None, clip_algorithm: str = "norm", dropout: float = 0.0,
                 strategy_kwargs: dict | None = None, moe_callbacks: bool = False,
-                switches: tuple[tuple[int, dict], ...] = (), scheduled: bool = False) -> dict[str, Any]:
+                switches: tuple[tuple[int, dict], ...] = (), scheduled: bool = False,
+                profile_pipeline: bool = False) -> dict[str, Any]:
     """Trainer.fit under ``plan`` vs the single-process loop: losses and final weights.
 
     ``moe_callbacks`` adds ExpertRelayout and SamplePlacement (2 ranks per simulated node, a seeded random
     placement policy so that samples really move) and returns what they logged. ``switches``: (step, plan)
     pairs -- the fit moves to ``plan`` once ``step`` optimizer steps are done (``strategy.switch_plan``).
-    ``scheduled``: a module with a per-step LR schedule (the switch must carry the scheduler over)."""
+    ``scheduled``: a module with a per-step LR schedule (the switch must carry the scheduler over).
+    ``profile_pipeline``: an OnlineProfiler samples steps 1, 5, 9 (training must stay exact) and the measured
+    pipeline ops of each sampled step are returned."""
     if scheduled:
         module = _sched_module(0, dropout=dropout, kind=kind)
     else:
@@ -190,6 +193,12 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
     switcher = _SwitchAt(switches) if switches else None
     if switcher is not None:
         extra.append(switcher)
+    prof = None
+    if profile_pipeline:
+        from lightning_galv.callbacks import OnlineProfiler
+
+        prof = OnlineProfiler(every_n_steps=4, warmup_steps=1, collectives=False, log=False)
+        extra.append(prof)
     trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec, *extra], accumulate_grad_batches=accumulate,
                         gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm, **trainer_kwargs())
     with ShardedLogitsRecorder() as seen:
@@ -211,6 +220,7 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
         "placement": [st.__dict__ for st in extra[1].steps] if moe_callbacks else [],
         "switched": switcher.done if switcher is not None else [], "final_plan": strategy.plan.to_dict(),
         "logged": sorted(k for k in trainer.callback_metrics if "/" in k),
+        "pipeline_ops": [(r.step, r.step_time_s, r.pipeline_ops) for r in prof.records] if prof is not None else None,
         **_fsdp_root_report(module, strategy),
     }
 

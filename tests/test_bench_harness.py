@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from _results import stamp, write_section  # noqa: E402
+from _results import _is_output, stamp, write_section  # noqa: E402
 from _stats import interval, t95  # noqa: E402
 
 
@@ -29,6 +29,11 @@ def test_sections_are_stamped_and_replaced_without_touching_the_others(tmp_path:
 def test_stamp_names_the_command_line() -> None:
     line = stamp(["benchmarks/x.py", "--launches", "5", "--only", "2r dp2"])
     assert "command `python benchmarks/x.py --launches 5 --only '2r dp2'`" in line
+
+
+def test_only_benchmark_outputs_do_not_count_as_uncommitted_code() -> None:
+    assert _is_output(" M benchmarks/RESULTS.md") and _is_output(" M benchmarks/data/costmodel_moe.json")
+    assert not _is_output(" M benchmarks/_results.py") and not _is_output(" M lightning_galv/plan.py")
 
 
 def test_t_interval_uses_students_t() -> None:

@@ -33,7 +33,7 @@ def test_every_shipped_plan_is_found() -> None:
 
 def _expected(original: dict, world: int) -> dict:
     """The original plan's keys as Galvatron understands them: its defaults filled in, and flags that mean
-    nothing normalized -- ZeRO-3 on a layer without data parallelism, vsp with vtp 1."""
+    nothing normalized -- ZeRO-3 on a layer without data parallelism."""
     n = len(str(original["tp_sizes_enc"]).split(","))
     pp = int(original["pp_deg"])
     out = {"tp_consecutive_flags": ",".join(["1"] * n), "dp_types_enc": ",".join(["0"] * n),
@@ -47,8 +47,6 @@ def _expected(original: dict, world: int) -> dict:
     out["dp_types_enc"] = ",".join(str(d if g > 1 else 0) for d, g in zip(dts, group))
     if "vtp" not in out:  # read_plan infers it as Galvatron's pre-vtp runtime did
         out["vtp"] = write_plan(read_plan(original, world))["vtp"]
-    if int(out["vtp"]) == 1:
-        out["vsp"] = 0
     return {k: str(v) for k, v in out.items()}
 
 
@@ -75,6 +73,12 @@ def test_vsp_embed_sdp_and_default_dp_type_are_read() -> None:
     assert all(s.zero == 0 for s in plan.layers)  # ddp
     out = write_plan(plan)
     assert (out["vtp"], out["vsp"], out["embed_sdp"], out["default_dp_type"]) == (4, 1, 1, "ddp")
+    one = read_plan(base | {"vtp": 1, "vsp": 1}, 8)  # a 1-way split: nothing at run time, priced apart by Galvatron
+    assert one.vocab_sp and not one.embed.ulysses and write_plan(one)["vsp"] == 1
+    assert "vocab_sp" not in read_plan(base, 8).to_dict()  # plans without it serialize as before
+    assert ParallelPlan.from_dict(one.to_dict()) == one and one != one.with_(vocab_sp=False)
+    with pytest.raises(ValueError, match="vocab_sp.*HINT:"):
+        one.with_(embed=LayerStrategy(tp=2, dp=4, zero=2), head=LayerStrategy(tp=2, dp=4, zero=2))
     gpipe = read_plan({k: v for k, v in base.items() if k not in ("pipeline_type", "pp_division")}, 8)
     assert gpipe.pipeline_schedule == "gpipe"  # Galvatron's runtime default
 

@@ -10,7 +10,8 @@ from lightning_galv.cli import main as galv
 from lightning_galv.plan import LayerStrategy as L
 from lightning_galv.plan import ModelShape, ParallelPlan
 from lightning_galv.planner import GalvatronCostModel, HardwareProfile, ModelProfile
-from lightning_galv.plots import cost_breakdown, pipeline_timeline, plan_diagram, schedule, tuner_scatter
+from lightning_galv.plots import (cost_breakdown, measured_timeline, pipeline_timeline, plan_diagram, schedule,
+                                  tuner_scatter)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ModelShape(4, 256, 8, 4, 768, 512, 128)
@@ -71,3 +72,22 @@ def test_timeline_breakdown_and_scatter_render(tmp_path: Path) -> None:
 def test_galv_plan_show_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     galv(["plan", "show", str(ROOT / "recipes/plans/hetero4.yaml"), "--png", str(tmp_path / "h.png")])
     assert "wrote" in capsys.readouterr().out and _png(tmp_path / "h.png")
+
+
+def test_measured_timeline_draws_the_recorded_ops(tmp_path: Path) -> None:
+    """Ops as the online profiler records them, here the textbook GPipe schedule on 2 stages (rank 3 holds
+    stage 0, rank 1 stage 1): one bar per op, rows in stage order, the bubble of the drawn ops."""
+    from lightning_galv.callbacks.online_profiler import StepRecord
+
+    ops = [(3 if s == 0 else 1, k, s, i, a, b) for s, stage in enumerate(schedule(2, 2, "gpipe", [1.0, 1.0],
+                                                                                   [2.0, 2.0]))
+           for k, i, a, b in stage]
+    fig = measured_timeline(StepRecord(0, 0, 8.0, 4, None, pipeline_ops=ops), tmp_path / "m.png")
+    ax = fig.axes[0]
+    assert len(ax.patches) == 8 and _png(tmp_path / "m.png")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 3 (stage 0)", "rank 1 (stage 1)"]
+    assert "bubble 33.3%" in ax.get_title()  # busy 2 x (1 + 1 + 2 + 2) of 2 stages x span 9
+    with pytest.raises(ValueError, match="pipeline_ops=.*HINT"):
+        measured_timeline([])
+    with pytest.raises(ValueError, match="end >= start.*HINT"):
+        measured_timeline([(0, "F", 0, 0, 2.0, 1.0)])

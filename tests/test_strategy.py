@@ -119,7 +119,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("bf16_true", "fit_precision", dict(plan=TP_ZERO1, precision="bf16-true")),
         ("bf16_true_zero3", "fit_precision", dict(plan=ZERO3, precision="bf16-true")),  # bf16 units, shared root
         ("unseeded_init", "unseeded_init", dict(plan=HETERO)),
-        ("pp2_accum_clip", "fit_compare", dict(plan=PP2, accumulate=2, clip=0.05)),
+        # the online profiler records the measured pipeline timeline on its sampled steps (issue 16 item 4)
+        ("pp2_accum_clip", "fit_compare", dict(plan=PP2, accumulate=2, clip=0.05, profile_pipeline=True)),
         ("moe_ep_accum_clip", "fit_compare", dict(plan=MOE_EP, kind="moe", accumulate=2, clip=0.05)),
         ("moe_callbacks", "fit_compare", dict(plan=MOE_CB, kind="moe", accumulate=2, clip=0.05, moe_callbacks=True)),
         ("pp2_resume", "fit_resume", dict(plan=PP2, tmpdir=tmp + "/pp", full=False)),
@@ -148,6 +149,36 @@ def test_fit_parity(results: dict, name: str) -> None:
     assert r["keys_equal"]
     assert r["loss_err"] < TOL, r
     assert r["weight_err"] < TOL, r
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_measured_pipeline_timeline(results: dict, tmp_path: Path) -> None:
+    """The OnlineProfiler's sampled steps of a pp=2 plan (2 micro-batches, accumulation 2: its first micro-batch
+    of an optimizer step is sampled) carry every forward and backward of both stages, in dependency order, and
+    draw as a measured timeline; the parity test of the same fit checks that profiling changed nothing."""
+    from lightning_galv.plots import measured_timeline
+
+    sampled = results["pp2_accum_clip"]["pipeline_ops"]
+    assert [step for step, _, _ in sampled] == [1, 5, 9]
+    skew = 0.05  # s: each rank's origin is its own exit from the batch-start barrier
+    for _, step_time, ops in sampled:
+        by_chunk: dict[int, dict[tuple[str, int], tuple[float, float]]] = {}
+        ranks = {}
+        for rank, kind, chunk, micro, start, end in ops:
+            assert (kind, micro) not in by_chunk.setdefault(chunk, {}), ops  # each op once
+            by_chunk[chunk][(kind, micro)] = (start, end)
+            ranks.setdefault(chunk, set()).add(rank)
+            assert -skew <= start <= end <= step_time + skew, ops
+        assert sorted(by_chunk) == [0, 1] and all(len(r) == 1 for r in ranks.values()) and ranks[0] != ranks[1]
+        for chunk in (0, 1):
+            assert sorted(by_chunk[chunk]) == [("B", 0), ("B", 1), ("F", 0), ("F", 1)], ops
+        for i in (0, 1):  # the activation goes 0 -> 1, its gradient 1 -> 0; a stage's backward follows its forward
+            assert by_chunk[1][("F", i)][0] >= by_chunk[0][("F", i)][1] - skew, ops
+            assert by_chunk[0][("B", i)][0] >= by_chunk[1][("B", i)][1] - skew, ops
+            assert by_chunk[1][("B", i)][0] >= by_chunk[1][("F", i)][1], ops
+    fig = measured_timeline(sampled[-1][2], tmp_path / "measured.png")
+    assert (tmp_path / "measured.png").stat().st_size > 1000 and "measured: 2 stages, 2 micro-batches" in fig.axes[0].get_title()
 
 
 @pytest.mark.slow

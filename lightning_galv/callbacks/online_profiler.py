@@ -20,6 +20,9 @@ What is measured on a sampled batch, and how:
   micro-batch of an accumulation -- the optimizer step), max over ranks; samples/s and tokens/s from the
   batch's first dimension (and second, for token batches) times the data-parallel shards; MFU when
   ``flops_per_sample`` and ``peak_flops`` are given.
+* **pipeline** (``pp > 1``): the start and end of every micro-batch's forward and backward on every stage of
+  this rank's pipeline, from a common origin (a barrier of the pipeline group at batch start) -- the
+  measured schedule, drawn by :func:`lightning_galv.plots.measured_timeline`; gaps are waits (bubble, sends).
 * **memory**: peak per rank -- the CUDA allocator's peak on GPU (reset at the start of a sampled batch); on
   CPU the process's resident-set high-water mark (what the OS had to give it, ``VmHWM``), which never
   goes down.
@@ -56,6 +59,9 @@ class StepRecord:
     collective_s: dict[str, float] = field(default_factory=dict)  # backend op -> seconds (this rank)
     peak_memory_bytes: float = 0.0  # this rank
     mfu: float | None = None
+    #: pipelined plans: every forward / backward of a micro-batch on the ranks of this rank's pipeline, as
+    #: (global rank, "F" | "B", chunk, micro-batch, start s, end s), seconds from a barrier at batch start
+    pipeline_ops: list[tuple[int, str, int, int, float, float]] = field(default_factory=list)
 
     @property
     def samples_per_s(self) -> float:
@@ -205,6 +211,27 @@ def units_of(pl_module: nn.Module, strategy: Any) -> list[tuple[str, nn.Module]]
     return out
 
 
+def _pipeline_driver(strategy: Any) -> Any:
+    """The strategy's pipeline driver when the plan has pp > 1 (``None`` otherwise)."""
+    from ..parallel.pipeline import PipelineDriver
+
+    driver = getattr(getattr(strategy, "runtime", None), "pipeline", None)
+    return driver if isinstance(driver, PipelineDriver) else None
+
+
+def _gather_ops(driver: Any, t0: float | None) -> list[tuple[int, str, int, int, float, float]]:
+    """This pipeline's op logs, relative to the batch-start barrier, on every rank of the pipeline."""
+    if driver is None or t0 is None:
+        return []
+    import torch.distributed as dist
+
+    mine = [(dist.get_rank(), k, c, i, a - t0, b - t0) for k, c, i, a, b in (driver.op_log or [])]
+    driver.op_log = None
+    box: list[Any] = [None] * len(driver.group_ranks)
+    dist.all_gather_object(box, mine, group=driver.group)
+    return sorted((op for ops in box for op in ops), key=lambda op: (op[4], op[0]))
+
+
 class OnlineProfiler(L.Callback):
     """Measure every ``every_n_steps``-th training batch (see the module docstring).
 
@@ -216,10 +243,13 @@ class OnlineProfiler(L.Callback):
         collectives: time the backend's collectives with a ``torch.profiler`` session on sampled batches.
         log: send the measurements to the Trainer's loggers (``galv/step_time_s``, ``galv/layers.3/forward_s``, ...).
         flops_per_sample, peak_flops: for model FLOPs utilization (per device peak, FLOP/s); both or neither.
+        timeline_png: pipelined plans: rank 0 draws each sampled step's measured schedule to this PNG
+            (overwritten by the next sampled step; :func:`lightning_galv.plots.measured_timeline`, needs matplotlib).
     """
 
     def __init__(self, every_n_steps: int = 50, warmup_steps: int = 2, collectives: bool = True, log: bool = True,
-                 flops_per_sample: float | None = None, peak_flops: float | None = None) -> None:
+                 flops_per_sample: float | None = None, peak_flops: float | None = None,
+                 timeline_png: str | None = None) -> None:
         for name, value, low in (("every_n_steps", every_n_steps, 1), ("warmup_steps", warmup_steps, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise bad_value(f"{name}={value!r}", f"must be an int >= {low}",
@@ -230,6 +260,7 @@ class OnlineProfiler(L.Callback):
         self.every_n_steps, self.warmup_steps = every_n_steps, warmup_steps
         self.collectives, self.log = collectives, log
         self.flops_per_sample, self.peak_flops = flops_per_sample, peak_flops
+        self.timeline_png = timeline_png
         self.records: list[StepRecord] = []
         self._active: dict[str, Any] | None = None
 
@@ -253,9 +284,16 @@ class OnlineProfiler(L.Callback):
             prof.__enter__()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        driver = _pipeline_driver(trainer.strategy)
+        t_pipe = None
+        if driver is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=driver.group)  # the common origin of the stages' op times
+            driver.op_log, t_pipe = [], time.perf_counter()
         _sync(device)
         self._active = {"timer": timer, "prof": prof, "t0": time.perf_counter(), "step": trainer.global_step,
-                        "batch": batch}
+                        "batch": batch, "driver": driver, "t_pipe": t_pipe}
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -271,6 +309,7 @@ class OnlineProfiler(L.Callback):
             act["prof"].__exit__(None, None, None)
             comm = _backend_events(act["prof"])
         step_time = float(trainer.strategy.reduce(torch.tensor(elapsed, device=device), reduce_op="max"))
+        pipeline_ops = _gather_ops(act["driver"], act["t_pipe"])
         x = _first_tensor(batch)
         shards = trainer.strategy.distributed_sampler_kwargs.get("num_replicas", 1) if hasattr(
             trainer.strategy, "distributed_sampler_kwargs") else 1
@@ -280,8 +319,15 @@ class OnlineProfiler(L.Callback):
                if self.flops_per_sample and self.peak_flops else None)
         timer = act["timer"]
         rec = StepRecord(act["step"], batch_idx, step_time, samples, tokens, dict(timer.fwd), dict(timer.bwd),
-                         dict(timer.rec), comm, _peak_memory(device), mfu)
+                         dict(timer.rec), comm, _peak_memory(device), mfu, pipeline_ops)
         self.records.append(rec)
+        if self.timeline_png and rec.pipeline_ops and trainer.is_global_zero:
+            from ..plots import _plt, measured_timeline
+
+            fig = measured_timeline(rec, self.timeline_png, title=(
+                f"measured step {rec.step}: {len({op[0] for op in rec.pipeline_ops})} stages, "
+                f"{len({op[3] for op in rec.pipeline_ops})} micro-batches, step {rec.step_time_s * 1e3:.0f} ms"))
+            _plt().close(fig)
         if self.log and trainer.loggers:
             metrics = {"galv/step_time_s": rec.step_time_s, "galv/samples_per_s": rec.samples_per_s,
                        "galv/peak_memory_bytes": rec.peak_memory_bytes}

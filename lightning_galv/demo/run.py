@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--auto", action="store_true", help="let the planner search a plan for this machine")
     p.add_argument("--model", choices=("llama", "moe"), default="llama",
                    help="llama, or the MoE decoder (every block MoE; aux losses logged, not in train_loss)")
+    p.add_argument("--timeline", default=None, metavar="OUT.png",
+                   help="pipelined plans (pp > 1): draw a measured step's schedule (OnlineProfiler, last sampled step)")
     args = p.parse_args(argv)
     check_demo_args(args.steps, args.devices, args.batch_size)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -88,14 +91,24 @@ def main(argv: list[str] | None = None) -> None:
     model = CausalLM(lr=3e-3, **(DEMO_MOE if args.model == "moe" else DEMO_MODEL))
     from ..callbacks.loss_log import LossLog
 
+    callbacks: list[L.Callback] = [LossLog(every=5, bar=True)]
+    if args.timeline:
+        from ..callbacks import OnlineProfiler
+
+        # sample a late step (warm caches), a few times; no collective profiling: only the schedule is drawn
+        callbacks.append(OnlineProfiler(every_n_steps=max(1, args.steps // 4), warmup_steps=min(2, args.steps - 1),
+                                        collectives=False, log=False, timeline_png=args.timeline))
     # validation once, after the last step: counted in training batches across epochs (check_val_every_n_epoch
     # =None), so --steps beyond one epoch (165 batches of the shipped corpus at batch 16) is fine
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
-                        max_epochs=-1, callbacks=[LossLog(every=5, bar=True)], logger=False,
+                        max_epochs=-1, callbacks=callbacks, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=4, val_check_interval=args.steps, check_val_every_n_epoch=None,
                         num_sanity_val_steps=0)
     trainer.fit(model, datamodule=data)
+    if args.timeline and trainer.is_global_zero:
+        print(f"wrote {args.timeline}" if Path(args.timeline).is_file() else
+              f"no timeline written: the plan has pp={strategy.plan.pp if strategy.plan else '?'} (needs pp > 1)")
     if trainer.is_global_zero:
         print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.3f}, "
               f"val_loss {float(trainer.callback_metrics.get('val_loss', float('nan'))):.3f}")

@@ -13,6 +13,7 @@ stage ``s`` sends to rank ``l`` of stage ``s+1``, which holds the same batch sha
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -115,17 +116,41 @@ def split_model(model: nn.Module, parts: ModelParts, plan: ParallelPlan, stage: 
     return stages
 
 
-def _tell_micro_batch(stage: Any) -> None:
-    """Keyed dropout needs the micro-batch index of every forward: the schedule passes it to
+#: one pipeline op as the driver logs it: ("F" | "B", chunk (stage index), micro-batch, start s, end s)
+PipelineOp = tuple[str, int, int, float, float]
+
+
+def _instrument(stage: Any, chunk: int, driver: "PipelineDriver") -> None:
+    """Wrap the stage's per-micro-batch ops.
+
+    Keyed dropout needs the micro-batch index of every forward: the schedule passes it to
     ``forward_one_chunk`` (not to the module), so record it there. Shape inference, which also runs
-    the module, does not go through this method."""
-    inner = stage.forward_one_chunk
+    the module, does not go through this method. And while ``driver.op_log`` is a list (the online
+    profiler sets one on a sampled step), each forward and backward of a micro-batch is timed into it --
+    the measured pipeline timeline. Unsampled steps pay one attribute check per op."""
+    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
 
     def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         set_coords(micro=fwd_chunk_id)
-        return inner(fwd_chunk_id, *args, **kwargs)
+        log = driver.op_log
+        if log is None:
+            return fwd(fwd_chunk_id, *args, **kwargs)
+        t0 = driver.clock()
+        out = fwd(fwd_chunk_id, *args, **kwargs)
+        log.append(("F", chunk, fwd_chunk_id, t0, driver.clock()))
+        return out
+
+    def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        log = driver.op_log
+        if log is None:
+            return bwd(bwd_chunk_id, *args, **kwargs)
+        t0 = driver.clock()
+        out = bwd(bwd_chunk_id, *args, **kwargs)
+        log.append(("B", chunk, bwd_chunk_id, t0, driver.clock()))
+        return out
 
     stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
 
 
 @dataclass
@@ -138,6 +163,15 @@ class PipelineDriver:
     group_ranks: list[int]
     device: torch.device
     _cache: dict[Any, Any] = field(default_factory=dict)
+    #: while a list, every forward / backward of a micro-batch on this rank is appended to it (see _instrument)
+    op_log: list[PipelineOp] | None = None
+
+    def clock(self) -> float:
+        """Wall time for the op log; on GPU after the device finished what was queued, so an op's end is
+        when its kernels ended, not when they were launched."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     @property
     def has_first(self) -> bool:
@@ -156,8 +190,8 @@ class PipelineDriver:
             return sched
         n = self.plan.pp * self.plan.virtual_stages
         stages = [PipelineStage(mod, c, n, self.device, group=self.group) for c, mod in sorted(self.stages.items())]
-        for st in stages:
-            _tell_micro_batch(st)
+        for c, st in zip(sorted(self.stages), stages):
+            _instrument(st, c, self)
         m = self.plan.micro_batches
         if self.plan.pipeline_schedule == "interleaved_1f1b":
             sched = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)

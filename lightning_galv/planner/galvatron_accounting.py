@@ -9,9 +9,13 @@ the search context ``(min_tp, max_tp)`` it was found in. :class:`GalvatronAccoun
 like Galvatron's judge, scores a plan in every context the search could have produced it in and keeps the
 best that fits. Pure Python, no torch.
 
-Scope: Galvatron's default ``sp_space="tp"`` (no Ulysses layers), fine-grained pipeline cost model, the
-engine defaults (``async_grad_reduce``, global memory buffer, ``costmodel_coe`` 1, ``bct_fct_coe`` 2).
-It prices plans; it is not (yet) a :class:`~lightning_galv.planner.cost.CostModel` the search can run on.
+Scope: both of Galvatron's layer spaces -- ``sp_space="tp"`` (the default: tensor parallelism only) and
+``sp_space="tp+sp"`` (per layer tensor parallelism or Ulysses, ``use_sp``; the ends optionally
+sequence-split, ``vsp``; every tp / Ulysses collective then priced from the measured ``sp_time`` tables,
+and the search contexts gain ``sp_search``: 1 = tp only, 2 = Ulysses only and no Megatron-SP buffer,
+3 = both) -- the fine-grained pipeline cost model, the engine defaults (``async_grad_reduce``, global
+memory buffer, ``costmodel_coe`` 1, ``bct_fct_coe`` 2). Its functions also price plans for the search
+(:class:`~lightning_galv.planner.galvatron_model.Galvatron24CostModel`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,50 @@ from .profiles import ModelProfile
 
 MB = float(2**20)
 CONTEXT_MB = 1024.0  # pytorch_context_mem per stage (cost_model_args.py TrainArgs)
+SP_SPACES = ("tp", "tp+sp")
+
+
+@dataclass(frozen=True)
+class CollectiveTable:
+    """One collective on one group size as Galvatron keeps it from ``sp_time_*.json``: measured ms per message
+    bytes, and its least-squares line in ms per MB (config_utils.py remap_config: scipy ``curve_fit`` of a line,
+    which is ordinary least squares)."""
+
+    times: Mapping[int, float]
+    slope: float
+    intercept: float
+
+    def at(self, nbytes: float) -> float:
+        """The measured time when the message is a measured size, else the line (cost_model.py TimeCostModel.estimate_tp_communication_cost)."""
+        hit = self.times.get(nbytes)  # type: ignore[call-overload]  # a float message equal to an int key hits
+        return self.fit(nbytes) if hit is None else hit
+
+    def fit(self, nbytes: float) -> float:
+        """The line alone, as the ends' all-reduce always takes it (cost_model.py OtherTimeCostModel.estimate_tp_time)."""
+        return self.slope * (nbytes / MB) + self.intercept
+
+
+def collective_tables(sp_time: Mapping[str, float], op: str) -> dict[int, CollectiveTable]:
+    """``{group size: table}`` of ``op`` ('allreduce' or 'all2all') from the contents of ``sp_time_*.json``;
+    all-reduce times halved to one all-gather / reduce-scatter (config_utils.py remap_config)."""
+    points: dict[int, dict[int, float]] = {}
+    for key, val in sp_time.items():
+        if not key.startswith(op):
+            continue
+        parts = key.split("_")
+        size, mb = int(parts[-3]), int(parts[-2][:-2])
+        points.setdefault(size, {})[mb * 2**20] = float(val) / (2 if op == "allreduce" else 1)
+    out = {}
+    for size, times in points.items():
+        if len(times) < 8:  # Galvatron asserts the same (config_utils.py remap_config)
+            raise bad_value(f"{op}_size_{size}_*MB_time: {len(times)} sizes", "Galvatron fits a line to at least 8 "
+                            "message sizes", "re-profile with Galvatron's hardware profiler (profile_hardware).")
+        xs = [b / 2**20 for b in times]
+        ys = list(times.values())
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        out[size] = CollectiveTable(times, slope, my - slope * mx)
+    return out
 
 
 @dataclass(frozen=True)
@@ -37,6 +85,9 @@ class GalvatronHardware:
     comm_coe: Mapping[str, float]
     p2p_coe: Mapping[int, float]
     overlap_coe: float
+    # sp_space 'tp+sp' only: measured all-reduce / all-to-all per group size (sp_time_*.json, remap_config)
+    sp_allreduce: Mapping[int, CollectiveTable] = field(default_factory=dict)
+    sp_all2all: Mapping[int, CollectiveTable] = field(default_factory=dict)
 
     def coe(self, size: int, consecutive: bool | None = None) -> float:
         """``comm_coe_dict`` lookup as Galvatron does it: the world key, else the ``_1``/``_0`` key (config_utils.py read_allreduce_bandwidth_config)."""
@@ -53,8 +104,9 @@ class GalvatronHardware:
 
     @classmethod
     def from_bandwidths(cls, allreduce_gbps: Mapping[str, float], p2p_gbps: Mapping[str, float], overlap: float,
-                        world: int) -> "GalvatronHardware":
-        """From the contents of ``allreduce_bandwidth_*.json`` / ``p2p_bandwidth_*.json`` (GB/s) (config_utils.py)."""
+                        world: int, sp_time: Mapping[str, float] | None = None) -> "GalvatronHardware":
+        """From the contents of ``allreduce_bandwidth_*.json`` / ``p2p_bandwidth_*.json`` (GB/s) and, for
+        sp_space 'tp+sp', ``sp_time_*.json`` (ms per message size) (config_utils.py)."""
         coe: dict[str, float] = {}
         if world >= 2:
             coe[str(world)] = 1.0 / allreduce_gbps[f"allreduce_size_{world}_consec_1"]
@@ -65,7 +117,8 @@ class GalvatronHardware:
             size //= 2
         coe["1"] = 0.0
         p2p = {int(k.split("_")[-1]): 1.0 / v for k, v in p2p_gbps.items() if k.startswith("pp_size_")}
-        return cls(world, coe, p2p, overlap)
+        sp = sp_time or {}
+        return cls(world, coe, p2p, overlap, collective_tables(sp, "allreduce"), collective_tables(sp, "all2all"))
 
 
 @dataclass(frozen=True)
@@ -78,6 +131,7 @@ class ContextScore:
     used_mb: tuple[float, ...]  # per stage, as Galvatron's DP adds it up (reserve excluded)
     usable_mb: float
     reasons: tuple[str, ...] = ()  # why the search would not visit the plan in this context
+    sp_search: int = 1  # sp_space 'tp+sp': 1 tp layers only, 2 Ulysses only (+ vsp), 3 both
 
     @property
     def within_budget(self) -> bool:
@@ -171,12 +225,20 @@ class GalvatronAccounting:
     """Galvatron 2.4's price of a plan: per-context time (s / iteration) and memory (MB per stage)."""
 
     def __init__(self, model: ModelProfile, hw: GalvatronHardware, memory_gb: float, sequence_parallel: bool = False,
-                 default_dp_type: str = "zero2", max_tp: int = 8) -> None:
+                 default_dp_type: str = "zero2", max_tp: int = 8, sp_space: str = "tp") -> None:
         if model.ends is None:
             raise bad_value(model.name, "has no Galvatron end tables", "read it with compat.galvatron.read_model_profile.")
         if default_dp_type not in ("zero2", "ddp"):
             raise bad_value(f"default_dp_type={default_dp_type}", "must be 'zero2' or 'ddp'", "as Galvatron's search.")
+        if sp_space not in SP_SPACES:
+            raise bad_value(f"sp_space={sp_space!r}", f"must be one of {SP_SPACES} (Galvatron's --sp_space; its "
+                            "'sp' alone is unsupported there too)", "use 'tp' (default) or 'tp+sp' for Ulysses layers.")
+        if sp_space == "tp+sp" and not (hw.sp_allreduce and hw.sp_all2all):
+            raise bad_value("sp_space='tp+sp'", "prices every tp / Ulysses collective from the measured sp_time "
+                            "tables, and this GalvatronHardware has none", "read the hardware with "
+                            "compat.galvatron.read_galvatron_hardware from a directory holding sp_time_*.json.")
         self.m, self.hw, self.sp = model, hw, sequence_parallel
+        self.tp_sp = sp_space == "tp+sp"
         self.zero2 = default_dp_type == "zero2"
         self.usable_mb, self.reserve_mb = usable_memory_mb(memory_gb)
         self.max_tp_deg = max_tp
@@ -201,7 +263,9 @@ class GalvatronAccounting:
         return v / MB
 
     def layer_states_mb(self, i: int, s: LayerStrategy, chunks: int) -> float:
-        """Model states of one layer in MB: 4x the parameters, sharded by ZeRO-3 or the default ZeRO-2 over the data group (cost_model.py MemoryCostModel.estimate_model_states_size)."""
+        """Model states of one layer in MB: 4x the parameters, sharded by ZeRO-3 or the default ZeRO-2 over the data group (cost_model.py MemoryCostModel.estimate_model_states_size).
+        A Ulysses layer keeps all parameters, sharded over tp*dp -- and not at all when dp is 1, Galvatron's
+        strategy then having no 'fsdp' key (MemoryCostModel.initialize / estimate_parameter_size)."""
         z2, z3 = zero_ratios(chunks, self.mixed)
         ms = 4 * self._param_mb(i, s)
         if s.dp > 1 and s.zero == 3:
@@ -239,11 +303,19 @@ class GalvatronAccounting:
         gather = dp_msg * 0.5
         if no_comm:
             dp_msg = 0.0
-        dc = hw.coe(dp) if tp == 1 or dp == 1 else hw.coe(dp, not s.tp_consecutive)
+        if s.ulysses:  # gradients reduced over the whole tp*dp group (cost_model.py TimeCostModel.estimate_dp_communication_cost)
+            dc = hw.coe(s.data_group)
+        else:
+            dc = hw.coe(dp) if tp == 1 or dp == 1 else hw.coe(dp, not s.tp_consecutive)
         tok = bsz * self.m.seq_len * lt.hidden
-        tp_msg = 2 * (tp - 1) / tp * tok * 4 * 4 / MB * (1.5 if s.checkpoint else 1.0) / (2 if self.mixed else 1)
-        tc = hw.coe(tp) if tp == 1 or dp == 1 else hw.coe(tp, s.tp_consecutive)
-        tp_t = tp_msg * tc
+        if self.tp_sp:  # 4 measured all-reduce halves / all-to-alls per layer (cost_model.py TimeCostModel.estimate_tp_communication_cost)
+            table = hw.sp_all2all if s.ulysses else hw.sp_allreduce
+            tp_t = 0.0 if tp == 1 else 4 * (1.5 if s.checkpoint else 1.0) * self._table(table, tp).at(
+                tok * (2 if self.mixed else 4))
+        else:
+            tp_msg = 2 * (tp - 1) / tp * tok * 4 * 4 / MB * (1.5 if s.checkpoint else 1.0) / (2 if self.mixed else 1)
+            tc = hw.coe(tp) if tp == 1 or dp == 1 else hw.coe(tp, s.tp_consecutive)
+            tp_t = tp_msg * tc
         ov = hw.overlap_coe
         if tp == 1 and dp > 1:
             t = fct + bct_dp_overlap(dp_msg, bct, dc, ov)
@@ -260,6 +332,13 @@ class GalvatronAccounting:
             n_type = self.m.layer_type_of.count(self.m.layer_type_of[i])
             t += pp * 2 * tok * 4 / MB / (2 if self.mixed else 1) * hw.p2p_coe[pp] / n_type
         return t * 1e-3
+
+    def _table(self, tables: Mapping[int, CollectiveTable], size: int) -> CollectiveTable:
+        hit = tables.get(size)
+        if hit is None:
+            raise bad_value(f"group of {size}", f"no sp_time measurement (have {sorted(tables)})",
+                            "use the sp_time file of this cluster shape (Galvatron's profile_hardware).")
+        return hit
 
     # -- ends -------------------------------------------------------------------------------------------
     def _ends(self, kind: str) -> Mapping[str, Mapping[int, float]]:
@@ -305,9 +384,9 @@ class GalvatronAccounting:
         out[-1] += sum(last)
         return [o + CONTEXT_MB for o in out]
 
-    def global_buffer_mb(self, mbsz: int, min_tp: int, max_tp: int) -> int:
-        """Megatron-SP's global memory buffer on every stage, 0 without SP (dynamic_programming.py _build_dp_and_run_multi_layer_type)."""
-        if not self.sp:
+    def global_buffer_mb(self, mbsz: int, min_tp: int, max_tp: int, sp_search: int = 1) -> int:
+        """Megatron-SP's global memory buffer on every stage, 0 without SP and in the Ulysses-only context (dynamic_programming.py _build_dp_and_run_multi_layer_type)."""
+        if not self.sp or sp_search == 2:
             return 0
         return int(mbsz / min_tp * max_tp * self.m.shape.hidden * self.m.seq_len * 4 / MB / (2 if self.mixed else 1))
 
@@ -320,6 +399,8 @@ class GalvatronAccounting:
         seqs = [s0] if len({self.m.layer(i).name for i in range(self.m.num_layers)}) == 1 else [s0, s0]
         if vsp:
             tp_each = [0.0 for _ in seqs]
+        elif self.tp_sp:  # the ends' all-reduce from its fitted line, never the table (cost_model.py OtherTimeCostModel.estimate_tp_time)
+            tp_each = [0.0 if vtp == 1 else self._table(hw.sp_allreduce, vtp).fit(mbsz * s * hidden * el) for s in seqs]
         else:
             dps = world // pp // vtp
             coe = hw.coe(vtp) if vtp == 1 or dps == 1 else hw.coe(vtp, False)
@@ -342,15 +423,16 @@ class GalvatronAccounting:
         return out
 
     # -- whole plan ---------------------------------------------------------------------------------------
-    def contexts(self, plan: ParallelPlan) -> list[tuple[int, int]]:
-        """(min_tp, max_tp) pairs the search visits with the global memory buffer on (search_engine.py parallelism_optimization)."""
+    def contexts(self, plan: ParallelPlan) -> list[tuple[int, int, int]]:
+        """(min_tp, max_tp, sp_search) in the order the search visits them with the global memory buffer on; sp_search 1 only under sp_space 'tp' (search_engine.py parallelism_optimization)."""
         lo, tps = [], 1
         while tps <= plan.world_size and tps <= self.max_tp_deg:
             lo.append(tps)
             tps *= 2
-        return [(a, b) for a in lo for b in lo if a <= b]
+        return [(a, b, c) for a in lo for b in lo if a <= b for c in ((1, 2, 3) if self.tp_sp else (1,))]
 
-    def score_in(self, plan: ParallelPlan, min_tp: int, max_tp: int, vsp: bool, esdp: bool) -> ContextScore | None:
+    def score_in(self, plan: ParallelPlan, min_tp: int, max_tp: int, vsp: bool, esdp: bool,
+                 sp_search: int = 1) -> ContextScore | None:
         """The plan in one context; None where Galvatron's model is undefined (a layer tp below min_tp)."""
         pp, world, gbs, m = plan.pp, plan.world_size, plan.global_batch or 0, plan.micro_batches
         assert plan.embed is not None
@@ -360,15 +442,20 @@ class GalvatronAccounting:
         why = []
         if max(s.tp for s in plan.layers) > max_tp:
             why.append("layer tp > max_tp")
+        uly = [s.ulysses for s in plan.layers if s.tp > 1]  # search_engine.py parallelism_optimization: sp_search filters
+        if (sp_search == 1 and (vsp or any(uly))) or (sp_search == 2 and (not vsp or not all(uly))):
+            why.append(f"sp_search {sp_search} excludes this use_sp / vsp")
+        if vsp and not self.tp_sp:
+            why.append("vsp not searched with sp_space 'tp'")
         g = world // pp // min_tp
         mbsz = (gbs // g + m - 1) // m
         if gbs % m or gbs % g or m > gbs // g or m != (gbs // g + mbsz - 1) // mbsz:
             why.append("(batch, chunks) not searched with this min_tp")
         if vtp < min_tp or vtp > max_tp or vtp * pp > world:  # the ends' vtp degrees this context prices
             why.append(f"vtp={vtp} not among the vocab-tp degrees searched here")
-            return ContextScore(min_tp, max_tp, math.inf, (), self.usable_mb, tuple(why))
+            return ContextScore(min_tp, max_tp, math.inf, (), self.usable_mb, tuple(why), sp_search)
         other = [math.ceil(o) for o in self.other_memory(plan, vtp, vsp, esdp, mbsz, min_tp)]
-        gm = self.global_buffer_mb(mbsz, min_tp, max_tp)
+        gm = self.global_buffer_mb(mbsz, min_tp, max_tp, sp_search)
         used = []
         for st in range(pp):
             layers = sum(math.ceil(self.layer_memory(i, plan.layers[i], pp, st, gbs, mbsz, min_tp, plan.pipeline_schedule))
@@ -386,7 +473,7 @@ class GalvatronAccounting:
         oth = self.other_time(pp, vtp, vsp, esdp, mbsz, min_tp)
         comp = [c + o for c, o in zip(comp, oth)]
         return ContextScore(min_tp, max_tp, pipeline_step(comp, full, real),
-                            tuple(used), self.usable_mb, tuple(why))
+                            tuple(used), self.usable_mb, tuple(why), sp_search)
 
     def score(self, plan: ParallelPlan, vsp: bool | None = None, embed_sdp: bool | None = None,
               force: bool = False) -> GalvatronScore:
@@ -394,13 +481,13 @@ class GalvatronAccounting:
         the search would not have visited with this (batch, chunks)."""
         if plan.global_batch is None:
             raise bad_value("global_batch=None", "Galvatron prices a fixed global batch", "set plan.global_batch.")
-        if any(s.ulysses for s in plan.layers):
-            raise bad_value("Ulysses layers", "priced only in Galvatron's sp_space 'tp+sp', which this accounting "
-                            "does not implement", "score plans without Ulysses layers.")
+        if any(s.ulysses for s in plan.layers) and not self.tp_sp:
+            raise bad_value("Ulysses layers", "priced only in Galvatron's sp_space 'tp+sp'",
+                            "build GalvatronAccounting(..., sp_space='tp+sp'), or score plans without Ulysses layers.")
         assert plan.embed is not None
-        vsp = plan.embed.ulysses if vsp is None else vsp
+        vsp = (plan.embed.ulysses or plan.vocab_sp) if vsp is None else vsp
         esdp = plan.embed.zero == 3 if embed_sdp is None else embed_sdp
-        ctxs = [c for c in (self.score_in(plan, a, b, vsp, esdp) for a, b in self.contexts(plan)) if c is not None]
+        ctxs = [c for c in (self.score_in(plan, a, b, vsp, esdp, s) for a, b, s in self.contexts(plan)) if c is not None]
         ok = [c for c in ctxs if math.isfinite(c.time_s) and (force or not c.reasons)]
         best = None
         for c in ok:

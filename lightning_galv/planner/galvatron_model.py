@@ -14,6 +14,13 @@ the one of a min_tp-wide group; under Megatron-SP the global buffer grows with m
 for one of each; :func:`galvatron_search` runs the search once per context, as Galvatron does
 (search_engine.py parallelism_optimization), and keeps the best plan that fits.
 
+Galvatron's layer space is chosen by ``sp_space``: 'tp' (its default, and ours) or 'tp+sp', where each
+layer is tensor-parallel or Ulysses (``use_sp``), the ends may be sequence-split (``vsp``) and every tp /
+Ulysses collective is priced from the measured sp_time tables. A 'tp+sp' context has a third coordinate,
+``sp_search`` (1 = tp layers only, 2 = Ulysses layers only with sequence-split ends and no Megatron-SP
+buffer, 3 = both); prices do not depend on it except for that buffer, so 3 covers 1 at the same price
+(see :func:`galvatron_contexts`).
+
 What differs from the scorer, on purpose: Galvatron prices the embedding and the head of a one-stage plan
 as one table entry; our search may pick them separately, so each end of a one-stage plan is charged half of
 its strategy's entry (both halves of one strategy add up to Galvatron's number exactly). Galvatron's final
@@ -46,14 +53,23 @@ class CeiledLayerCost(LayerCost):
         return math.ceil((self.states + inflight * self.act) / MB) * MB
 
 
-def galvatron_contexts(world: int, max_tp: int = 8, sequence_parallel: bool = True) -> list[tuple[int, int]]:
+def galvatron_contexts(world: int, max_tp: int = 8, sequence_parallel: bool = True,
+                       sp_space: str = "tp") -> list[tuple[int, ...]]:
     """(min_tp, max_tp) pairs Galvatron's search visits with its global memory buffer on, powers of two up to
     the world and max_tp (search_engine.py parallelism_optimization). Without Megatron-SP max_tp changes only
-    which tp degrees are allowed (the buffer is 0), so the widest context of each min_tp covers the others."""
+    which tp degrees are allowed (the buffer is 0), so the widest context of each min_tp covers the others.
+
+    With ``sp_space='tp+sp'``: (min_tp, max_tp, sp_search) triples. sp_search 3 (any mix) covers 1 (tp only)
+    at the same price; 2 (Ulysses only) differs only in having no Megatron-SP buffer, so it is needed with
+    Megatron-SP alone, and then, the buffer being 0 for any max_tp, in the widest context of each min_tp."""
     tps, t = [], 1
     while t <= world and t <= max_tp:
         tps.append(t)
         t *= 2
+    if sp_space == "tp+sp":
+        if not sequence_parallel:
+            return [(a, tps[-1], 3) for a in tps]
+        return [(a, b, c) for a in tps for b in tps if a <= b for c in ((2, 3) if b == tps[-1] else (3,))]
     if not sequence_parallel:
         return [(a, tps[-1]) for a in tps]
     return [(a, b) for a in tps for b in tps if a <= b]
@@ -64,14 +80,16 @@ class Galvatron24CostModel(CostModel):
 
     ``memory_gb`` is Galvatron's ``memory_constraint``: plans must fit :attr:`usable_bytes` (the budget less
     Galvatron's 20 % allocator reserve above 20 GB); search with ``memory_budget_bytes=usable_bytes,
-    memory_margin=0`` and :meth:`search_space` (or use :func:`galvatron_search`).
+    memory_margin=0`` and :meth:`search_space` (or use :func:`galvatron_search`). ``sp_space='tp+sp'`` prices
+    Ulysses layers and sequence-split ends (Galvatron's ``--sp_space tp+sp``) in context ``sp_search``
+    (default 3: any mix); the default 'tp' prices exactly as before.
     """
 
     step_time_vs_pipeline = "at_most"  # Galvatron's bubble counts the first and last stage only (pipeline_step)
 
     def __init__(self, model: ModelProfile, hw: GalvatronHardware, memory_gb: float, global_batch: int,
                  min_tp: int = 1, max_tp: int | None = None, sequence_parallel: bool = False,
-                 default_dp_type: str = "zero2") -> None:
+                 default_dp_type: str = "zero2", sp_space: str = "tp", sp_search: int | None = None) -> None:
         if not isinstance(hw, GalvatronHardware):
             raise TypeError(f"hw={type(hw).__name__}: expected GalvatronHardware. HINT: "
                             "compat.galvatron.read_galvatron_hardware(dir, nodes, gpus_per_node).")
@@ -86,7 +104,13 @@ class Galvatron24CostModel(CostModel):
                                 "Galvatron's contexts: see galvatron_contexts(world).")
         if min_tp > max_tp:
             raise bad_value(f"min_tp={min_tp}, max_tp={max_tp}", "min_tp must be <= max_tp", "e.g. min_tp=1, max_tp=8.")
-        self.acc = GalvatronAccounting(model, hw, memory_gb, sequence_parallel, default_dp_type, max_tp)
+        sp_search = (3 if sp_space == "tp+sp" else 1) if sp_search is None else sp_search
+        if sp_search not in ((1, 2, 3) if sp_space == "tp+sp" else (1,)):
+            raise bad_value(f"sp_search={sp_search}", f"sp_space {sp_space!r} has contexts "
+                            f"{(1, 2, 3) if sp_space == 'tp+sp' else (1,)} (1 tp, 2 Ulysses, 3 both)",
+                            "leave sp_search=None, or use sp_space='tp+sp' for Ulysses contexts.")
+        self.acc = GalvatronAccounting(model, hw, memory_gb, sequence_parallel, default_dp_type, max_tp, sp_space)
+        self.sp_space, self.sp_search = sp_space, sp_search
         self.model, self.hw, self.global_batch = model, hw, global_batch
         self.world_size = world
         self.min_tp, self.max_tp = min_tp, max_tp
@@ -108,12 +132,18 @@ class Galvatron24CostModel(CostModel):
         """Galvatron's space in this context, plus ours: per-layer tp / ZeRO-3 / checkpointing (as Galvatron),
         uneven stage division and any tp / pp degree (ours), one strategy for both ends (as Galvatron: one
         vtp and embed_sdp), 1F1B. Memory on a ``grid_mb`` grid (Galvatron: 1 MB; a coarser grid is faster and
-        conservative). ``overrides`` replace any field."""
+        conservative). Under sp_space 'tp+sp' also Ulysses per layer and sequence-split ends (vsp), as the
+        context's sp_search allows. ``overrides`` replace any field."""
+        tp_mode = "megatron" if self.acc.sp else "none"
+        sp_modes = {1: (tp_mode,), 2: ("ulysses",), 3: (tp_mode, "ulysses")}[self.sp_search]
+        vocab_sp = {1: (False,), 2: (True,), 3: (False, True)}[self.sp_search]
         kw: dict[str, object] = dict(
             min_tp=self.min_tp, max_tp=self.max_tp, schedules=("1f1b",), pp_degrees=self.pp_degrees,
-            sp_modes=("megatron",) if self.acc.sp else ("none",), zero_stages=(self.default_zero, 3),
+            sp_modes=sp_modes, zero_stages=(self.default_zero, 3),
             tp_consecutive=(True, False), tied_ends=True, vocab_padding=True, uneven_partition=True,
             memory_bins=max(16, int(math.ceil(self.acc.usable_mb / grid_mb))))
+        if vocab_sp != (False,):  # the field stays at its default in 'tp' mode
+            kw["vocab_sp"] = vocab_sp
         kw.update(overrides)
         return SearchSpace(**kw)  # type: ignore[arg-type]
 
@@ -143,11 +173,16 @@ class Galvatron24CostModel(CostModel):
         if s.ep > 1:
             raise bad_value(f"layers[{layer}]: ep={s.ep}", "Galvatron's cost model has no expert parallelism",
                             "keep ep=1 (this model prices dense layers only).")
-        if s.ulysses:
-            raise bad_value(f"layers[{layer}]: sp='ulysses'", "Ulysses layers need Galvatron's sp_space 'tp+sp' "
-                            "tables, which this model does not implement", "use sp 'none' / 'megatron'.")
+        if s.ulysses and self.sp_search == 1:
+            raise bad_value(f"layers[{layer}]: sp='ulysses'", f"Galvatron prices Ulysses layers (use_sp) in sp_space "
+                            f"'tp+sp' contexts with sp_search 2 or 3; this model has sp_space {self.sp_space!r}, "
+                            f"sp_search {self.sp_search}", "build Galvatron24CostModel(..., sp_space='tp+sp'), or "
+                            "use sp 'none' / 'megatron'.")
+        if self.sp_search == 2 and s.tp > 1 and not s.ulysses:
+            raise bad_value(f"layers[{layer}]: sp={s.sp!r}", "context sp_search 2 holds Ulysses layers only "
+                            "(search_engine.py parallelism_optimization)", "use sp_search 3 for a mix.")
         want = "megatron" if self.acc.sp else "none"
-        if s.tp > 1 and s.sp != want:
+        if s.tp > 1 and not s.ulysses and s.sp != want:
             raise bad_value(f"layers[{layer}]: sp={s.sp!r}", f"Galvatron applies Megatron-SP to every tp layer or "
                             f"none (--sequence_parallel); this model was built with sequence_parallel={self.acc.sp}",
                             f"use sp={want!r} on tp > 1 layers, or build the model to match.")
@@ -166,6 +201,11 @@ class Galvatron24CostModel(CostModel):
         if s.data_group > 1 and s.zero not in (self.default_zero, 3):
             raise bad_value(f"end zero={s.zero}", f"Galvatron's ends take ZeRO-{self.default_zero} or ZeRO-3 "
                             "(embed_sdp)", f"use zero {self.default_zero} or 3.")
+        if s.ulysses != (self.sp_search == 2) and self.sp_search != 3:
+            raise bad_value(f"end strategy {s.short()}", f"context sp_search {self.sp_search} (sp_space "
+                            f"{self.sp_space!r}) takes {'only' if self.sp_search == 2 else 'no'} sequence-split ends "
+                            "(vsp) (search_engine.py parallelism_optimization)",
+                            "use end_strategies of search_space(), or sp_space='tp+sp' for vsp.")
         return s.tp, s.ulysses, s.zero == 3 and s.data_group > 1
 
     # -- parts ------------------------------------------------------------------------------------------------
@@ -233,7 +273,7 @@ class Galvatron24CostModel(CostModel):
                 t += times[0] if is_first else times[-1]
                 mem += sum(f if is_first else l_)
         _, _, mbsz, _ = self._batches(S, mb)
-        return t, 0.0, (math.ceil(mem) + self.acc.global_buffer_mb(mbsz, self.min_tp, self.max_tp)) * MB
+        return t, 0.0, (math.ceil(mem) + self.acc.global_buffer_mb(mbsz, self.min_tp, self.max_tp, self.sp_search)) * MB
 
     # -- whole plan ---------------------------------------------------------------------------------------------
     def evaluate(self, plan: ParallelPlan) -> PlanCost:
@@ -249,6 +289,10 @@ class Galvatron24CostModel(CostModel):
         if plan.pp > 1 and plan.pipeline_schedule != "1f1b":
             raise bad_value(f"pipeline_schedule={plan.pipeline_schedule}", "this model prices Galvatron's "
                             "pipedream_flush (1F1B) only", "search with schedules=('1f1b',).")
+        if plan.vocab_sp:
+            raise bad_value("vocab_sp=True", "this model prices sequence-split ends as sp='ulysses' end strategies "
+                            "(vtp >= 2); Galvatron's vsp with vtp 1 prices like vsp with vtp 2 on half-rule end tables",
+                            "score the plan with GalvatronAccounting(..., sp_space='tp+sp').score(plan).")
         if len(plan.layers) != self.model.num_layers:
             raise bad_value(f"{len(plan.layers)} layers in plan", f"the profile has {self.model.num_layers}",
                             "evaluate the plan against the profile of the same model.")
@@ -275,6 +319,7 @@ class ContextResult:
     max_tp: int
     plan: ParallelPlan | None
     wall_s: float
+    sp_search: int = 1  # sp_space 'tp+sp': 2 Ulysses only, 3 any mix
 
 
 @dataclass(frozen=True)
@@ -282,7 +327,7 @@ class GalvatronSearchResult:
     """The fastest plan over all contexts (under Galvatron's model), the context it came from, every context."""
 
     plan: ParallelPlan | None
-    context: tuple[int, int] | None
+    context: tuple[int, ...] | None  # (min_tp, max_tp), plus sp_search under sp_space 'tp+sp'
     contexts: tuple[ContextResult, ...]
     wall_s: float
 
@@ -290,8 +335,8 @@ class GalvatronSearchResult:
 def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw: GalvatronHardware,
                      memory_gb: float, global_batch: int, *, sequence_parallel: bool = False,
                      default_dp_type: str = "zero2", max_tp: int = 8, top_k: int = 3, grid_mb: float = 4.0,
-                     refine_mb: float | None = None, contexts: Sequence[tuple[int, int]] | None = None,
-                     **space: object) -> GalvatronSearchResult:
+                     refine_mb: float | None = None, contexts: Sequence[tuple[int, ...]] | None = None,
+                     sp_space: str = "tp", **space: object) -> GalvatronSearchResult:
     """Our search under Galvatron 2.4's cost model: once per search context ``(min_tp, max_tp)``, as Galvatron's
     own search loops them (search_engine.py parallelism_optimization), keeping the fastest plan that fits
     Galvatron's usable memory. ``hw`` (our hardware profile of the same cluster) only serves the guideline
@@ -301,7 +346,10 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
     the best context's top configurations (pipeline degree, micro-batches) are searched again on that finer
     grid -- Galvatron's own is 1 MB, and its plans can leave less than a coarse grid's rounding free
     (gpt-2.7b 2x8 24 GB: 0.9995 of Galvatron's throughput on the 4 MB grid, 1.0000 with ``refine_mb=1``, at
-    about twice the search time; off by default, benchmarks/vs_galvatron.py runs without it)."""
+    about twice the search time; off by default, benchmarks/vs_galvatron.py runs without it).
+
+    ``sp_space='tp+sp'`` searches Galvatron's other layer space (Ulysses per layer, sequence-split ends) over
+    the contexts of :func:`galvatron_contexts`; ``contexts`` may then name (min_tp, max_tp[, sp_search])."""
     from .search import search
 
     if not isinstance(model, ModelProfile):
@@ -312,9 +360,13 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
     memo = FrontsMemo()  # the contexts' stages repeat each other's layer DPs (same costs, other capacities)
     out: list[ContextResult] = []
     tops_of: list[list[ParallelPlan]] = []
-    for lo, hi in (contexts or galvatron_contexts(world, max_tp, sequence_parallel)):
+    default_sps = 3 if sp_space == "tp+sp" else 1
+    ctxs = [(c[0], c[1], c[2] if len(c) > 2 else default_sps)  # type: ignore[misc]
+            for c in (contexts or galvatron_contexts(world, max_tp, sequence_parallel, sp_space))]
+    for lo, hi, sps in ctxs:
         c0 = time.perf_counter()
-        cost = Galvatron24CostModel(model, ghw, memory_gb, global_batch, lo, hi, sequence_parallel, default_dp_type)
+        cost = Galvatron24CostModel(model, ghw, memory_gb, global_batch, lo, hi, sequence_parallel, default_dp_type,
+                                    sp_space, sps)
         try:
             res = search(model, hw, world, cost.usable_bytes, global_batch=global_batch, top_k=top_k,
                          space=cost.search_space(grid_mb, **space), cost_model=cost, memory_margin=0.0, memo=memo)
@@ -325,7 +377,7 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
                 raise
             plan = None
             tops_of.append([])
-        out.append(ContextResult(lo, hi, plan, time.perf_counter() - c0))
+        out.append(ContextResult(lo, hi, plan, time.perf_counter() - c0, sps))
     def faster(a: ParallelPlan | None, b: ParallelPlan | None) -> bool:
         return a is not None and (b is None or a.prediction.throughput > b.prediction.throughput)  # type: ignore[union-attr]
 
@@ -335,7 +387,7 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
                 continue
             c0 = time.perf_counter()
             cost = Galvatron24CostModel(model, ghw, memory_gb, global_batch, c.min_tp, c.max_tp, sequence_parallel,
-                                        default_dp_type)
+                                        default_dp_type, sp_space, c.sp_search)
             tops = tops_of[i]
             fine = search(model, hw, world, cost.usable_bytes, global_batch=global_batch, top_k=1,
                           space=cost.search_space(refine_mb, **{**space, "pp_degrees": tuple(sorted({p.pp for p in tops})),
@@ -349,5 +401,7 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
         if c.plan is not None and (best is None or c.plan.prediction.throughput >  # type: ignore[union-attr]
                                    best.plan.prediction.throughput):  # type: ignore[union-attr]
             best = c
-    return GalvatronSearchResult(best.plan if best else None, (best.min_tp, best.max_tp) if best else None,
-                                 tuple(out), time.perf_counter() - t0)
+    where = None
+    if best is not None:
+        where = (best.min_tp, best.max_tp) + ((best.sp_search,) if sp_space == "tp+sp" else ())
+    return GalvatronSearchResult(best.plan if best else None, where, tuple(out), time.perf_counter() - t0)

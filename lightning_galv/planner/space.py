@@ -57,6 +57,9 @@ class SearchSpace:
     # of a min_tp-wide group), so a Galvatron-compatible search runs once per context.
     min_tp: int = 1
     tied_ends: bool = False  # one strategy for embedding and head, as Galvatron's one vtp / vsp / embed_sdp
+    # whether the ends are sequence-split (Galvatron's vsp, sp_space 'tp+sp': sp='ulysses' over the vtp group,
+    # weights replicated, ZeRO over the whole stage). Our runtime cannot run such ends: a Galvatron-model option.
+    vocab_sp: tuple[bool, ...] = (False,)
 
     def __post_init__(self) -> None:
         if isinstance(self.min_tp, bool) or not isinstance(self.min_tp, int) or self.min_tp < 1 or \
@@ -80,6 +83,9 @@ class SearchSpace:
         if not self.zero_stages or not self.schedules or not self.checkpoint or not self.tp_consecutive:
             raise bad_value(self, "zero_stages, schedules, checkpoint and tp_consecutive need >= 1 choice",
                             "leave a field at its default to search it.")
+        if not self.vocab_sp or any(not isinstance(v, bool) for v in self.vocab_sp):
+            raise bad_value(f"vocab_sp={self.vocab_sp}", "must be a non-empty tuple of bools",
+                            "use (False,) (default), (True,) or (False, True).")
         if self.memory_bins < 16:
             raise bad_value(f"memory_bins={self.memory_bins}", "must be >= 16", "use 2048 (default) or more.")
 
@@ -165,7 +171,8 @@ def end_strategies(shape: ModelShape, stage_size: int, micro_batch: int, space: 
     vocab-parallel degree tp (no sequence parallelism, consecutive ranks) times data parallel dp
     with any ZeRO stage. A fixed ``embed_tp`` keeps the old behaviour: that degree, raised to the
     next divisor when the micro-batch is too small to split. With ``heuristic_pruning`` and ``hw``,
-    vocab-parallel groups stay inside a node, as the layers' tp groups do.
+    vocab-parallel groups stay inside a node, as the layers' tp groups do. ``vocab_sp`` adds (or, with
+    ``(True,)``, keeps only) Galvatron's sequence-split ends, which only its cost model prices.
     """
     S, mb, sp, vocab = stage_size, micro_batch, space, shape.vocab_size
     out: list[LayerStrategy] = []
@@ -179,9 +186,13 @@ def end_strategies(shape: ModelShape, stage_size: int, micro_batch: int, space: 
         elif vtp > (sp.max_tp or S) or (sp.heuristic_pruning and vtp > 1 and hw is not None
                                         and not hw.is_intra_node(vtp, 1)):
             continue
-        zeros = (0,) if dp == 1 else (sp.default_embed_zero,) if sp.embed_tp is not None or \
-            sp.embed_zero is not None else sp.zero_stages
-        out += [LayerStrategy(tp=vtp, dp=dp, zero=z) for z in zeros]
+        for vsp in sp.vocab_sp:
+            if vsp and vtp == 1:  # a 1-way sequence split: not an end strategy of ours (sp needs tp > 1)
+                continue
+            group = S if vsp else dp
+            zeros = (0,) if group == 1 else (sp.default_embed_zero,) if sp.embed_tp is not None or \
+                sp.embed_zero is not None else sp.zero_stages
+            out += [LayerStrategy(tp=vtp, dp=dp, sp="ulysses" if vsp else "none", zero=z) for z in zeros]
         if sp.embed_tp is not None:
             break
     return out
