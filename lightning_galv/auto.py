@@ -293,10 +293,12 @@ def search_run_plans(profile: "ModelProfile", hw: "HardwareProfile | None", worl
             raise ValueError(f"memory_budget={budget:.0f} bytes ({format_bytes(budget)}): no plan fits this run: "
                              f"{first}")
         per_pp = ", ".join(f"pp={p} {format_bytes(n)}" for p, n, _, _ in failures)
+        # pipeline stages were searched when the module has the hooks: then suggesting them would mislead
+        hooks = "" if pipeline else ", or give the LightningModule the pipeline hooks so pipeline stages can be searched"
         raise ValueError(f"memory_budget={budget:.0f} bytes ({format_bytes(budget)}): no plan fits this run; the "
                          f"smallest memory that would fit is {format_bytes(need)} ({how}; by pipeline degree: "
-                         f"{per_pp}). HINT: raise memory_budget to at least {format_bytes(need)}, lower the batch "
-                         "size, or give the LightningModule the pipeline hooks so pipeline stages can be searched.")
+                         f"{per_pp}). HINT: raise memory_budget to at least {format_bytes(need)} or lower the batch "
+                         f"size{hooks}.")
     found.sort(key=rank_key)
     if loader_batch is None:
         notes.append(f"loader batch unknown: assumed {_ASSUMED_LOADER_BATCH} per shard, pipelines not searched")
