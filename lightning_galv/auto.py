@@ -25,7 +25,7 @@ import copy
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -250,11 +250,14 @@ class PlanSearch:
 
 def search_run_plans(profile: "ModelProfile", hw: "HardwareProfile | None", world_size: int, n_layers: int,
                      budget: float, margin: float, loader_batch: int | None, pipeline: bool,
-                     vocab_parallel_loss: bool, top_k: int = 3, cache_dir: "str | os.PathLike[str] | None" = None
-                     ) -> PlanSearch:
+                     vocab_parallel_loss: bool, top_k: int = 3, cache_dir: "str | os.PathLike[str] | None" = None,
+                     progress: "Callable[[int, int, str], None] | None" = None) -> PlanSearch:
     """Search every configuration this run can execute (:func:`run_configs`), ``top_k`` plans each, priced
     like the runtime runs them; a calibration stored in the cache folder corrects the profiles first. Pure
-    (no collectives): automatic mode calls it on rank 0. Raises ``ValueError`` when no plan fits."""
+    (no collectives): automatic mode calls it on rank 0. Raises ``ValueError`` when no plan fits.
+
+    ``progress(i, n, what)`` is called before each of the ``n`` configurations (``galv search`` draws its
+    progress bar from it: a search over many pipeline degrees and micro-batch counts takes a while)."""
     from .planner import GalvatronCostModel, ProfileCache, SearchSpace, search
     from .planner.calibration import Calibration, calibration_path
     from .planner.search import rank_key
@@ -269,7 +272,10 @@ def search_run_plans(profile: "ModelProfile", hw: "HardwareProfile | None", worl
     cost = GalvatronCostModel(profile, hw, SearchSpace().default_embed_zero, runtime="native")
     found: list[ParallelPlan] = []
     failures: list[tuple[int, float, str, str]] = []  # (pp, smallest fitting budget, its configuration, error)
-    for pp, gb, ms in run_configs(world_size, n_layers, loader_batch, pipeline):
+    configs = run_configs(world_size, n_layers, loader_batch, pipeline)
+    for i, (pp, gb, ms) in enumerate(configs):
+        if progress is not None:
+            progress(i, len(configs), f"pp={pp} global batch {gb} micro-batches {list(ms)}")
         space = SearchSpace(pp_degrees=(pp,), micro_batches=ms, vocab_parallel_loss=vocab_parallel_loss)
         try:
             result = search(profile, hw, world_size, budget, global_batch=gb, top_k=top_k, space=space,
@@ -287,10 +293,12 @@ def search_run_plans(profile: "ModelProfile", hw: "HardwareProfile | None", worl
             raise ValueError(f"memory_budget={budget:.0f} bytes ({format_bytes(budget)}): no plan fits this run: "
                              f"{first}")
         per_pp = ", ".join(f"pp={p} {format_bytes(n)}" for p, n, _, _ in failures)
+        # pipeline stages were searched when the module has the hooks: then suggesting them would mislead
+        hooks = "" if pipeline else ", or give the LightningModule the pipeline hooks so pipeline stages can be searched"
         raise ValueError(f"memory_budget={budget:.0f} bytes ({format_bytes(budget)}): no plan fits this run; the "
                          f"smallest memory that would fit is {format_bytes(need)} ({how}; by pipeline degree: "
-                         f"{per_pp}). HINT: raise memory_budget to at least {format_bytes(need)}, lower the batch "
-                         "size, or give the LightningModule the pipeline hooks so pipeline stages can be searched.")
+                         f"{per_pp}). HINT: raise memory_budget to at least {format_bytes(need)} or lower the batch "
+                         f"size{hooks}.")
     found.sort(key=rank_key)
     if loader_batch is None:
         notes.append(f"loader batch unknown: assumed {_ASSUMED_LOADER_BATCH} per shard, pipelines not searched")

@@ -1,19 +1,20 @@
 """``galv``: the command line.
 
     galv demo [--devices 4 --steps 40 --plan plan.yaml --auto]   train the tiny demo model on CPU processes
-    galv profile [--config R.yaml] [--devices 4]                  measure this machine and the model; cache it
+    galv profile [--config R.yaml] [--devices 4] [--quiet]        measure this machine and the model; cache it
     galv search [--config R.yaml] [--devices 4] [--top-k 5]      top plans with predictions; write the best
-                [--out plan.yaml] [--galvatron plan.json]
+                [--out plan.yaml] [--galvatron plan.json] [--quiet]
     galv plan show PLAN [--png OUT.png]                           print a plan file, validated; draw it
     galv fit --config recipes/tiny_cpu.yaml                        LightningCLI with our strategy
                                                                   (also validate / test / predict)
-    galv tune --config tune.yaml [--out best.yaml]                 measure the planner's best plans (Optuna)
+    galv tune --config recipes/tune_tiny.yaml [--out best.yaml]    measure the planner's best plans (Optuna)
     galv tune --config tune.yaml --batch-size --plan P [--out o.yaml]  the largest batch plan P fits (real trials)
 
 Every command explains itself with an example: galv COMMAND --help. Errors print one line with a HINT;
-add --debug (anywhere) for the full traceback.
+add --debug (anywhere) for the full traceback. profile, search and tune draw progress bars on a terminal
+(--quiet: none).
 
-A tune config is YAML with the arguments of lightning_galv.tuning.tune, e.g.
+A tune config is YAML with the arguments of lightning_galv.tuning.tune (recipes/tune_tiny.yaml is one), e.g.
     module_factory: my_pkg.train:make_module     # importable functions (trials run in fresh processes)
     data_factory: my_pkg.train:make_loader
     devices: 4
@@ -145,13 +146,14 @@ def _tune(args: list[str]) -> None:
 
     ap = argparse.ArgumentParser(prog="galv tune", description="Measure the planner's best plans in real short "
                                  "runs (an Optuna study) and write the best measured plan.",
-                                 epilog="example: galv tune --config tune.yaml --out best.yaml "
+                                 epilog="example: galv tune --config recipes/tune_tiny.yaml --out best.yaml "
                                         "(see galv --help for the config's keys)")
     ap.add_argument("--config", required=True, help="YAML with the arguments of lightning_galv.tuning.tune")
     ap.add_argument("--out", default=None, help="where the plan is written (default best_plan.yaml, with "
                     "--batch-size largest_batch_plan.yaml)")
     ap.add_argument("--batch-size", action="store_true", help="find the largest batch --plan fits instead of tuning")
     ap.add_argument("--plan", default=None, help="with --batch-size: the plan file whose batch is searched")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar or per-trial lines (tables still print)")
     ns = ap.parse_args(args)
     with open(ns.config) as f:
         cfg = yaml.safe_load(f) or {}
@@ -167,6 +169,8 @@ def _tune(args: list[str]) -> None:
     ns.out = ns.out or "best_plan.yaml"
     from .tuning import tune
 
+    if ns.quiet:
+        cfg = {**cfg, "verbose": False}
     result = tune(**cfg, best_plan_path=ns.out)
     print(result.table())
     if result.best_plan is None:

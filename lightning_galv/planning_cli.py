@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,8 @@ def _parser(prog: str, description: str, epilog: str) -> argparse.ArgumentParser
     p.add_argument("--memory-budget", default=None,
                    help="memory per rank, e.g. 2GB or 512MiB (default: this machine's RAM / devices)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the measuring ranks are stopped")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar and no per-measurement lines (the tables are still printed)")
     return p
 
 
@@ -124,14 +128,86 @@ def _measure_worker(config: str | None, budget: float | None, search: dict[str, 
                                    "loader_batch": loader_batch}
         if search is not None:
             pipeline = all(callable(getattr(module, n, None)) for n in PIPELINE_HOOKS)
+
+            def searching(i: int, n: int, what: str) -> None:  # read by the parent's progress bar
+                print(f"{SEARCH_LINE} ({i}/{n}) {what}", file=sys.stderr, flush=True)
+
             found = search_run_plans(profile, hw, world, len(parts.blocks), cap, DEFAULT_MEMORY_MARGIN,
                                      loader_batch, pipeline, bool(getattr(module, "galv_vocab_parallel_loss", False)),
-                                     top_k=search["top_k"])
+                                     top_k=search["top_k"], progress=searching)
             payload.update(plans=[p.to_dict() for p in found.plans], notes=found.notes,
                            seq_len=profile.shape.seq_len)
         return ("ok", payload)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         return ("error", type(exc).__name__, str(exc))
+
+
+PROFILE_LINE = "[galv profile]"  # the profilers' progress lines (lightning_galv.profiling.profilers._progress)
+SEARCH_LINE = "[galv search]"  # the search's: "[galv search] (i/n) what", one per configuration searched
+
+
+def _interactive() -> bool:
+    """Progress bars only where a person watches: a terminal on stderr (logs and pipes get plain lines)."""
+    return sys.stderr.isatty()
+
+
+class MeasureProgress:
+    """``galv profile`` / ``galv search`` progress in the parent process, fed by rank 0's lines (the only
+    rank that reports; the parent is the only process that draws).
+
+    With ``bars`` (a terminal): a tqdm bar on stderr over the measurements -- a count, since which of them
+    the profile cache already holds is known only as they come -- showing the current one, then a bar over
+    the search's configurations (pipeline degrees / micro-batch counts). Without: the lines themselves, on
+    stdout, as before the bars existed (a log keeps them). ``quiet``: neither. The style is the tuner's
+    (:class:`lightning_galv.tuning.tuner._Progress`).
+    """
+
+    def __init__(self, bars: bool, quiet: bool = False) -> None:
+        self.bars, self.quiet = bars and not quiet, quiet
+        self._measure: Any = None
+        self._search: Any = None
+        self.measurements = 0
+
+    def line(self, line: str) -> None:
+        if self.quiet or not line.startswith((PROFILE_LINE, SEARCH_LINE)):
+            return
+        if not self.bars:
+            print(line, flush=True)
+            return
+        from tqdm import tqdm
+
+        if line.startswith(PROFILE_LINE):
+            what = line[len(PROFILE_LINE):].strip()
+            if self._measure is None:
+                self._measure = tqdm(total=None, desc="galv profile", unit=" measurements", dynamic_ncols=True)
+            self.measurements += 1
+            self._measure.set_postfix_str(what, refresh=False)
+            self._measure.update(1)
+            return
+        m = re.match(r"\s*\((\d+)/(\d+)\)\s*(.*)", line[len(SEARCH_LINE):])
+        if m is None:
+            return
+        i, n, what = int(m.group(1)), int(m.group(2)), m.group(3)
+        self._close_measure()
+        if self._search is None:
+            self._search = tqdm(total=n, desc="galv search", unit="config", dynamic_ncols=True)
+        self._search.n = i
+        self._search.set_postfix_str(what, refresh=False)
+        self._search.refresh()
+
+    def _close_measure(self) -> None:
+        if self._measure is not None:
+            self._measure.close()
+            self._measure = None
+
+    def close(self) -> None:
+        """Finish the bars (the search's at 100 %: its last configuration was searched) before the tables."""
+        self._close_measure()
+        if self._search is not None:
+            self._search.n = self._search.total
+            self._search.refresh()
+            self._search.close()
+            self._search = None
 
 
 def _launch(ns: argparse.Namespace, what: str, search: dict[str, Any] | None) -> dict[str, Any]:
@@ -144,12 +220,12 @@ def _launch(ns: argparse.Namespace, what: str, search: dict[str, Any] | None) ->
     config = str(Path(ns.config).resolve()) if ns.config else None
     print(f"[galv {what}] {'the demo model' if config is None else config} on {devices} CPU rank(s); cached "
           "profiles are reused", flush=True)
-    def progress(line: str) -> None:  # the profilers' own progress lines, as they come
-        if line.startswith("[galv profile]"):
-            print(line, flush=True)
-
-    results = run_distributed("lightning_galv.planning_cli:_measure_worker", devices, (config, budget, search),
-                              timeout=ns.timeout, rank0_lines=progress)
+    progress = MeasureProgress(_interactive(), ns.quiet)
+    try:
+        results = run_distributed("lightning_galv.planning_cli:_measure_worker", devices, (config, budget, search),
+                                  timeout=ns.timeout, rank0_lines=progress.line)
+    finally:
+        progress.close()
     for r in results:
         if r is not None and r[0] == "error":
             _, kind, message = r

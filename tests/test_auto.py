@@ -38,3 +38,6 @@ def test_no_plan_fits_names_the_smallest_budget_once(tmp_path) -> None:  # type:
     assert msg.count("HINT:") == 1 and msg.count("smallest memory that would fit") == 1, msg
     assert "by pipeline degree: pp=1 " in msg and "pp=2 " in msg and "0.00 GiB" not in msg, msg
     assert "\n" not in msg
+    assert "pipeline hooks" not in msg  # pipelines were searched (pipeline=True): the HINT does not suggest them
+    with pytest.raises(ValueError, match=r"HINT: .*or give the LightningModule the pipeline hooks"):
+        search_run_plans(profile, hw, 4, 4, 1000.0, 0.02, 4, False, False, cache_dir=tmp_path)

@@ -203,3 +203,49 @@ def test_messages_and_docs_name_only_commands_that_exist() -> None:
     unknown = sorted((word, where) for word, where in named if word not in COMMANDS)
     assert not unknown, unknown
     assert {"search", "profile"} <= {word for word, _ in named}
+
+
+def test_profile_and_search_progress_bars_render_on_stderr_and_leave_the_tables_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """As on a terminal (2 CPU ranks): galv profile draws a bar over the measurements and galv search one over
+    the configurations it searches, on stderr; stdout keeps the tables, with no bar and no carriage return in
+    them. --quiet draws no bar and prints no progress line."""
+    from lightning_galv import planning_cli
+
+    monkeypatch.setenv("GALV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))  # the ranks
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(planning_cli, "_interactive", lambda: True)
+    galv(["profile", "--devices", "2"])
+    out, err = capsys.readouterr()
+    import re
+
+    counts = [int(n) for n in re.findall(r"galv profile: (\d+) measurements", err)]
+    assert counts and max(counts) >= 10, err[-2000:]  # collectives, blocks, sharded blocks: counted as they come
+    assert "fwd ms/sample" in out and "allreduce/2/consec" in out and "\r" not in out, out
+    assert "[galv profile] allreduce" not in out  # the bar shows the lines, stdout does not repeat them
+    galv(["search", "--devices", "2", "--top-k", "2", "--out", "plan.yaml"])
+    out, err = capsys.readouterr()
+    assert "galv search" in err and "config" in err and "100%" in err and "pp=1" in err, err[-2000:]
+    assert "ms/step" in out and "peak memory per stage" in out and "\r" not in out, out
+    galv(["search", "--devices", "2", "--top-k", "2", "--out", "plan.yaml", "--quiet"])
+    out, err = capsys.readouterr()
+    assert "ms/step" in out and "%" not in err and "[galv profile]" not in out and "[galv search] (" not in out, out
+
+
+def test_measure_progress_without_a_terminal_prints_the_lines() -> None:
+    from lightning_galv.planning_cli import MeasureProgress
+
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        p = MeasureProgress(bars=False)
+        p.line("[galv profile] p2p")
+        p.line("[galv search] (0/2) pp=1 global batch 8 micro-batches [1]")
+        p.line("something else")
+        p.close()
+        MeasureProgress(bars=False, quiet=True).line("[galv profile] p2p")
+    assert buf.getvalue().splitlines() == ["[galv profile] p2p", "[galv search] (0/2) pp=1 global batch 8 micro-batches [1]"]

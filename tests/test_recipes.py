@@ -1,5 +1,7 @@
 """Every recipe under recipes/ trains as ``galv fit --config`` (in a subprocess, on CPU ranks, at a tiny size):
-the loss goes down and the checkpoint it writes loads into a plain ``CausalLM`` with the trained weights."""
+the loss goes down and the checkpoint it writes loads into a plain ``CausalLM`` with the trained weights.
+Tuning recipes (``module_factory:`` keys, read by ``galv tune --config``) run their study and write the best
+plan; a recipe may point its data at local JSON Lines / parquet files and a local tokenizer.json."""
 
 from __future__ import annotations
 
@@ -14,7 +16,14 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+def _is_tune_config(path: Path) -> bool:
+    return "module_factory" in (yaml.safe_load(path.read_text()) or {})
+
+
+RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not _is_tune_config(p))
+TUNE_RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if _is_tune_config(p))
 STEPS = 10
 # what makes a recipe tiny enough for CPU ranks; recipes not listed run as written
 TINY: dict[str, list[str]] = {
@@ -31,22 +40,27 @@ def test_every_recipe_is_covered() -> None:
     names = {p.name for p in RECIPES}
     assert {"tiny_cpu.yaml", "gpt2_hybrid.yaml", "moe_ep.yaml", "long_seq.yaml", "llama_1b_auto.yaml"} <= names
     assert set(TINY) <= names
+    assert {p.name for p in TUNE_RECIPES} == {"tune_tiny.yaml"}
 
 
 def _losses(text: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"^step\s+(\d+)\s+loss\s+([0-9.]+)", text, flags=re.M)}
 
 
+def _env(tmp_path: Path) -> dict[str, str]:
+    """A fresh launch's environment: no rank variables from a Trainer this process may have run (they would make
+    rank 0 wait for an external launcher's other ranks), this worktree first on the path, caches in tmp_path."""
+    launch_vars = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                   "GROUP_RANK"}
+    return {**{k: v for k, v in os.environ.items() if k not in launch_vars},
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "HF_DATASETS_OFFLINE": "1", "GALV_CACHE_DIR": str(tmp_path / "cache")}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_trains_and_its_checkpoint_loads(recipe: Path, tmp_path: Path) -> None:
-    # a fresh launch: no rank variables from a Trainer this process may have run (they would make rank 0 wait
-    # for an external launcher's other ranks)
-    launch_vars = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                   "GROUP_RANK"}
-    env = {**{k: v for k, v in os.environ.items() if k not in launch_vars},
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "HF_DATASETS_OFFLINE": "1", "GALV_CACHE_DIR": str(tmp_path / "cache")}
+    env = _env(tmp_path)
     cmd = [sys.executable, "-m", "lightning_galv.cli", "fit", "--config", str(recipe), *TINY.get(recipe.name, []),
            "--trainer.max_steps", str(STEPS), "--trainer.default_root_dir", str(tmp_path / "run")]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -71,3 +85,61 @@ def test_recipe_trains_and_its_checkpoint_loads(recipe: Path, tmp_path: Path) ->
         loss = float(model._loss(batch))
     # the loaded weights are the trained ones: near the last logged loss, far below the first
     assert loss < losses[1] - 0.3, (loss, losses)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", TUNE_RECIPES, ids=lambda p: p.stem)
+def test_tuning_recipe_completes_and_writes_the_best_plan(recipe: Path, tmp_path: Path) -> None:
+    """``galv tune --config`` as written (2 trials on 2 CPU ranks), from another folder: the study completes
+    its trials and the best measured plan is written and loads."""
+    from lightning_galv.plan import ParallelPlan
+
+    cfg = yaml.safe_load(recipe.read_text())
+    cmd = [sys.executable, "-m", "lightning_galv.cli", "tune", "--config", str(recipe), "--out", "best.yaml"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-5000:]
+    rows = [ln for ln in out.stdout.splitlines() if ln.startswith("| ") and ln[2:3].isdigit()]
+    assert len(rows) == cfg["n_trials"] and sum("COMPLETE" in r for r in rows) >= 1, out.stdout
+    plan = ParallelPlan.load(tmp_path / "best.yaml")
+    assert plan.world_size == cfg["devices"] and "best:" in out.stdout and "best.yaml" in out.stdout
+    assert (tmp_path / "galv-tune.db").is_file()  # the study's storage, relative to the current folder
+
+
+@pytest.mark.slow
+def test_a_recipe_reads_local_parquet_with_a_local_tokenizer(tmp_path: Path) -> None:
+    """A recipe (in its own folder) names a parquet file, its text column and a tokenizer.json trained here
+    (no hub), relative to itself; ``galv fit`` on 2 CPU ranks trains on those tokens (vocab 320), and the
+    token cache goes where ``data.cache_dir`` says."""
+    pytest.importorskip("tokenizers")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lightning_galv.demo.corpus import DEFAULT_CORPUS
+    from lightning_galv.plan import LayerStrategy, ParallelPlan
+    from test_corpus import _train_tokenizer
+
+    folder = tmp_path / "recipe"
+    folder.mkdir()
+    lines = DEFAULT_CORPUS.read_text(encoding="utf-8").split("\n")
+    pq.write_table(pa.table({"body": lines, "n": list(range(len(lines)))}), folder / "corpus.parquet")
+    _train_tokenizer(folder / "tokenizer.json", 320)
+    ParallelPlan.uniform(2, 4, LayerStrategy(dp=2)).save(folder / "dp2.yaml")
+    recipe = yaml.safe_load((ROOT / "recipes" / "tiny_cpu.yaml").read_text())
+    recipe["trainer"]["devices"] = 2
+    recipe["trainer"].pop("callbacks")  # no checkpoints here (LossLog, a default, still prints the loss)
+    recipe["trainer"]["strategy"]["init_args"]["plan"] = "dp2.yaml"
+    recipe["model"]["vocab_size"] = 320
+    recipe["data"].update(files="corpus.parquet", text_field="body", tokenizer="tokenizer.json",
+                          cache_dir=str(tmp_path / "tokens"))
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    cmd = [sys.executable, "-m", "lightning_galv.cli", "fit", "--config", str(folder / "recipe.yaml"),
+           "--trainer.max_steps", str(STEPS), "--trainer.default_root_dir", str(tmp_path / "run"),
+           "--trainer.enable_checkpointing", "false"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-5000:]
+    losses = _losses(out.stdout)
+    assert {1, STEPS} <= set(losses) and losses[STEPS] < losses[1], losses
+    assert losses[1] > 5.0, losses  # ~ln(320): the model predicts over the tokenizer's 320 ids
+    assert len(list((tmp_path / "tokens" / "lightning_galv_tokens").glob("tokens-*.arrow"))) == 1

@@ -4,8 +4,8 @@ Two things differ from a bare ``LightningCLI``:
 
 * **paths inside a recipe are relative to the recipe file**, not to the folder the command runs in, so a
   recipe works from anywhere (``galv fit --config ~/r/tiny_cpu.yaml``). This covers the inputs a recipe
-  names (:data:`RECIPE_PATH_KEYS`: the strategy's plan file, the corpus files); a value given on the
-  command line instead stays relative to the current folder, like any command-line path;
+  names (:data:`RECIPE_PATH_KEYS`: the strategy's plan file, the corpus files, the tokenizer file); a value
+  given on the command line instead stays relative to the current folder, like any command-line path;
 * runs without a progress bar print the training loss on rank 0 (:class:`~lightning_galv.callbacks.LossLog`).
 """
 
@@ -25,7 +25,8 @@ from .corpus import ByteCorpus
 from .module import CausalLM
 
 # dotted keys of a recipe whose values are input files (a string, or a list of strings)
-RECIPE_PATH_KEYS = ("trainer.strategy.init_args.plan", "data.files")
+# (outputs -- default_root_dir, data.cache_dir -- stay relative to the current folder, like Lightning's own)
+RECIPE_PATH_KEYS = ("trainer.strategy.init_args.plan", "data.files", "data.tokenizer")
 
 EXAMPLES = {
     "fit": "galv fit --config recipes/tiny_cpu.yaml [--trainer.max_steps 10]",

@@ -770,7 +770,8 @@ class ProfileCache:
                     else ModelProfile.from_dict(data))
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
             # a half-written or hand-edited file: the user must know which file, and that deleting it is safe
-            raise bad_value(str(p), f"cached {kind} profile is corrupt ({type(exc).__name__}: {exc})",
+            why = " ".join(str(exc).split(" HINT:")[0].split())  # one HINT in the message: this one
+            raise bad_value(str(p), f"cached {kind} profile is corrupt ({type(exc).__name__}: {why})",
                             f"delete this file (it is re-measured on the next run) or clear the cache folder "
                             f"{str(self.directory)!r} ($GALV_CACHE_DIR)") from exc
 
