@@ -194,6 +194,17 @@ def _worker(target: str, tmp: str, init_pg: bool) -> None:
         dist.barrier()  # every rank is past its last collective
 
 
+def assert_matches_one_process(rank: int, name: str, r: dict[str, Any], tol: float) -> None:
+    """One rank's report of a parity case (``tests/dist_runtime_checks.py``) against the single-process run:
+    losses, final weights, the total gradient norm and the first-step gradient of every parameter, gathered
+    to full (pipelines report weights only: a stage holds its own layers), each within ``tol``."""
+    assert r["loss_err"] < tol, (rank, name, r["loss_err"], r["losses"], r["ref_losses"])
+    assert r["weight_err"] < tol, (rank, name, r["weight_err"], r["worst"])
+    assert r["norm_err"] < tol, (rank, name, r["norm_err"])
+    bad = {k: e for k, e in r["grad_err"].items() if not e < tol}
+    assert not bad, (rank, name, bad)
+
+
 def random_strategy(rng: random.Random, width: int, *, edge: bool = False) -> LayerStrategy:
     """A random valid factorization of ``width`` ranks with random sp / ZeRO / checkpointing / grouping.
 
