@@ -84,3 +84,34 @@ def test_fit_plans_recovers_factors_from_whole_step_times() -> None:
     m2, h2 = cal.apply(model, hw)
     for p, t, _ in measured:
         assert GalvatronCostModel(m2, h2).evaluate(p).step_time_s == pytest.approx(t, rel=1e-2)
+
+
+def test_per_sharding_factors_shrink_toward_their_layer_type() -> None:
+    """A factor per measured sharding multiplies its layer type's factor. With a weak pull it recovers a real
+    per-sharding slowdown; with a strong pull (``variant_ridge``) it stays at 1 and the type's factor takes the
+    common part -- what keeps a sharding seen by one or two noisy plans from overfitting them."""
+    from dataclasses import replace
+
+    from lightning_galv.planner.profiles import TimeFit, time_key
+
+    model, hw = ModelProfile.from_shape(SHAPE), HardwareProfile.uniform(1, 8, 80e9)
+    lt = model.layer(0)
+    half = {k: TimeFit(f.const / 2, f.per_token / 2, f.per_token_ctx / 2)
+            for k, f in (("forward", lt.forward), ("backward", lt.backward))}
+    lt = replace(lt, sharded={time_key(1, "none"): {"forward": lt.forward, "backward": lt.backward},
+                              time_key(2, "none"): half})
+    model = model.with_(layer_types=(lt,))
+    variant = f"{lt.name}@{time_key(2, 'none')}"
+    truth = Calibration({lt.name: 1.3, variant: 1.5})
+    plans = [ParallelPlan.uniform(8, 4, s, global_batch=16) for s in
+             (L(dp=8), L(dp=8, zero=1), L(dp=8, checkpoint=True), L(tp=2, dp=4), L(tp=2, dp=4, zero=1),
+              L(tp=2, dp=4, checkpoint=True))]
+    m_true, h_true = truth.apply(model, hw)
+    measured = [(p, GalvatronCostModel(m_true, h_true).evaluate(p).step_time_s, None) for p in plans]
+    tight = Calibration.fit_plans(GalvatronCostModel, model, hw, measured, ridge=1e-6, variant_ridge=1e-6)
+    assert tight.compute_scale[lt.name] * tight.compute_scale[f"{lt.name}@{time_key(1, 'none')}"] == \
+        pytest.approx(1.3, rel=2e-2)
+    assert tight.compute_scale[lt.name] * tight.compute_scale[variant] == pytest.approx(1.3 * 1.5, rel=2e-2)
+    loose = Calibration.fit_plans(GalvatronCostModel, model, hw, measured, ridge=1e-6, variant_ridge=1e6)
+    assert all(loose.compute_scale[k] == pytest.approx(1.0, abs=1e-3) for k in loose.compute_scale if "@" in k)
+    assert 1.3 < loose.compute_scale[lt.name] < 1.3 * 1.5  # the common part of both shardings

@@ -101,6 +101,9 @@ class ScaledCostModel(CostModel):
     def transition_time(self, a: LayerStrategy, b: LayerStrategy, ctx: StageContext) -> float:
         return self.factor * self.inner.transition_time(a, b, ctx)
 
+    def context_key(self, ctx: StageContext) -> tuple:
+        return self.inner.context_key(ctx)  # a wrapper's costs vary with the context as the wrapped model's do
+
     def end_cost(self, s: LayerStrategy, ctx: StageContext, first: bool, last: bool,
                  vocab_parallel_loss: bool = False) -> LayerCost:
         return self._scaled(self.inner.end_cost(s, ctx, first, last, vocab_parallel_loss), self.factor)

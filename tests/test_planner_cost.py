@@ -200,16 +200,50 @@ def test_synchronous_collectives_add_instead_of_overlapping() -> None:
     assert _layer_cost(GalvatronCostModel(profile(), sync_hw), s).fwd == pytest.approx(fwd_compute + gather)
 
 
-def test_native_dp_sync_is_bucketed_after_backward() -> None:
-    """Our GradientSync: one all-reduce after the last backward + flatten/scale traffic (4 x grads; no copy back)."""
-    hw = HardwareProfile.from_dict({**hardware(bw=1e9).to_dict(), "memory_bandwidth": 1e10})
+def test_native_dp_sync_overlaps_the_last_backward_without_a_pipeline() -> None:
+    """Our GradientSync launches each bucket's all-reduce during the last backward (async, gloo too): priced by the
+    profiled overlap slowdown, plus the flatten/scale traffic (4 x grads; no copy back). Under a pipeline the
+    schedule owns the backward and the sync runs after it."""
     grads = 1_000_000 * 2.0
-    allreduce = 2 * 1 / 2 * grads / 1e9
+    allreduce = 2 * 1 / 2 * grads / 1e9  # 2 ms
     optimizer = 28.0 * 1_000_000 / 1e10
-    native = _layer_cost(GalvatronCostModel(profile(), hw, runtime="native"), LayerStrategy(dp=2))
-    assert native.step_extra == pytest.approx(optimizer + allreduce + 4 * grads / 1e10)
-    ideal = _layer_cost(GalvatronCostModel(profile(), hw), LayerStrategy(dp=2))
-    assert ideal.step_extra == pytest.approx(optimizer)  # hidden under the 8 ms backward (slowdown 1)
+    copy = 4 * grads / 1e10
+    bwd = 8 * MS  # 2 ms per sample, b = 4
+    for slowdown, is_async in ((1.0, True), (1.5, True), (1.5, False)):  # CPU profiles: async_collectives False
+        hw = HardwareProfile.from_dict({**hardware(bw=1e9, slowdown=slowdown).to_dict(), "memory_bandwidth": 1e10,
+                                        "async_collectives": is_async})
+        native = _layer_cost(GalvatronCostModel(profile(), hw, runtime="native"), LayerStrategy(dp=2))
+        hidden = overlapped(bwd, allreduce, slowdown) - bwd  # 0 at slowdown 1, 1 ms at 1.5
+        assert native.step_extra == pytest.approx(optimizer + copy + hidden)
+        piped = GalvatronCostModel(profile(), hw, runtime="native").layer_cost(
+            0, LayerStrategy(dp=2), StageContext(2, 8, 4, pp=2))
+        assert piped.step_extra == pytest.approx(optimizer + allreduce + copy)
+    ideal = _layer_cost(GalvatronCostModel(profile(), hardware(bw=1e9)), LayerStrategy(dp=2))
+    assert ideal.step_extra == pytest.approx(0.0)  # hidden under the 8 ms backward (slowdown 1), no optimizer bw
+
+
+def test_native_zero_gradient_memory_follows_fsdp2() -> None:
+    """ZeRO-2/3 units under FSDP2: the backward briefly holds the unsharded gradient and the reduce-scatter input
+    it is copied into; with gradient accumulation and no pipeline the unsharded gradient is kept between
+    micro-batches (no reduce-scatter before the last one), so it is counted as kept."""
+    params, el, g = 1_000_000, 2.0, 2
+    cm = GalvatronCostModel(profile(), hardware(), runtime="native")
+    ideal = GalvatronCostModel(profile(), hardware())
+    z3, z2 = LayerStrategy(dp=g, zero=3), LayerStrategy(dp=g, zero=2)
+    one = StageContext(2, 8, 1)
+    gathered = 2 * params * el * (1 - 1 / g)  # this layer's and the prefetched layer's parameters
+    assert cm.layer_cost(0, z3, one).transient == pytest.approx(gathered + 2 * params * el)
+    assert cm.layer_cost(0, z2, one).transient == pytest.approx(2 * params * el)
+    assert ideal.layer_cost(0, z3, one).transient == 0.0
+    accum, piped = StageContext(2, 8, 4), StageContext(2, 8, 4, pp=2)
+    for s in (z2, z3):
+        kept = cm.layer_cost(0, s, accum).states - cm.layer_cost(0, s, one).states
+        assert kept == pytest.approx(params * el * (1 - 1 / g))
+        assert cm.layer_cost(0, s, accum).transient == pytest.approx(cm.layer_cost(0, s, one).transient - params * el)
+        # a pipeline stage reduce-scatters after every micro-batch's backward: nothing accumulates unsharded
+        assert cm.layer_cost(0, s, piped).states == pytest.approx(cm.layer_cost(0, s, one).states)
+    assert cm.layer_cost(0, LayerStrategy(dp=g, zero=1), accum).states == \
+        pytest.approx(cm.layer_cost(0, LayerStrategy(dp=g, zero=1), one).states)
 
 
 def test_fsdp_overhead_scaled_by_the_ranks_parameter_share() -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import LayerStrategy
+from ..planner.cost import GRAD_BUCKET_BYTES
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -195,7 +196,7 @@ def _overlap_all_gathers(root: nn.Module, units: list[nn.Module]) -> None:
         cur.set_modules_to_forward_prefetch([nxt])  # type: ignore[operator]
 
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+DEFAULT_BUCKET_BYTES = GRAD_BUCKET_BYTES  # DDP's default bucket_cap_mb; the cost model prices the same buckets
 
 
 @dataclass

@@ -125,9 +125,13 @@ def finite_and_non_negative(p: Probe) -> Iterator[str]:
 
 def layer_cost_depends_on_type_and_stage_shape_only(p: Probe) -> Iterator[str]:
     """``layer_cost`` depends on the layer only through its profile type and on the context only through
-    stage size and micro-batch; so does ``end_cost``. The search prices the first layer of each type once,
-    in one table per (stage size, micro-batch), and reuses it at every pipeline position and micro-batch count."""
+    stage size, micro-batch and ``cost.context_key(ctx)``; so does ``end_cost``. The search prices the first layer
+    of each type once, in one table per (stage size, micro-batch, key), and reuses it at every pipeline position
+    and micro-batch count of that key. Each context is compared with the first context of its key."""
     first = p.first_of_type()
+    refs: dict[tuple, StageContext] = {}
+    for c in [p.table_ctx, *p.contexts()]:
+        refs.setdefault(p.cost.context_key(c), c)
     ctx = p.table_ctx
     for s in p.layers:
         ref = {t: p.cost.layer_cost(layer, s, ctx) for t, layer in first.items() if p.applies(layer, s)}
@@ -138,19 +142,20 @@ def layer_cost_depends_on_type_and_stage_shape_only(p: Probe) -> Iterator[str]:
             if not _same_cost(got, ref[t]):
                 yield f"layer_cost(layer {layer}, {s.short()}) = {got} differs from layer {first[t]} of the same type"
         for ctx2 in p.contexts():
+            c0 = refs[p.cost.context_key(ctx2)]
             for t, layer in first.items():
                 if t not in ref:
                     continue
-                got = p.cost.layer_cost(layer, s, ctx2)
-                if not _same_cost(got, ref[t]):
-                    yield f"layer_cost(layer {layer}, {s.short()}) at {ctx2} = {got} differs from {ref[t]} at {ctx}"
+                want, got = p.cost.layer_cost(layer, s, c0), p.cost.layer_cost(layer, s, ctx2)
+                if not _same_cost(got, want):
+                    yield f"layer_cost(layer {layer}, {s.short()}) at {ctx2} = {got} differs from {want} at {c0}"
     for e in p.ends:
         for first_, last in ((True, False), (False, True)):
-            ref_end = p.cost.end_cost(e, ctx, first_, last)
             for ctx2 in p.contexts():
-                got = p.cost.end_cost(e, ctx2, first_, last)
-                if not _same_cost(got, ref_end):
-                    yield f"end_cost({e.short()}, first={first_}) at {ctx2} = {got} differs from {ref_end} at {ctx}"
+                c0 = refs[p.cost.context_key(ctx2)]
+                want, got = p.cost.end_cost(e, c0, first_, last), p.cost.end_cost(e, ctx2, first_, last)
+                if not _same_cost(got, want):
+                    yield f"end_cost({e.short()}, first={first_}) at {ctx2} = {got} differs from {want} at {c0}"
 
 
 def model_states_shrink_with_zero(p: Probe) -> Iterator[str]:

@@ -113,8 +113,8 @@ class CostModel(ABC):
     checks, that:
 
     * ``layer_cost`` depends on ``layer`` only through the profile's layer type, and on ``ctx`` only
-      through ``stage_size`` and ``micro_batch`` (one table serves every pipeline position and
-      micro-batch count); ``end_cost`` depends on ``ctx`` the same way;
+      through ``stage_size``, ``micro_batch`` and :meth:`context_key` (one table serves every pipeline
+      position and every micro-batch count of equal key); ``end_cost`` depends on ``ctx`` the same way;
     * ``transition_time`` depends on its strategies only through :func:`batch_layout` and is 0 when
       the layouts are equal (the search prices one transition per pair of layouts);
     * ``stage_fixed`` does not get better when an end's ``end_cost`` gets worse at the same dp
@@ -157,6 +157,12 @@ class CostModel(ABC):
     #: The one world size the model prices plans for (a model whose hardware coefficients are keyed by group
     #: sizes, like Galvatron's); None: any.
     world_size: int | None = None
+
+    def context_key(self, ctx: StageContext) -> tuple:
+        """What, beyond stage size and micro-batch, of the pipeline configuration a layer's (and an end's) cost
+        depends on -- the search builds one cost table per (stage size, micro-batch, key). Default: nothing, one
+        table serves every pipeline position and micro-batch count."""
+        return ()
 
     def admits(self, stage_size: int, micro_batch: int) -> bool:
         """Whether the model prices stages of ``stage_size`` ranks at ``micro_batch`` samples at all; the
@@ -415,6 +421,28 @@ def bucket_copy_time(grad_bytes: float, memory_bandwidth: float) -> float:
     return 4.0 * grad_bytes / memory_bandwidth if memory_bandwidth > 0 else 0.0
 
 
+#: Gradients of replicated (ZeRO-0/1) parameters are all-reduced in buckets of about this many bytes (DDP's
+#: default ``bucket_cap_mb``; the runtime's ``parallel.data_parallel.GradientSync`` uses the same constant).
+GRAD_BUCKET_BYTES = 25 * 2**20
+
+
+def bucketed_allreduce_time(hw: HardwareProfile, grad_bytes: float, d: int, stride: int,
+                            bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
+    """A layer's share of bucketed gradient all-reduces: the bandwidth term of its bytes and one latency per
+    ``bucket_bytes`` (DDP, Li et al. VLDB'20, Sec. 3.2.3: small gradients share a bucket's collective)."""
+    if d <= 1 or grad_bytes <= 0:
+        return 0.0
+    latency = hw.link("allreduce", d, stride == 1, hw.is_intra_node(d, stride)).latency_s
+    return hw.collective_time("allreduce", grad_bytes, d, stride) - latency * (1.0 - grad_bytes / bucket_bytes)
+
+
+def zero_post_backward_bytes(grad_bytes: float, accumulated: bool) -> float:
+    """Bytes a ZeRO-2/3 unit briefly adds when its backward ends: the unsharded gradient autograd produced and
+    the flat reduce-scatter input FSDP2 copies it into (ZeRO SC'20, Sec. 5.2: gradients reduced per bucket as
+    they are produced); an unsharded gradient accumulated over micro-batches is already counted as kept."""
+    return grad_bytes if accumulated else 2.0 * grad_bytes
+
+
 def dp_sync_bytes_time(hw: HardwareProfile, grad_bytes: float, d: int, stride: int) -> float:
     """Gradient all-reduce (ZeRO-0/1) or reduce-scatter + parameter all-gather (ZeRO-2): equal volume (ZeRO SC'20, Sec. 7)."""
     return hw.collective_time("allreduce", grad_bytes, d, stride)
@@ -482,10 +510,20 @@ class GalvatronCostModel(CostModel):
         self._cache: dict[tuple, LayerCost] = {}
 
     # -- per layer --------------------------------------------------------------------------------------
+    def context_key(self, ctx: StageContext) -> tuple:
+        """Native runtime: (no pipeline, gradient accumulation without a pipeline) -- see :meth:`layer_cost`."""
+        if self.runtime != "native":
+            return ()
+        return (ctx.pp == 1, ctx.pp == 1 and ctx.micro_batches > 1)
+
     def layer_cost(self, layer: int, s: LayerStrategy, ctx: StageContext) -> LayerCost:
         """Raises ``ValueError`` for ep > 1 on a layer type without experts (or whose expert count ep does not
         divide): the runtime refuses such a plan, so pricing it would only hide the mistake."""
-        key = (self.model.layer_type_of[layer], s, ctx.stage_size, ctx.micro_batch)
+        # the runtime's schedule changes what a layer holds and overlaps: gradient accumulation without a
+        # pipeline (FSDP2 keeps unsharded gradients between micro-batches) and bucketed all-reduces
+        # overlapped with backward (only without a pipeline, whose schedule owns the backward)
+        overlap_sync, accumulates = self.context_key(ctx) or (False, False)
+        key = (self.model.layer_type_of[layer], s, ctx.stage_size, ctx.micro_batch, accumulates, overlap_sync)
         hit = self._cache.get(key)
         if hit is None:
             lt = self.model.layer(layer)
@@ -497,7 +535,7 @@ class GalvatronCostModel(CostModel):
                 raise bad_value(f"layers[{layer}] ({lt.name}): ep={s.ep}", f"must divide the layer's "
                                 f"{lt.moe.num_experts} experts", "pick ep from the common divisors of the experts "
                                 "and the data group.")
-            hit = self._block_cost(lt, s, ctx.micro_batch)
+            hit = self._block_cost(lt, s, ctx.micro_batch, accumulates, overlap_sync)
             self._cache[key] = hit
         return hit
 
@@ -539,7 +577,8 @@ class GalvatronCostModel(CostModel):
             return compute + comm
         return overlapped(compute, comm, self.hw.overlap_slowdown)
 
-    def _block_cost(self, lt: LayerTypeProfile, s: LayerStrategy, mb: int) -> LayerCost:
+    def _block_cost(self, lt: LayerTypeProfile, s: LayerStrategy, mb: int, accumulates: bool = False,
+                    overlap_sync: bool = False) -> LayerCost:
         m, hw = self.model, self.hw
         b = mb / s.dp
         t = s.tp
@@ -567,7 +606,7 @@ class GalvatronCostModel(CostModel):
         local_params = groups[0][0] if len(groups) == 1 else groups[0][0] + groups[1][0]
         grad_el = 4.0 if m.precision == "fp32" else 2.0
         precision = "fp32" if m.precision == "fp32" else "mixed"
-        fwd_t, bwd_t, extra = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t)
+        fwd_t, bwd_t, extra = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t, overlap_sync)
         native = self.runtime == "native"
         over = lt.zero_overhead.get(f"zero{s.zero}") if native and d > 1 else None
         if over is not None:  # FSDP2's own work around its collectives, on this rank's share of the layer
@@ -588,24 +627,31 @@ class GalvatronCostModel(CostModel):
                 states += p * grad_el / g
             if native and g > 1 and s.zero == 3:  # FSDP2: gathered params of this layer + the prefetched one
                 transient += 2.0 * (p * grad_el) * (1.0 - 1.0 / g)
+            if native and g > 1 and s.zero >= 2:
+                if accumulates:  # no reduce-scatter before the last micro-batch: FSDP2 accumulates unsharded
+                    states += p * grad_el * (1.0 - 1.0 / g)  # (the sharded gradient is already in ``states``)
+                transient += zero_post_backward_bytes(p * grad_el, accumulates)
         return LayerCost(fwd_t, bwd_t, extra, states, act, transient)
 
     def _data_parallel(self, local_params: float, zero: int, d: int, stride: int, fwd: float,
-                       bwd: float) -> tuple[float, float, float]:
+                       bwd: float, overlap_sync: bool = False) -> tuple[float, float, float]:
         """(fwd, bwd, per-step extra) once this rank's ``local_params`` are data parallel over ``d`` ranks."""
-        return self._data_parallel_groups([(local_params, d, stride, 1)], zero, fwd, bwd)
+        return self._data_parallel_groups([(local_params, d, stride, 1)], zero, fwd, bwd, overlap_sync)
 
     def _data_parallel_groups(self, groups: list[tuple[float, int, int, int]], zero: int, fwd: float,
-                              bwd: float) -> tuple[float, float, float]:
+                              bwd: float, overlap_sync: bool = False) -> tuple[float, float, float]:
         """(fwd, bwd, per-step extra) of parameter groups each data parallel over its own ranks, given as
         (parameters, ranks, stride, separate collectives): the collectives of all groups share one overlap
-        with the compute (they queue on the same link), each pays its own latency."""
+        with the compute (they queue on the same link), each pays its own latency. ``overlap_sync``: the
+        native runtime's ZeRO-0/1 all-reduces run beside the last backward (no pipeline, see
+        ``parallel.data_parallel.GradientSync``)."""
         hw = self.hw
         native = self.runtime == "native"
         el = 4.0 if self.model.precision == "fp32" else 2.0
         extra = 0.0
         fwd_comm = bwd_comm = last_comm = 0.0
         gathered = overlapped_last = False
+        sync_comm = 0.0  # native ZeRO-0/1 all-reduces launched asynchronously during the last backward
         for params, d, stride, pieces in groups:
             extra += self._optimizer_time(params, zero, d)
             if d == 1 or params == 0:
@@ -619,9 +665,12 @@ class GalvatronCostModel(CostModel):
                 fwd_comm += gather
                 bwd_comm += gather + pieces * hw.collective_time("reducescatter", nb, d, stride)
                 gathered = True
-            elif native and zero <= 1:  # data.GradientSync: one bucketed all-reduce after the last backward
-                extra = extra + pieces * dp_sync_bytes_time(hw, nb, d, stride) + \
-                    bucket_copy_time(grad_bytes, hw.memory_bandwidth)
+            elif native and zero <= 1:  # data.GradientSync: bucketed all-reduces, during or after the last backward
+                extra += bucket_copy_time(grad_bytes, hw.memory_bandwidth)
+                if overlap_sync:
+                    sync_comm += pieces * bucketed_allreduce_time(hw, nb, d, stride)
+                else:
+                    extra += pieces * bucketed_allreduce_time(hw, nb, d, stride)
             elif native:  # ZeRO-2 with FSDP2: parameters gathered before forward, gradients reduce-scattered in backward
                 last_comm += pieces * hw.collective_time("allgather", nb, d, stride) + \
                     pieces * hw.collective_time("reducescatter", nb, d, stride)
@@ -629,6 +678,8 @@ class GalvatronCostModel(CostModel):
             else:
                 last_comm += pieces * dp_sync_bytes_time(hw, nb, d, stride)
                 overlapped_last = True
+        if sync_comm > 0:  # async on every backend (gloo too): priced by the profiled overlap slowdown
+            extra += overlapped(bwd, sync_comm, hw.overlap_slowdown) - bwd
         if gathered:
             return self._overlap(fwd, fwd_comm), self._overlap(bwd, bwd_comm), extra
         if overlapped_last:
@@ -670,7 +721,8 @@ class GalvatronCostModel(CostModel):
             local = params / s.tp
             f = sharded_compute(fit.const, fit(b, seq), s.tp)
             # embedding backward is a scatter-add; head backward = 2 matmuls (SC'21)
-            pf, pb, pe = self._data_parallel(local, s.zero, d, dp_stride, f, bwd_ratio * f)
+            pf, pb, pe = self._data_parallel(local, s.zero, d, dp_stride, f, bwd_ratio * f,
+                                             self.runtime == "native" and ctx.pp == 1)
             fwd, bwd, extra = fwd + pf, bwd + pb, extra + pe
             states += local * state_bytes_per_param(s.zero, d, precision)
             act += act_per_sample * b * (head_share if last else 1.0)

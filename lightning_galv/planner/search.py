@@ -146,7 +146,7 @@ def search(model: ModelProfile | ModelShape, hw: HardwareProfile, world_size: in
     solvable: list[Config] = []  # configurations with strategies for their layers and ends
     for cfg in configs:
         S, mb = world // cfg.pp, cfg.global_batch // cfg.m
-        tab = s.table(S, mb)
+        tab = s.table(S, mb, cfg)
         if tab is None or not s.edge_options(S, mb):
             continue
         solvable.append(cfg)

@@ -113,7 +113,7 @@ class Searcher:
         # layer DPs without transition costs, by content (may be shared with other searches: search(memo=))
         self.memo = memo if memo is not None else FrontsMemo()
         self.dp_limit = int(math.floor(budget / self.grid + 1e-9)) + 1
-        self.tables: dict[tuple[int, int], CostTable | None] = {}
+        self.tables: dict[tuple, CostTable | None] = {}
         self.fixed_cache: dict[tuple, tuple[float, float, float]] = {}
         self.edge_cache: dict[tuple, list[LayerStrategy]] = {}
         self.dp_cache: dict[tuple, tuple[np.ndarray, np.ndarray, list]] = {}
@@ -121,13 +121,21 @@ class Searcher:
                       "levels_skipped": 0, "edges_skipped": 0}
 
     # -- cost tables and bounds ----------------------------------------------------------------------
-    def table(self, S: int, mb: int) -> CostTable | None:
-        """Per-strategy layer costs of a stage of ``S`` ranks at micro-batch ``mb``.
+    def table_ctx(self, S: int, mb: int, cfg: Config | None = None) -> StageContext:
+        """The context tables are built in: stage 0 of the configuration (no pipeline, one micro-batch if none)."""
+        if cfg is None:
+            return StageContext(S, mb, 1)
+        return StageContext(S, mb, cfg.m, cfg.pp, 0, cfg.schedule, cfg.v)
 
-        Keyed by (S, mb) only: layer costs and transitions do not depend on the micro-batch count or the
-        stage position, so one table serves every (pp, m) of a batch sweep that lands on the same pair.
+    def table(self, S: int, mb: int, cfg: Config | None = None) -> CostTable | None:
+        """Per-strategy layer costs of a stage of ``S`` ranks at micro-batch ``mb`` in configuration ``cfg``.
+
+        Keyed by (S, mb) and the cost model's :meth:`~.cost.CostModel.context_key` of the configuration: layer
+        costs and transitions depend on the micro-batch count or the pipeline only through that key (the
+        contract checks it), so one table serves every (pp, m) of a batch sweep that lands on the same triple.
         """
-        key = (S, mb)
+        ctx = self.table_ctx(S, mb, cfg)
+        key = (S, mb, self.cost.context_key(ctx))
         if key in self.tables:
             return self.tables[key]
         if not self.cost.admits(S, mb):
@@ -140,7 +148,6 @@ class Searcher:
         top_ep = max(s.ep for s in strategies)
         if top_ep > self.stats.get("max_ep", 1):  # for the explanation; dense searches never set it
             self.stats["max_ep"] = top_ep
-        ctx = StageContext(S, mb, 1)
         T, J = len(self.p.layer_types), len(strategies)
         fb, extra, states, act, tr = (np.zeros((T, J)) for _ in range(5))
         first_layer_of_type = {t: self.p.layer_type_of.index(t) for t in self.types}
@@ -201,7 +208,7 @@ class Searcher:
             hit = self.edge_cache[key] = end_strategies(self.p.shape, S, mb, self.space, self.hw)
         return hit
 
-    def edge_front(self, S: int, mb: int, first: bool) -> list[LayerStrategy]:
+    def edge_front(self, S: int, mb: int, first: bool, cfg: Config | None = None) -> list[LayerStrategy]:
         """Options of one end (embedding or head) that no other option beats in time, extra and memory.
 
         Dominance is checked on the end's own cost (``end_cost``), which is exact whenever embedding
@@ -213,11 +220,11 @@ class Searcher:
         out plans Galvatron's 3-D search has (its vtp is searched beside the layers' tp).
         """
         opts = self.edge_options(S, mb)
-        key = ("front", S, mb, first)
+        ctx = self.table_ctx(S, mb, cfg)
+        key = ("front", S, mb, first, self.cost.context_key(ctx))
         hit = self.edge_cache.get(key)
         if hit is not None:
             return hit
-        ctx = StageContext(S, mb, 1)
         cs = [self.cost.end_cost(e, ctx, first, not first, self.space.vocab_parallel_loss) for e in opts]
         vec = np.array([[c.fwd + c.bwd, c.step_extra, c.states, c.act] for c in cs]).reshape(len(cs), 4)
         keep = [e for e, kept in zip(opts, pareto_keep(vec.T)) if kept]
@@ -247,8 +254,8 @@ class Searcher:
         p = cfg.pp
         if self.space.tied_ends:
             return self.tied_edges(cfg, S, mb)
-        emb = self.edge_front(S, mb, True)
-        head = self.edge_front(S, mb, False)
+        emb = self.edge_front(S, mb, True, cfg)
+        head = self.edge_front(S, mb, False, cfg)
         if not emb or not head:
             return []
         if p == 1:
@@ -426,7 +433,7 @@ class Searcher:
         """The best plan of ``cfg`` (priced by the cost model), or None when none of it fits."""
         S = self.world // cfg.pp
         mb = cfg.global_batch // cfg.m
-        tab = self.table(S, mb)
+        tab = self.table(S, mb, cfg)
         if tab is None:
             return None
         groups = self.stage_edges(cfg, S, mb)
@@ -578,7 +585,7 @@ class Searcher:
         """Peak memory of the leanest plan of this configuration (uniform leanest strategy, even split)."""
         S = self.world // cfg.pp
         mb = cfg.global_batch // cfg.m
-        tab, edges = self.table(S, mb), self.edge_options(S, mb)
+        tab, edges = self.table(S, mb, cfg), self.edge_options(S, mb)
         if tab is None or not edges:
             return None
         division = even_division(self.L, cfg.pp * cfg.v)
