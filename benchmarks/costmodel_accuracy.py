@@ -90,6 +90,8 @@ def plans() -> list[tuple[str, ParallelPlan]]:
         ("2r tp+sp2", uni(2, S(tp=2, sp="megatron"))),
         ("2r ulysses2", uni(2, S(tp=2, sp="ulysses"))),
         ("2r dp2 m=2", uni(2, S(dp=2), micro_batches=2)),
+        # FSDP2 keeps the accumulated gradients unsharded until the last micro-batch (the memory rule this checks)
+        ("2r dp2·zero3 m=2", uni(2, S(dp=2, zero=3), micro_batches=2)),
         ("2r tp+sp2·ckpt", uni(2, S(tp=2, sp="megatron", checkpoint=True))),
         ("2r hetero", het(2, [S(dp=2), S(tp=2), S(dp=2, zero=3), S(tp=2, sp="ulysses", checkpoint=True)])),
         ("4r dp4", uni(4, S(dp=4))),
@@ -194,6 +196,9 @@ def main() -> None:
     ap.add_argument("--profiles", default=str(HERE / ".costmodel_profiles.json"),
                     help="cache of the profiles (delete to re-profile)")
     ap.add_argument("--reprofile", action="store_true")
+    ap.add_argument("--fresh-profiles", action="store_true",
+                    help="profile again in every launch (issue 17: the predictions depend on the profile run, so "
+                         "each launch pairs a fresh profile with fresh measurements); ignores the cache")
     ap.add_argument("--launches", type=int, default=5,
                     help="independent launches per world size (fresh processes; plan order rotated each launch)")
     ap.add_argument("--only", nargs="*", help="measure only these plan names (diagnosis; implies --no-write)")
@@ -213,26 +218,40 @@ def main() -> None:
     from lightning_galv.testing import run_distributed
 
     cache = Path(args.profiles)
-    profiles: dict[int, tuple[ModelProfile, HardwareProfile]] = {}
-    if cache.is_file() and not args.reprofile:
-        d = json.loads(cache.read_text())
-        profiles = {int(w): (ModelProfile.from_dict(m), HardwareProfile.from_dict(h)) for w, (m, h) in d.items()}
-        print("profiles from", cache)
-    else:
-        for w in (2, 4):
-            t0 = time.perf_counter()
-            profiles[w] = profile_world(w, cfg, seq, "profile_machine_moe" if moe else "profile_machine")
-            print(f"profiles on {w} ranks: {time.perf_counter() - t0:.1f} s")
-        cache.write_text(json.dumps({w: (m.to_dict(), h.to_dict()) for w, (m, h) in profiles.items()}))
+    cached: dict[int, tuple[ModelProfile, HardwareProfile]] = {}
+    fresh = args.fresh_profiles and not args.quick
+    if not fresh:
+        if cache.is_file() and not args.reprofile:
+            d = json.loads(cache.read_text())
+            cached = {int(w): (ModelProfile.from_dict(m), HardwareProfile.from_dict(h)) for w, (m, h) in d.items()}
+            print("profiles from", cache)
+        else:
+            for w in (2, 4):
+                t0 = time.perf_counter()
+                cached[w] = profile_world(w, cfg, seq, "profile_machine_moe" if moe else "profile_machine")
+                print(f"profiles on {w} ranks: {time.perf_counter() - t0:.1f} s")
+            cache.write_text(json.dumps({w: (m.to_dict(), h.to_dict()) for w, (m, h) in cached.items()}))
 
     warmup, steps = (1, 2) if args.quick else (2, 5)
     per_launch: dict[str, list[dict]] = {c.name: [] for c in cases}
     memory: dict[str, dict] = {}
+    # launch -> world -> the profiles its predictions come from (with --fresh-profiles: taken in that launch,
+    # right before its plans run, so every error below pairs one profile run with one measurement run)
+    launch_profiles: list[dict[int, tuple[ModelProfile, HardwareProfile]]] = []
     for launch in range(launches):
+        launch_profiles.append({})
         for world in (2, 4):
             batch = [c for c in cases if c.plan.world_size == world]
             if not batch:
                 continue
+            if fresh:
+                t0 = time.perf_counter()
+                launch_profiles[launch][world] = profile_world(
+                    world, cfg, seq, "profile_machine_moe" if moe else "profile_machine")
+                print(f"launch {launch + 1}/{launches}: profiles on {world} ranks: {time.perf_counter() - t0:.1f} s",
+                      flush=True)
+            else:
+                launch_profiles[launch][world] = cached[world]
             k = launch * len(batch) // launches  # rotate the order: no plan always runs first or last
             order = batch[k:] + batch[:k]
             t0 = time.perf_counter()
@@ -241,30 +260,31 @@ def main() -> None:
                                    launch == 0), timeout=1800)
             print(f"launch {launch + 1}/{launches}: {len(batch)} plans on {world} ranks: "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
-            ref = probe_of(profiles[world][0])
+            ref = probe_of(launch_profiles[launch][world][0])
             for c in order:
                 r0 = res[0][c.name]
                 # the plan's time at the speed the machine had while profiling: one factor per plan and launch
                 # from the median of the probes taken right before its steps (one probe is too noisy on 4 ranks)
                 f = ref / statistics.median(r0["probes"])
-                per_launch[c.name].append(dict(raw=r0["step_s"], mt=statistics.median(r0["times"]) * f, load=1 / f))
+                model, hw = launch_profiles[launch][world]
+                pred = GalvatronCostModel(profile_for(model, c), hw, runtime="native").evaluate(c.plan)
+                per_launch[c.name].append(dict(launch=launch, raw=r0["step_s"], mt=statistics.median(r0["times"]) * f,
+                                               load=1 / f, pred=pred.step_time_s, pm=pred.peak_memory_bytes))
                 if launch == 0:
                     memory[c.name] = dict(mm=max(r[c.name]["peak_bytes"] for r in res),
                                           rss=max(r[c.name]["rss_peak_bytes"] for r in res),
                                           kinds=max((r[c.name] for r in res), key=lambda r: r["peak_bytes"])["by_kind"])
     rows = []
     for c in cases:
-        model, hw = profiles[c.plan.world_size]
-        pred = GalvatronCostModel(profile_for(model, c), hw, runtime="native").evaluate(c.plan)
         runs = per_launch[c.name]
-        mts = [r["mt"] for r in runs]
-        rows.append(dict(name=c.name, world=c.plan.world_size, plan=c.plan, case=c, heldout=c.heldout,
-                         pred=pred.step_time_s, pm=pred.peak_memory_bytes,
+        mts, preds = [r["mt"] for r in runs], [r["pred"] for r in runs]
+        rows.append(dict(name=c.name, world=c.plan.world_size, plan=c.plan, case=c, heldout=c.heldout, runs=runs,
+                         pred=statistics.median(preds), preds=preds, pm=runs[0]["pm"],
                          mt=statistics.median(mts), mts=mts, raw=statistics.median(r["raw"] for r in runs),
                          load=statistics.median(r["load"] for r in runs), **memory[c.name]))
     for per_variant in (True, False):
-        calibrate(rows, profiles, per_variant)
-    report = table(rows, launches, steps, warmup)
+        calibrate(rows, launch_profiles, per_variant)
+    report = table(rows, launches, steps, warmup, fresh)
     print(report)
     if args.only:
         for r in rows:
@@ -276,13 +296,19 @@ def main() -> None:
                 for r in rows]
         (HERE / "data").mkdir(exist_ok=True)
         (HERE / "data" / f"costmodel_{args.model}.json").write_text(json.dumps(dump, indent=1, default=float))
+        # the profiles these predictions came from (per launch), so the table can be re-derived -- or another
+        # cost model tried -- against the same measurements later
+        (HERE / "data" / f"costmodel_{args.model}_profiles.json").write_text(json.dumps(
+            [{w: (m.to_dict(), h.to_dict()) for w, (m, h) in lp.items()} for lp in launch_profiles]))
         write_results(report, moe)
 
 
-def calibrate(rows: list[dict], profiles: dict[int, tuple[ModelProfile, HardwareProfile]], per_variant: bool) -> None:
+def calibrate(rows: list[dict], launch_profiles: list[dict[int, tuple[ModelProfile, HardwareProfile]]],
+              per_variant: bool) -> None:
     """Issue 13: each in-sample plan predicted by a Calibration fitted on the *other* in-sample plans of its world
     size (leave-one-out), each held-out case by one fitted on all in-sample plans of its world: out of sample
-    either way. ``per_variant``: also a compute factor per measured sharding (tp, sp) of the block."""
+    either way. Per launch: its profiles, its measurements; the row keeps the median over launches of the signed
+    error. ``per_variant``: also a compute factor per measured sharding (tp, sp) of the block."""
     from lightning_galv.planner.calibration import Calibration
 
     def native(m: ModelProfile, h: HardwareProfile) -> GalvatronCostModel:
@@ -290,17 +316,24 @@ def calibrate(rows: list[dict], profiles: dict[int, tuple[ModelProfile, Hardware
 
     key = "" if per_variant else "_nv"
     for r in rows:
-        model, hw = profiles[r["world"]]
-        others = [(o["plan"], o["mt"], o["mm"]) for o in rows
-                  if o["world"] == r["world"] and o is not r and not o["heldout"]]
-        if not others:  # nothing to learn from (a --only selection)
-            r["cal_pred" + key] = r["cal_pm" + key] = float("nan")
-            r["cal" + key] = Calibration()
-            continue
-        cal = Calibration.fit_plans(native, model, hw, others, per_variant=per_variant)
-        m2, h2 = cal.apply(profile_for(model, r["case"]), hw)
-        pred = native(m2, h2).evaluate(r["plan"])
-        r["cal_pred" + key], r["cal_pm" + key], r["cal" + key] = pred.step_time_s, pred.peak_memory_bytes, cal
+        errs, pms, cals = [], [], []
+        for run in r["runs"]:
+            launch = run["launch"]
+            model, hw = launch_profiles[launch][r["world"]]
+            others = [(o["plan"], o2["mt"], o["mm"]) for o in rows
+                      if o["world"] == r["world"] and o is not r and not o["heldout"]
+                      for o2 in o["runs"] if o2["launch"] == launch]
+            if not others:  # nothing to learn from (a --only selection)
+                continue
+            cal = Calibration.fit_plans(native, model, hw, others, per_variant=per_variant)
+            m2, h2 = cal.apply(profile_for(model, r["case"]), hw)
+            pred = native(m2, h2).evaluate(r["plan"])
+            errs.append(rel(pred.step_time_s, run["mt"]))
+            pms.append(pred.peak_memory_bytes)
+            cals.append(cal)
+        r["cal_err" + key] = statistics.median(errs) if errs else float("nan")
+        r["cal_pm" + key] = pms[0] if pms else float("nan")
+        r["cal" + key] = cals[0] if cals else Calibration()
 
 
 def _pct(xs: list[float]) -> str:
@@ -332,47 +365,58 @@ def budget_sweep(rows: list[dict]) -> str:
             f"{DEFAULT_MEMORY_MARGIN:.0%} free), live-tensor peaks: " + "; ".join(out) + ".")
 
 
-def table(rows: list[dict], launches: int, steps: int, warmup: int) -> str:
+def table(rows: list[dict], launches: int, steps: int, warmup: int, fresh: bool = False) -> str:
     from _stats import interval
 
-    head = ("| plan | held out | predicted | measured at profile speed: median [95 % CI of mean] | load | err | "
+    head = ("| plan | held out | predicted" + (": median [min, max] over the launches' profiles" if fresh else "") +
+            " | measured at profile speed: median [95 % CI of mean] | load | err | "
             "err (raw) | pred. memory | live-tensor peak | err | RSS peak growth | calibrated: time err "
             "(per-variant / shared) | memory err |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        r["et"], r["em"], r["er"] = rel(r["pred"], r["mt"]), rel(r["pm"], r["mm"]), rel(r["pred"], r["raw"])
+        # per launch: that launch's prediction against that launch's measurement; the row shows the median
+        r["et"] = statistics.median(rel(x["pred"], x["mt"]) for x in r["runs"])
+        r["er"] = statistics.median(rel(x["pred"], x["raw"]) for x in r["runs"])
+        r["em"] = rel(r["pm"], r["mm"])
         _, lo, hi = interval(r["mts"]) if len(r["mts"]) > 1 else (0, float("nan"), float("nan"))
-        lines.append(f"| {r['name']} | {r['heldout'] or '-'} | {r['pred'] * 1e3:.0f} ms | {r['mt'] * 1e3:.0f} ms "
+        spread = f" [{min(r['preds']) * 1e3:.0f}, {max(r['preds']) * 1e3:.0f}]" if fresh else ""
+        lines.append(f"| {r['name']} | {r['heldout'] or '-'} | {r['pred'] * 1e3:.0f} ms{spread} | {r['mt'] * 1e3:.0f} ms "
                      f"[{lo * 1e3:.0f}, {hi * 1e3:.0f}] | ×{r['load']:.2f} | **{r['et']:+.1%}** | {r['er']:+.1%} | "
                      f"{r['pm'] / MiB:.1f} MiB | {r['mm'] / MiB:.1f} MiB | {r['em']:+.1%} | {r['rss'] / MiB:.1f} MiB | "
-                     f"**{rel(r['cal_pred'], r['mt']):+.1%}** / {rel(r['cal_pred_nv'], r['mt']):+.1%} | "
+                     f"**{r['cal_err']:+.1%}** / {r['cal_err_nv']:+.1%} | "
                      f"{rel(r['cal_pm'], r['mm']):+.1%} |")
     ins = [r for r in rows if not r["heldout"]]
     out = [r for r in rows if r["heldout"]]
 
-    def errs(rs: list[dict], key: str, meas: str = "mt") -> list[float]:
-        return [abs(rel(r[key], r[meas])) for r in rs]
+    def errs(rs: list[dict], key: str) -> list[float]:
+        return [abs(r[key]) for r in rs]
+
+    def mem_errs(rs: list[dict], key: str) -> list[float]:
+        return [abs(rel(r[key], r["mm"])) for r in rs]
 
     facts = "; ".join(f"{w} ranks: compute ×{c['compute_scale']}, collectives ×{c['comm_scale']:.2f}, memory "
                       f"{c['memory_slack_bytes'] / MiB:+.2f} MiB" for w, c in sorted(
                           {r["world"]: {"compute_scale": {k: round(v, 2) for k, v in r["cal"].compute_scale.items()},
                                         "comm_scale": r["cal"].comm_scale,
                                         "memory_slack_bytes": r["cal"].memory_slack_bytes} for r in out or ins}.items()))
+    per = "each launch's error, median over launches" if launches > 1 else "one launch"
     lines += ["",
-              f"Before calibration, time at profile speed: in-sample {_pct(errs(ins, 'pred'))}, held-out "
-              f"{_pct(errs(out, 'pred'))}; raw (no speed correction): in-sample {_pct(errs(ins, 'pred', 'raw'))}. "
-              f"Memory (live-tensor peak): in-sample {_pct(errs(ins, 'pm', 'mm'))}, held-out {_pct(errs(out, 'pm', 'mm'))}.",
+              f"Errors per plan: {per}. Before calibration, time at profile speed: in-sample {_pct(errs(ins, 'et'))}, "
+              f"held-out {_pct(errs(out, 'et'))}; raw (no speed correction): in-sample {_pct(errs(ins, 'er'))}. "
+              f"Memory (live-tensor peak): in-sample {_pct(mem_errs(ins, 'pm'))}, held-out {_pct(mem_errs(out, 'pm'))}.",
               f"After calibration (issue 13; out of sample, see the notes) with a factor per measured sharding "
-              f"(the default): time in-sample {_pct(errs(ins, 'cal_pred'))}, held-out {_pct(errs(out, 'cal_pred'))}; "
-              f"with shared factors only: in-sample {_pct(errs(ins, 'cal_pred_nv'))}, held-out "
-              f"{_pct(errs(out, 'cal_pred_nv'))}. Goal: median ≤ 5 %, max ≤ 15 %. Memory: in-sample "
-              f"{_pct(errs(ins, 'cal_pm', 'mm'))}, held-out {_pct(errs(out, 'cal_pm', 'mm'))} (goal: median ≤ 2 %).",
+              f"(the default): time in-sample {_pct(errs(ins, 'cal_err'))}, held-out {_pct(errs(out, 'cal_err'))}; "
+              f"with shared factors only: in-sample {_pct(errs(ins, 'cal_err_nv'))}, held-out "
+              f"{_pct(errs(out, 'cal_err_nv'))}. Goal: median ≤ 5 %, max ≤ 15 %. Memory: in-sample "
+              f"{_pct(mem_errs(ins, 'cal_pm'))}, held-out {_pct(mem_errs(out, 'cal_pm'))} (goal: median ≤ 2 %).",
               budget_sweep(rows),
-              f"Factors fitted on all in-sample plans of each world: {facts}."]
+              f"Factors fitted on all in-sample plans of each world (first launch): {facts}."]
+    prof = ("a fresh profile per launch and world size, taken right before that launch's plans run"
+            if fresh else "one cached profile per world size")
     notes = (f"Each time: {launches} independent launches per world size (fresh processes, plan order rotated per "
-             f"launch), per launch the median of {steps} steps after {warmup} warm-up steps (slowest rank), scaled to "
-             f"profile speed; the table gives the median over launches and the 95 % t-interval of their mean; "
-             f"errors are against the median. Memory from the first launch.")
+             f"launch; {prof}), per launch the median of {steps} steps after {warmup} warm-up steps (slowest rank), "
+             f"scaled to the speed of the launch's profile; the table gives the median over launches and the 95 % "
+             f"t-interval of their mean. Memory from the first launch.")
     return notes + "\n\n" + "\n".join(lines)
 
 
@@ -384,8 +428,11 @@ parameter volume) and ShardedLayerProfiler (the real parallelized block for ever
 per-rank compute with the predicted collectives subtracted, saved activations with/without checkpointing, the
 recompute peak, FSDP2's own overhead per ZeRO stage). Each world's plans are predicted from that world's
 profiles with `GalvatronCostModel(..., runtime="native")`; nothing is fitted to the plans' step times except
-in the calibrated columns. One profile per world size, cached (`--reprofile` takes a new one): a different
-profile run shifts every prediction of its world alike.
+in the calibrated columns. A profile run shifts every prediction of its world alike (the same plan was
+predicted at 243, 303 and 492 ms from three profile runs in issue 17's re-measurement), so with `--fresh-profiles`
+every launch profiles both world sizes anew right before measuring its plans, and each plan's error is the median
+over launches of (that launch's prediction vs that launch's measurement); the predicted column shows the median
+and the range over the launches' profiles.
 
 In-sample plans run the profiled shape; held-out cases change the global batch (16) or the depth (2 or 6
 blocks; the profile's block repeated). Width and sequence length are not held out: the profile describes one
@@ -415,8 +462,9 @@ collective scale, memory slack)."""
 MOE_NOTES = """Model: the MoE decoder, dim 128, 4 blocks all MoE (8 SwiGLU experts of width 256, top-2, dropless,
 aux/z-loss on), attention 4 heads (2 kv), vocab 256, seq 64, fp32, Adam, global batch 8, random tokens (the
 router then spreads tokens nearly evenly, which is what the cost model assumes: balanced routing). Profiles as
-automatic mode takes them (HardwareProfiler incl. all-to-all, ModelProfiler per block kind with the MoE facts),
-no ShardedLayerProfiler; everything else as in the dense section above (probe normalization, MemTracker peak,
+automatic mode takes them (HardwareProfiler incl. all-to-all, ModelProfiler per block kind with the MoE facts,
+then each block kind as the runtime shards it by the ShardedLayerProfiler at 1-2 samples, `auto.sharded_profile`;
+earlier runs of this section left that step out); everything else as in the dense section above (probe normalization, MemTracker peak,
 leave-one-out calibration)."""
 
 

@@ -47,9 +47,10 @@ def dense_cfg(cfg: dict) -> dict:
 
 def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -> dict[str, Any]:
     """Profiles for the MoE decoder, the way automatic mode takes them: HardwareProfiler on this launch (the
-    all-to-all included), and the ModelProfiler per block kind (dense and MoE) through ``auto.profile_model``
-    (which reads each MoE layer's facts: experts, top-k, expert parameters)."""
-    from lightning_galv.auto import profile_model
+    all-to-all included), the ModelProfiler per block kind (dense and MoE) through ``auto.profile_model``
+    (which reads each MoE layer's facts: experts, top-k, expert parameters), then every block kind as the
+    runtime shards it, timed on all ranks (``auto.sharded_profile``, as automatic mode does)."""
+    from lightning_galv.auto import profile_model, sharded_profile
     from lightning_galv.models.protocol import find_parts
     from lightning_galv.profiling import HardwareProfiler
 
@@ -59,8 +60,10 @@ def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: in
     parts = find_parts(model)
     dist.barrier()
     prof = profile_model(model, parts)
+    bandwidth = prof.optimizer_bandwidth
+    prof = sharded_profile(model, parts, prof, hw, None, False)
     probes += [probe(cfg, seq, repeats=1) for _ in range(4)]
-    return {"hardware": hw.to_json(), "model": prof.to_json(), "optimizer_bandwidth": prof.optimizer_bandwidth,
+    return {"hardware": hw.to_json(), "model": prof.to_json(), "optimizer_bandwidth": bandwidth,
             "probe_s": statistics.median(probes)}
 
 

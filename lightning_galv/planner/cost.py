@@ -628,8 +628,8 @@ class GalvatronCostModel(CostModel):
             if native and g > 1 and s.zero == 3:  # FSDP2: gathered params of this layer + the prefetched one
                 transient += 2.0 * (p * grad_el) * (1.0 - 1.0 / g)
             if native and g > 1 and s.zero >= 2:
-                if accumulates:  # no reduce-scatter before the last micro-batch: FSDP2 accumulates unsharded
-                    states += p * grad_el * (1.0 - 1.0 / g)  # (the sharded gradient is already in ``states``)
+                if accumulates:  # no reduce-scatter before the last micro-batch: FSDP2 accumulates the unsharded
+                    states += p * grad_el  # gradient beside the sharded one in ``states`` (kept, or re-made unit by unit)
                 transient += zero_post_backward_bytes(p * grad_el, accumulates)
         return LayerCost(fwd_t, bwd_t, extra, states, act, transient)
 
