@@ -2,13 +2,15 @@
 
     flock /tmp/galv-cpu.lock python benchmarks/moe_placement.py    # prints the table, updates RESULTS.md
 
-Inputs: the routing trace recorded from the MoE reference on the shipped corpus (``record_traces.py``: 300
-steps x 4 MoE layers x 32 samples of 64 byte tokens, 8 experts, top-2) and its scaled versions
-(``traces.scale_trace``). Every (step, MoE layer) is one placement problem: plain EP puts expert ``e`` on rank
+Inputs: routing traces recorded from the MoE reference (``record_traces.py``: 300 steps x 4 MoE layers x 32
+samples of byte tokens, 8 experts, top-2) on two corpora -- the shipped single-domain English corpus
+(``traces/corpus_moe.npz``) and the mixed-domain corpus of ``mixed_corpus.py`` (prose, math/tables, Python
+code, Russian; ``traces/mixed_moe.npz``) -- and their scaled versions (``traces.scale_trace``). Every
+(step, MoE layer) is one placement problem: plain EP puts expert ``e`` on rank
 ``e // (E / ranks)``, the samples start where the data loader put them (rank ``s // samples_per_device``), and
 ``solve_placement`` moves them. Bytes are those of one dispatch all-to-all (the combine mirrors it) with
 token rows of 8192 bytes (hidden 4096 in bf16, a Mixtral-size row: the byte *ratios* do not depend on it).
-Two accountings: moves charged (a sample that changes rank also ships its 64 residual rows, counted in
+Two accountings: moves charged (a sample that changes rank also ships its residual rows, one per token, counted in
 the "after" bytes) and moves free (the runtime folds them into the combine that carries the sample's rows
 anyway). Predicted a2a time: ``Topology.a2a_time`` with Galvatron's measured A100 bandwidths.
 """
@@ -37,7 +39,10 @@ from lightning_galv.planner.topology import Topology, resolve_bandwidths  # noqa
 TOKEN_BYTES = 4096 * 2
 # (file under traces/, label, with the early-training and 64-device rows); the first is the shipped-corpus trace
 TRACES = (("corpus_moe.npz", "shipped-corpus trace", True),
-          ("mixed_moe.npz", "MIXED-DOMAIN corpus trace", True))
+          ("mixed_moe.npz", "MIXED-DOMAIN corpus trace", True),
+          ("corpus_moe_seq256.npz", "shipped-corpus trace, 256-token samples", False),
+          ("mixed_moe_seq256.npz", "MIXED-DOMAIN corpus trace, 256-token samples", False),
+          ("mixed_moe_top1.npz", "MIXED-DOMAIN corpus trace, top-1 routing", False))
 HW_DIRS = (Path("/work/shared/galvatron-reference/hardware"), HERE.parent / "tests" / "data" / "galvatron" / "hardware")
 
 
@@ -163,12 +168,16 @@ def main(argv: list[str] | None = None) -> str:
     bi8, bx8 = resolve_bandwidths(hw, Topology(64, 8))
     table = "\n".join(rows)
     body = (f"## P6: NetMoE sample placement (benchmarks/moe_placement.py)\n\n"
-            f"Routing recorded from the MoE reference on the shipped corpus (benchmarks/record_traces.py: 8 experts, "
-            f"top-2, 4 MoE blocks, 32 samples x 64 byte tokens per step, 300 steps) and scaled to 64 / 1024 devices "
+            f"Routing recorded from the MoE reference (benchmarks/record_traces.py: 8 experts, top-2, 4 MoE blocks, "
+            f"32 samples x 64 byte tokens per step, 300 steps) on two corpora, named in every row: the shipped "
+            f"single-domain English corpus (lightning_galv/demo/corpus.txt) and the MIXED-DOMAIN corpus of "
+            f"benchmarks/mixed_corpus.py (by bytes 50 % English prose, 25 % generated tables and arithmetic, 17 % "
+            f"the package's Python source, 8 % generated Russian: Llama 3's reported mix, fixed before recording; "
+            f"per-sample locality of both traces in the trace_locality section), and scaled to 64 / 1024 devices "
             f"(benchmarks/traces.py: samples resampled per step, each expert split into children by a "
             f"Dirichlet(alpha) per sample). Plain EP, one expert per rank; samples start on the loader's ranks. "
             f"Bytes of one dispatch all-to-all, token rows of {TOKEN_BYTES} B (hidden 4096, bf16), summed over "
-            f"all problems. \"moves charged\": a sample that changes rank also ships its 64 residual rows (in the "
+            f"all problems. \"moves charged\": a sample that changes rank also ships its residual rows, one per token (in the "
             f"after bytes); \"free\": folded into the combine. Predicted a2a time per problem: Topology.a2a_time "
             f"(max over ranks of intra bytes / intra bw + inter bytes / inter bw) with Galvatron's A100 profile "
             f"({hw_dir}, 2 nodes x 8 files): inter {bx4 / 1e9:.2f} GB/s (p2p across nodes), intra "
