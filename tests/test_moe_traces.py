@@ -122,3 +122,17 @@ def test_locality_statistics_tell_local_from_iid_samples() -> None:
     assert r_loc["dom_mi"] == pytest.approx(3.0) and r_loc["node"] == 1.0
     with pytest.raises(ValueError, match="HINT:"):
         locality(iid[0])
+
+
+def test_shipped_mixed_traces_are_consistent() -> None:
+    """The traces recorded on the mixed corpus: shapes, the recorded routing invariant, and their corpus file."""
+    sha = mixed_corpus.sha256(mixed_corpus.MIXED_CORPUS)
+    for name, top_k, seq in (("mixed_moe.npz", 2, 64), ("mixed_moe_top1.npz", 1, 64), ("mixed_moe_seq256.npz", 2, 256)):
+        path = Path(record_traces.HERE) / "traces" / name
+        t = load_trace(path)
+        assert t.counts.shape == (300, 4, 32, 8) and (t.top_k, t.tokens_per_sample) == (top_k, seq), name
+        assert np.all(t.counts.sum(-1) == seq * top_k) and np.all(t.counts <= seq)
+        assert t.meta["corpus_sha256"] == sha and t.meta["domains"] == list(mixed_corpus.DOMAINS)
+        with np.load(path) as d:
+            assert d["domain"].shape == d["windows"].shape == (300, 32)
+            assert set(np.unique(d["domain"])) == set(range(len(mixed_corpus.DOMAINS)))  # every domain is drawn
