@@ -2,13 +2,15 @@
 
     flock /tmp/galv-cpu.lock python benchmarks/moe_placement.py    # prints the table, updates RESULTS.md
 
-Inputs: the routing trace recorded from the MoE reference on the shipped corpus (``record_traces.py``: 300
-steps x 4 MoE layers x 32 samples of 64 byte tokens, 8 experts, top-2) and its scaled versions
-(``traces.scale_trace``). Every (step, MoE layer) is one placement problem: plain EP puts expert ``e`` on rank
+Inputs: routing traces recorded from the MoE reference (``record_traces.py``: 300 steps x 4 MoE layers x 32
+samples of byte tokens, 8 experts, top-2) on two corpora -- the shipped single-domain English corpus
+(``traces/corpus_moe.npz``) and the mixed-domain corpus of ``mixed_corpus.py`` (prose, math/tables, Python
+code, Russian; ``traces/mixed_moe.npz``) -- and their scaled versions (``traces.scale_trace``). Every
+(step, MoE layer) is one placement problem: plain EP puts expert ``e`` on rank
 ``e // (E / ranks)``, the samples start where the data loader put them (rank ``s // samples_per_device``), and
 ``solve_placement`` moves them. Bytes are those of one dispatch all-to-all (the combine mirrors it) with
 token rows of 8192 bytes (hidden 4096 in bf16, a Mixtral-size row: the byte *ratios* do not depend on it).
-Two accountings: moves charged (a sample that changes rank also ships its 64 residual rows, counted in
+Two accountings: moves charged (a sample that changes rank also ships its residual rows, one per token, counted in
 the "after" bytes) and moves free (the runtime folds them into the combine that carries the sample's rows
 anyway). Predicted a2a time: ``Topology.a2a_time`` with Galvatron's measured A100 bandwidths.
 """
@@ -35,6 +37,12 @@ from lightning_galv.planner.placement import solve_placement, traffic_matrix  # 
 from lightning_galv.planner.topology import Topology, resolve_bandwidths  # noqa: E402
 
 TOKEN_BYTES = 4096 * 2
+# (file under traces/, label, with the early-training and 64-device rows); the first is the shipped-corpus trace
+TRACES = (("corpus_moe.npz", "shipped-corpus trace", True),
+          ("mixed_moe.npz", "MIXED-DOMAIN corpus trace", True),
+          ("corpus_moe_seq256.npz", "shipped-corpus trace, 256-token samples", False),
+          ("mixed_moe_seq256.npz", "MIXED-DOMAIN corpus trace, 256-token samples", False),
+          ("mixed_moe_top1.npz", "MIXED-DOMAIN corpus trace, top-1 routing", False))
 HW_DIRS = (Path("/work/shared/galvatron-reference/hardware"), HERE.parent / "tests" / "data" / "galvatron" / "hardware")
 
 
@@ -102,40 +110,48 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     hw, hw_dir = hardware()
-    trace = load_trace()
-    cases = []  # (label, topology, spd, problems)
-    t2 = trace.counts  # [300, 4, 32, 8]: 8 ranks x 4 samples, one expert per rank
+    cases = []  # (label, topology, spd, problems, residual rows of a moved sample = tokens per sample)
     topo8 = Topology(8, 4)
-    all8 = [rank_tokens(t2[s, l], 8) for s in range(trace.steps) for l in range(t2.shape[1])]
-    cases.append(("2x4, recorded trace, all 300 steps", topo8, 4, all8))
-    cases.append(("2x4, recorded, early training (steps 0-49)", topo8, 4, all8[:50 * t2.shape[1]]))
-    steps64 = list(range(0, trace.steps, 10))
-    for alpha in (1.0, 0.1):
-        sc = scale_trace(trace, 64, 4, 64, alpha=alpha, steps=steps64, seed=1)
-        p64 = [rank_tokens(sc.counts[i, l], 64) for i in range(len(steps64)) for l in range(sc.counts.shape[1])]
-        cases.append((f"8x8 = 64 devices x 4 samples, 64 experts, scaled (alpha={alpha}, 30 steps)",
-                      Topology(64, 8), 4, p64))
+    for name, tag, full in TRACES:
+        trace = load_trace(HERE / "traces" / name)
+        if trace.samples != 32 or trace.experts != 8:
+            raise ValueError(f"{name}: {trace.samples} samples x {trace.experts} experts, the 2x4 rows need 32 x 8. "
+                             "HINT: record it with record_traces.py --batch 32 --experts 8.")
+        t2 = trace.counts  # [steps, layers, 32, 8]: 8 ranks x 4 samples, one expert per rank
+        tps = trace.tokens_per_sample
+        all8 = [rank_tokens(t2[s, l], 8) for s in range(trace.steps) for l in range(t2.shape[1])]
+        cases.append((f"2x4, {tag}, all {trace.steps} steps", topo8, 4, all8, tps))
+        if not full:
+            continue
+        cases.append((f"2x4, {tag}, early training (steps 0-49)", topo8, 4, all8[:50 * t2.shape[1]], tps))
+        steps64 = list(range(0, trace.steps, 10))
+        for alpha in (1.0, 0.1):
+            sc = scale_trace(trace, 64, 4, 64, alpha=alpha, steps=steps64, seed=1)
+            p64 = [rank_tokens(sc.counts[i, l], 64) for i in range(len(steps64)) for l in range(sc.counts.shape[1])]
+            cases.append((f"8x8 = 64 devices x 4 samples, 64 experts, scaled from the {tag} (alpha={alpha}, "
+                          f"{len(steps64)} steps)", Topology(64, 8), 4, p64, tps))
     rng = np.random.default_rng(5)  # labelled synthetic contrast: samples with strong expert locality
     synth = []
     for _ in range(200):
         prefs = rng.dirichlet(np.full(8, 0.3), size=32)  # each sample's own expert mix
         synth.append(rank_tokens(np.stack([rng.multinomial(128, p) for p in prefs]), 8))
-    cases.append(("2x4, SYNTHETIC local samples (per-sample Dirichlet(0.3) over experts; not the corpus)", topo8, 4,
-                  synth))
+    cases.append(("2x4, SYNTHETIC local samples (per-sample Dirichlet(0.3) over experts; not a corpus)", topo8, 4,
+                  synth, 64))
+    trace = load_trace(HERE / "traces" / TRACES[0][0])
     p1024 = []
     for i, step in enumerate((49, 149, 299)):
         sc = scale_trace(trace, 1024, 4, 1024, steps=[step], layers=[i % 4], seed=2 + i)
         p1024.append(rank_tokens(sc.counts[0, 0], 1024))
-    cases.append(("128x8 = 1024 devices x 4 samples, 1024 experts, scaled (alpha=1.0, 3 problems)",
-                  Topology(1024, 8), 4, p1024))
+    cases.append((f"128x8 = 1024 devices x 4 samples, 1024 experts, scaled from the {TRACES[0][1]} (alpha=1.0, "
+                  "3 problems)", Topology(1024, 8), 4, p1024, trace.tokens_per_sample))
 
     rows = ["| topology / trace | problems | moves | inter-node bytes before -> after | fewer inter-node bytes "
             "(10th pct per problem) | intra-node bytes before -> after | predicted a2a time before -> after "
             "(saved) | solve time median [95 % CI] | whole call median |",
             "|---|---|---|---|---|---|---|---|---|"]
-    for label, topo, spd, probs in cases:
+    for label, topo, spd, probs, tps in cases:
         big = topo.ranks >= 1024
-        for residual, moves in ((64, "charged"), (None, "free")):
+        for residual, moves in ((tps, "charged"), (None, "free")):
             r = run_case(probs, topo, spd, hw, residual, 1 if big else args.repeats)
             m, lo, hi = (x * 1e3 for x in r["solve"])
             ci = f"[{lo:.2f}, {hi:.2f}]" if r["n"] and not big else "(1 repeat)"
@@ -146,18 +162,22 @@ def main(argv: list[str] | None = None) -> str:
                 f"({100 * (1 - r['t_a'] / r['t_b']):.1f} %) | {r['solve_med'] * 1e3:.2f} ms {ci} | "
                 f"{r['call_med'] * 1e3:.2f} ms |")
             print(rows[-1], flush=True)
-    dense = dense_one_stage_ms(cases[2][3][:40], Topology(64, 8), 4, args.repeats)
+    dense = dense_one_stage_ms(next(c[3] for c in cases if c[1].ranks == 64)[:40], Topology(64, 8), 4, args.repeats)
     print(f"dense one-stage 256x256 solve of the same 64-device problems: {dense:.2f} ms median", flush=True)
     bi4, bx4 = resolve_bandwidths(hw, topo8)
     bi8, bx8 = resolve_bandwidths(hw, Topology(64, 8))
     table = "\n".join(rows)
     body = (f"## P6: NetMoE sample placement (benchmarks/moe_placement.py)\n\n"
-            f"Routing recorded from the MoE reference on the shipped corpus (benchmarks/record_traces.py: 8 experts, "
-            f"top-2, 4 MoE blocks, 32 samples x 64 byte tokens per step, 300 steps) and scaled to 64 / 1024 devices "
+            f"Routing recorded from the MoE reference (benchmarks/record_traces.py: 8 experts, top-2, 4 MoE blocks, "
+            f"32 samples x 64 byte tokens per step, 300 steps) on two corpora, named in every row: the shipped "
+            f"single-domain English corpus (lightning_galv/demo/corpus.txt) and the MIXED-DOMAIN corpus of "
+            f"benchmarks/mixed_corpus.py (by bytes 50 % English prose, 25 % generated tables and arithmetic, 17 % "
+            f"the package's Python source, 8 % generated Russian: Llama 3's reported mix, fixed before recording; "
+            f"per-sample locality of both traces in the trace_locality section), and scaled to 64 / 1024 devices "
             f"(benchmarks/traces.py: samples resampled per step, each expert split into children by a "
             f"Dirichlet(alpha) per sample). Plain EP, one expert per rank; samples start on the loader's ranks. "
             f"Bytes of one dispatch all-to-all, token rows of {TOKEN_BYTES} B (hidden 4096, bf16), summed over "
-            f"all problems. \"moves charged\": a sample that changes rank also ships its 64 residual rows (in the "
+            f"all problems. \"moves charged\": a sample that changes rank also ships its residual rows, one per token (in the "
             f"after bytes); \"free\": folded into the combine. Predicted a2a time per problem: Topology.a2a_time "
             f"(max over ranks of intra bytes / intra bw + inter bytes / inter bw) with Galvatron's A100 profile "
             f"({hw_dir}, 2 nodes x 8 files): inter {bx4 / 1e9:.2f} GB/s (p2p across nodes), intra "

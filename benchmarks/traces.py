@@ -1,7 +1,8 @@
 """Routing traces for the MoE planner benchmarks: load the recorded one, scale it to more devices.
 
 ``load_trace()`` reads ``benchmarks/traces/corpus_moe.npz`` (written by ``record_traces.py``: the MoE reference
-trained on the shipped corpus, tokens per (step, MoE layer, sample, expert)). ``scale_trace`` turns it into a
+trained on the shipped corpus, tokens per (step, MoE layer, sample, expert)); ``load_trace(path)`` any other
+recording, e.g. ``traces/mixed_moe.npz`` (the mixed-domain corpus of ``mixed_corpus.py``). ``scale_trace`` turns it into a
 trace for ``devices x samples_per_device`` samples and ``experts`` experts, e.g. 64 devices x 4 samples with
 64 experts, or 1024 x 4 with 1024, for the planners' large-scale numbers.
 

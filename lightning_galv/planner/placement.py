@@ -45,10 +45,11 @@ Our own choices (not taken from the paper, which this module's author could not 
   all samples stays below one byte-count unit), then scipy's solver, a pure function of the matrix, picks
   among the rest with samples and slots in index order.
 * **Speed.** Stage 2 is ``num_nodes`` independent ``(S/N) x (S/N)`` matrices, cheap. Stage 1 is still an
-  ``S x S`` matrix (``num_nodes`` distinct columns, repeated): on the 64-device corpus traces it takes
-  ~3 ms against ~4.9 ms for one dense ``S x S`` solve of the combined objective (benchmarks/moe_placement.py),
-  so the two stages are cheaper but not by an order of magnitude -- the repeated columns make many ties for
-  the augmenting-path solver. At 1024 devices (4096 samples, 128 nodes) stage 1 takes ~1.3 s: fine for a
+  ``S x S`` matrix (``num_nodes`` distinct columns, repeated): on the 64-device traces with free moves it takes
+  2.5-3 ms (shipped-corpus and mixed-domain traces) against ~4.5 ms for one dense ``S x S`` solve of the
+  combined objective (benchmarks/moe_placement.py), so the two stages are cheaper but not by an order of
+  magnitude: scipy's shortest-augmenting-path solver augments once per row over all ``S`` columns whatever
+  their repetition (with moves charged most samples stay home and it takes ~0.6 ms). At 1024 devices (4096 samples, 128 nodes) stage 1 takes ~1.3 s: fine for a
   benchmark, too slow per step; a transportation solver over the ``S x N`` matrix would be the next step.
 """
 
