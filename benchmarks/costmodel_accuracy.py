@@ -409,6 +409,10 @@ def table(rows: list[dict], launches: int, steps: int, warmup: int, fresh: bool 
               f"with shared factors only: in-sample {_pct(errs(ins, 'cal_err_nv'))}, held-out "
               f"{_pct(errs(out, 'cal_err_nv'))}. Goal: median ≤ 5 %, max ≤ 15 %. Memory: in-sample "
               f"{_pct(mem_errs(ins, 'cal_pm'))}, held-out {_pct(mem_errs(out, 'cal_pm'))} (goal: median ≤ 2 %).",
+              "By world size (4 ranks share the 2 cores): " + "; ".join(
+                  f"{w} ranks: before {_pct(errs([r for r in ins if r['world'] == w], 'et'))}, after "
+                  f"{_pct(errs([r for r in ins if r['world'] == w], 'cal_err'))} (in-sample)" for w in (2, 4)
+                  if any(r["world"] == w for r in ins)) + ".",
               budget_sweep(rows),
               f"Factors fitted on all in-sample plans of each world (first launch): {facts}."]
     prof = ("a fresh profile per launch and world size, taken right before that launch's plans run"
