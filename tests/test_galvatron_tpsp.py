@@ -310,7 +310,7 @@ def test_search_emits_vsp_at_vtp1_as_vocab_sp() -> None:
     s = Searcher(prof, hw, 8, cost.usable_bytes, cost.search_space(), cost)
     seen = [e for g in s.stage_edges(Config(32, 1, "1f1b", 1, 4), 8, 8) for stage in g for pair in stage for e in pair]
     assert any(isinstance(e, SequenceSplitEnd) for e in seen)
-    uly = LayerStrategy(tp=8, dp=1, sp="ulysses")
+    uly = LayerStrategy(tp=8, dp=1, sp="ulysses", zero=2)
     one = ParallelPlan.uniform(8, prof.num_layers, uly, micro_batches=4, global_batch=32,
                                embed=LayerStrategy(dp=8, zero=2), head=LayerStrategy(dp=8, zero=2)).with_(vocab_sp=True)
     acc = GalvatronAccounting(prof, ghw(1), 40, sequence_parallel=True, sp_space="tp+sp")

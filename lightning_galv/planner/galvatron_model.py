@@ -121,8 +121,8 @@ class Galvatron24CostModel(CostModel):
                             f"{(1, 2, 3) if sp_space == 'tp+sp' else (1,)} (1 tp, 2 Ulysses, 3 both)",
                             "leave sp_search=None, or use sp_space='tp+sp' for Ulysses contexts.")
         if pipeline_type not in PIPELINE_TYPES:
-            raise bad_value(f"pipeline_type={pipeline_type!r}", f"Galvatron's pipeline types are {sorted(PIPELINE_TYPES)} "
-                            "(arguments.py --pipeline_type)", "use 'pipedream_flush' (1F1B) or 'gpipe'.")
+            raise bad_value(f"pipeline_type={pipeline_type!r}", "Galvatron's pipeline types are "
+                            f"{sorted(PIPELINE_TYPES)} (arguments.py --pipeline_type)", "use 'pipedream_flush' (1F1B) or 'gpipe'.")
         self.pipeline_type, self.schedule = pipeline_type, PIPELINE_TYPES[pipeline_type]
         self.acc = GalvatronAccounting(model, hw, memory_gb, sequence_parallel, default_dp_type, max_tp, sp_space)
         self.sp_space, self.sp_search = sp_space, sp_search
@@ -146,10 +146,10 @@ class Galvatron24CostModel(CostModel):
     def search_space(self, grid_mb: float = 4.0, **overrides: object) -> SearchSpace:
         """Galvatron's space in this context, plus ours: per-layer tp / ZeRO-3 / checkpointing (as Galvatron),
         uneven stage division and any tp / pp degree (ours), one strategy for both ends (as Galvatron: one
-        vtp and embed_sdp), the model's pipeline schedule. Memory on a ``grid_mb`` grid (Galvatron: 1 MB; a coarser grid is faster and
-        conservative). Under sp_space 'tp+sp' also Ulysses per layer and sequence-split ends (vsp), as the
-        context's sp_search allows, vtp 1 included (:class:`~.space.SequenceSplitEnd`). ``overrides`` replace
-        any field."""
+        vtp and embed_sdp), the model's pipeline schedule. Memory on a ``grid_mb`` grid (Galvatron: 1 MB; a
+        coarser grid is faster and conservative). Under sp_space 'tp+sp' also Ulysses per layer and
+        sequence-split ends (vsp), as the context's sp_search allows, vtp 1 included
+        (:class:`~.space.SequenceSplitEnd`). ``overrides`` replace any field."""
         tp_mode = "megatron" if self.acc.sp else "none"
         sp_modes = {1: (tp_mode,), 2: ("ulysses",), 3: (tp_mode, "ulysses")}[self.sp_search]
         vocab_sp = {1: (False,), 2: (True,), 3: (False, True)}[self.sp_search]
