@@ -45,7 +45,8 @@ OUT = ROOT / "tests" / "data" / "galvatron" / "judge_golden.json"
 SEARCHES = [("gpt-2.7b", 1, 24, 32), ("llama-7b", 1, 24, 32), ("llama-7b", 1, 40, 32), ("gpt-6.7b", 1, 40, 32),
             ("gpt-6.7b", 2, 24, 32)]
 # our searches with Galvatron's --pipeline_type gpipe, sp_space 'tp': (model, nodes, memory GB, global batch)
-GPIPE_SEARCHES = [("gpt-2.7b", 1, 24, 32), ("llama-7b", 1, 24, 32), ("gpt-6.7b", 2, 24, 32)]
+GPIPE_SEARCHES = [("gpt-2.7b", 1, 24, 32), ("llama-7b", 1, 24, 32), ("gpt-6.7b", 1, 24, 32), ("gpt-6.7b", 2, 24, 32),
+                  ("llama-7b", 2, 24, 32), ("gpt-6.7b", 1, 24, 64)]
 
 
 def plan(n: int, pp: int, tp, use_sp, bsz: int, chunks: int, *, z3=0, ckpt=0, consec=1, vtp: int = 1, vsp: int = 0,
@@ -92,9 +93,9 @@ def cases() -> list[tuple[str, str, int, int, dict]]:
         ("gpipe-pp4-ckpt", "llama-7b", 1, 40, plan(n, 4, 1, 0, 64, 8, ckpt=1, pipeline="gpipe")),
         ("gpipe-pp2-tp4-vtp4-uneven", "gpt-6.7b", 1, 40, plan(n, 2, 4, 0, 32, 4, vtp=4, pipeline="gpipe",
                                                               div=[12, 20])),
-        ("gpipe-pp4-tp2-z3-vtp2", "llama-7b", 1, 24, plan(n, 4, 2, 0, 32, 8, z3=[1] * 8 + [0] * 24, vtp=2,
-                                                          pipeline="gpipe")),
-        ("gpipe-pp8-ddp", "gpt-2.7b", 1, 24, plan(n, 8, 1, 0, 32, 16, pipeline="gpipe", dp_type="ddp")),
+        ("gpipe-pp4-tp-mix-z3-vtp2", "llama-7b", 1, 24, plan(n, 4, [2] * 16 + [1] * 16, 0, 32, 8,
+                                                             z3=[0] * 16 + [1] * 16, vtp=2, pipeline="gpipe")),
+        ("gpipe-pp4-ddp", "gpt-2.7b", 1, 24, plan(n, 4, 1, 0, 32, 16, pipeline="gpipe", dp_type="ddp")),
         ("2x8-gpipe-pp2-tp2-esdp", "gpt-6.7b", 2, 40, plan(n, 2, 2, 0, 64, 8, vtp=2, esdp=1, pipeline="gpipe")),
     ]
     return [(a, m, nd, mem, "tp+sp", p) for a, m, nd, mem, p in tpsp] + \

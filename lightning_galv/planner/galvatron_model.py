@@ -429,6 +429,10 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
                           cost_model=cost, memory_margin=0.0, memo=memo)[0]
             out[i] = replace(c, plan=fine if faster(fine, c.plan) else c.plan, wall_s=c.wall_s + time.perf_counter() - c0)
             break
+    if pipeline_type == "gpipe":  # Galvatron writes its --pipeline_type into every plan, one-stage plans too
+        # (search_engine.py save_results); the search labels those 1F1B, which prices the same at pp 1
+        out = [replace(c, plan=replace(c.plan, pipeline_schedule="gpipe"))
+               if c.plan is not None and c.plan.pp == 1 else c for c in out]
     best = None
     for c in out:  # strict '>': the first context in search order wins ties (search_engine.py)
         if c.plan is not None and (best is None or c.plan.prediction.throughput >  # type: ignore[union-attr]
