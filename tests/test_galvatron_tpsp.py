@@ -250,7 +250,7 @@ def test_gpipe_memory_is_one_micro_batch_per_stage() -> None:
 def test_gpipe_keeps_the_cost_model_contract(S: int, min_tp: int) -> None:
     """With a model of world 8, S = 4 probes two-stage GPipe plans, S = 8 one-stage ones."""
     prof = profile("llama-7b")
-    cost = Galvatron24CostModel(prof, ghw(1), 40, 4 * S, min_tp, 8, True, pipeline_type="gpipe")
+    cost = Galvatron24CostModel(prof, ghw(1), 40, 2 * S, min_tp, 8, True, pipeline_type="gpipe")
     check_cost_model(cost, prof, world_size=S, space=cost.search_space())
 
 
