@@ -7,6 +7,9 @@ took from the judge and committed to ``tests/data/galvatron/judge_golden.json``:
 * ``plans``: hand-made Galvatron plans (pipelines, uneven tp / use_sp mixes, ZeRO-3, checkpointing, vtp, vsp,
   embed_sdp, ddp, 2 nodes; and gpipe plans) with the judge's best context that fits -- (min_tp, max_tp,
   sp_search), time per iteration, memory per stage as its DP adds it up, usable memory;
+* ``gpipe_searches``: our search under Galvatron's model with ``pipeline_type='gpipe'`` (``galvatron_search``
+  of this checkout, sp_space 'tp') on a few configurations, its plan and the judge's score of it (an engine
+  launched with ``--pipeline_type gpipe``);
 * ``searches``: Galvatron's own search (its code, ``GalvatronSearchEngine.parallelism_optimization``) in
   ``--sp_space tp+sp`` on a few configurations, the plan it returned and the judge's score of it; and ours
   (``galvatron_search(..., sp_space='tp+sp')`` of this checkout) with the judge's score of its plan.
@@ -41,6 +44,9 @@ OUT = ROOT / "tests" / "data" / "galvatron" / "judge_golden.json"
 # Galvatron's own searches in --sp_space tp+sp: (model, nodes, memory GB, global batch)
 SEARCHES = [("gpt-2.7b", 1, 24, 32), ("llama-7b", 1, 24, 32), ("llama-7b", 1, 40, 32), ("gpt-6.7b", 1, 40, 32),
             ("gpt-6.7b", 2, 24, 32)]
+# our searches with Galvatron's --pipeline_type gpipe, sp_space 'tp': (model, nodes, memory GB, global batch)
+GPIPE_SEARCHES = [("gpt-2.7b", 1, 24, 32), ("llama-7b", 1, 24, 32), ("gpt-6.7b", 1, 24, 32), ("gpt-6.7b", 2, 24, 32),
+                  ("llama-7b", 2, 24, 32), ("gpt-6.7b", 1, 24, 64)]
 
 
 def plan(n: int, pp: int, tp, use_sp, bsz: int, chunks: int, *, z3=0, ckpt=0, consec=1, vtp: int = 1, vsp: int = 0,
@@ -73,19 +79,33 @@ def cases() -> list[tuple[str, str, int, int, dict]]:
         ("uly4-vsp-esdp", "gpt-6.7b", 1, 40, plan(n, 1, 4, 1, 16, 2, vtp=4, vsp=1, esdp=1)),
         ("pp4-uly2-ckpt-vsp", "gpt-6.7b", 1, 40, plan(n, 4, 2, 1, 64, 8, ckpt=1, vtp=2, vsp=1)),
         ("gpipe-pp2-uly2-vsp", "gpt-2.7b", 1, 40, plan(n, 2, 2, 1, 64, 4, vtp=2, vsp=1, pipeline="gpipe")),
+        # vsp with vtp 1 (Galvatron's search visits it where min_tp is 1): one stage, pipelines (the ends'
+        # gradients sized by the last stage's table), measured per-vtp end tables (gpt-6.7b), GPipe
+        ("vsp-vtp1-uly2", "llama-7b", 1, 40, plan(n, 1, 2, 1, 32, 4, vsp=1)),
+        ("vsp-vtp1-uly8-ckpt-esdp", "gpt-6.7b", 1, 40, plan(n, 1, 8, 1, 16, 2, ckpt=1, vsp=1, esdp=1)),
+        ("pp2-vsp-vtp1-uly4-esdp", "gpt-6.7b", 1, 40, plan(n, 2, 4, 1, 32, 4, vsp=1, esdp=1)),
+        ("pp4-vsp-vtp1-mix", "llama-7b", 1, 40, plan(n, 4, 2, [1, 0] * 16, 64, 8, vsp=1)),
+        ("2x8-pp2-vsp-vtp1-uly4", "llama-7b", 2, 40, plan(n, 2, 4, 1, 32, 4, vsp=1)),
+        ("gpipe-pp2-vsp-vtp1-uly2", "gpt-2.7b", 1, 40, plan(n, 2, 2, 1, 64, 4, vsp=1, pipeline="gpipe")),
     ]
     gpipe = [
         ("gpipe-pp2-tp2", "gpt-2.7b", 1, 40, plan(n, 2, 2, 0, 64, 4, pipeline="gpipe")),
         ("gpipe-pp4-ckpt", "llama-7b", 1, 40, plan(n, 4, 1, 0, 64, 8, ckpt=1, pipeline="gpipe")),
         ("gpipe-pp2-tp4-vtp4-uneven", "gpt-6.7b", 1, 40, plan(n, 2, 4, 0, 32, 4, vtp=4, pipeline="gpipe",
                                                               div=[12, 20])),
+        ("gpipe-pp4-tp-mix-z3-vtp2", "llama-7b", 1, 24, plan(n, 4, [2] * 16 + [1] * 16, 0, 32, 8,
+                                                             z3=[0] * 16 + [1] * 16, vtp=2, pipeline="gpipe")),
+        ("gpipe-pp4-ddp", "gpt-2.7b", 1, 24, plan(n, 4, 1, 0, 32, 16, pipeline="gpipe", dp_type="ddp")),
+        ("2x8-gpipe-pp2-tp2-esdp", "gpt-6.7b", 2, 40, plan(n, 2, 2, 0, 64, 8, vtp=2, esdp=1, pipeline="gpipe")),
     ]
     return [(a, m, nd, mem, "tp+sp", p) for a, m, nd, mem, p in tpsp] + \
         [(a, m, nd, mem, "tp", p) for a, m, nd, mem, p in gpipe]
 
 
-def our_search(model: str, nodes: int, mem: int, bsz: int) -> dict | None:
-    """Our tp+sp search's plan as Galvatron plan JSON (keys Galvatron reads only), None when nothing fits."""
+def our_search(model: str, nodes: int, mem: int, bsz: int, sp_space: str = "tp+sp",
+               pipeline_type: str = "pipedream_flush") -> dict | None:
+    """Our search's plan (default: tp+sp, 1F1B) as Galvatron plan JSON (keys Galvatron reads only), None when
+    nothing fits."""
     from lightning_galv.compat.galvatron import (SIDE_FIELD, read_galvatron_hardware, read_hardware_profile,
                                                  read_model_profile, write_plan)
     from lightning_galv.planner.galvatron_model import galvatron_search
@@ -98,7 +118,7 @@ def our_search(model: str, nodes: int, mem: int, bsz: int) -> dict | None:
                               **kw)
     res = galvatron_search(prof, read_hardware_profile(data / "hardware", nodes, 8),
                            read_galvatron_hardware(data / "hardware", nodes, 8), mem, bsz, sequence_parallel=sp,
-                           sp_space="tp+sp")
+                           sp_space=sp_space, pipeline_type=pipeline_type)
     if res.plan is None:
         return None
     return {k: v for k, v in write_plan(res.plan, side=True).items() if k != SIDE_FIELD}
@@ -159,6 +179,16 @@ def main() -> None:
             searches.append({"model": model, "nodes": nodes, "memory_gb": mem, "global_batch": bsz,
                              "sp_space": "tp+sp", "plan": d, "judge": score})
             print("search", model, nodes, mem, bsz, json.dumps(d), json.dumps(score), flush=True)
+    gpipe_searches = []
+    for model, nodes, mem, bsz in GPIPE_SEARCHES:  # ours only: cheap, re-run every time
+        mine = our_search(model, nodes, mem, bsz, sp_space="tp", pipeline_type="gpipe")
+        score = None
+        if mine is not None:
+            E = SP.load_engine(model, nodes, 8, mem, bsz=bsz, chunk=int(mine["chunks"]), pipeline_type="gpipe")
+            score = best_of(SP.score_plan(E, mine)["score"])
+        gpipe_searches.append({"model": model, "nodes": nodes, "memory_gb": mem, "global_batch": bsz,
+                               "sp_space": "tp", "pipeline_type": "gpipe", "ours": {"plan": mine, "judge": score}})
+        print("ours gpipe", model, nodes, mem, json.dumps(mine), json.dumps(score), flush=True)
     for s in searches:  # ours, every time: cheap, and the file then holds the judge's word on this checkout's plans
         mine = our_search(s["model"], s["nodes"], s["memory_gb"], s["global_batch"])
         score = None
@@ -170,7 +200,7 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "source": "Galvatron 2.4.0's cost model via shared/galvatron-judge/score_plan.py (its best search context: "
                   "the fastest that fits, else the fastest); written by benchmarks/galvatron_judge_golden.py",
-        "plans": plans, "searches": searches}, indent=1) + "\n")
+        "plans": plans, "gpipe_searches": gpipe_searches, "searches": searches}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

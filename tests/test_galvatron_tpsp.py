@@ -1,11 +1,13 @@
-"""Galvatron's --sp_space tp+sp (Ulysses layers, sequence-split ends) and its gpipe memory, against golden numbers
-of Galvatron 2.4.0's own cost model (the judge), taken by benchmarks/galvatron_judge_golden.py and committed in
-tests/data/galvatron/judge_golden.json (CI has no judge venv): per plan the judge's best context, time per
-iteration and memory per stage; per search configuration Galvatron's own plan and its score."""
+"""Galvatron's --sp_space tp+sp (Ulysses layers, sequence-split ends, vsp at vtp 1 included) and its gpipe pipeline
+type, against golden numbers of Galvatron 2.4.0's own cost model (the judge), taken by
+benchmarks/galvatron_judge_golden.py and committed in tests/data/galvatron/judge_golden.json (CI has no judge venv):
+per plan the judge's best context, time per iteration and memory per stage; per search configuration Galvatron's
+own plan and its score; our gpipe searches' plans and the judge's score of them."""
 
 from __future__ import annotations
 
 import json
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -18,6 +20,8 @@ from lightning_galv.planner.contract import check_cost_model
 from lightning_galv.planner.cost import StageContext
 from lightning_galv.planner.galvatron_accounting import MB, GalvatronAccounting, collective_tables
 from lightning_galv.planner.galvatron_model import Galvatron24CostModel, galvatron_contexts, galvatron_search
+from lightning_galv.planner.searcher import Config, Searcher
+from lightning_galv.planner.space import SequenceSplitEnd, end_strategies
 
 DATA = Path(__file__).resolve().parent / "data" / "galvatron"
 GOLDEN = json.loads((DATA / "judge_golden.json").read_text())
@@ -63,7 +67,11 @@ def test_golden_cases_cover_ulysses_vsp_and_gpipe() -> None:
     assert sum(int(c["plan"]["vsp"]) for c in tpsp) >= 5
     assert {c["judge"]["sp_search"] for c in tpsp} >= {2, 3}  # the Ulysses-only context (no Megatron-SP buffer) too
     gpipe = [c for c in PLANS if c["plan"]["pipeline_type"] == "gpipe"]
-    assert len(gpipe) >= 3 and all(int(c["plan"]["pp_deg"]) > 1 for c in gpipe)
+    assert len(gpipe) >= 6 and all(int(c["plan"]["pp_deg"]) > 1 for c in gpipe)
+    assert {c["nodes"] for c in gpipe} == {1, 2} and {c["plan"]["default_dp_type"] for c in gpipe} == {"zero2", "ddp"}
+    vtp1 = [c for c in tpsp if int(c["plan"]["vsp"]) and int(c["plan"]["vtp"]) == 1]
+    assert len(vtp1) >= 5 and {int(c["plan"]["pp_deg"]) > 1 for c in vtp1} == {False, True}
+    assert {c["judge"]["sp_search"] for c in vtp1} >= {2, 3} and {c["model"] for c in vtp1} >= {"llama-7b", "gpt-6.7b"}
 
 
 @pytest.mark.parametrize("c", PLANS, ids=lambda c: f"{c['model']}-{c['name']}")
@@ -80,18 +88,24 @@ def test_accounting_matches_the_judge(c: dict) -> None:
     assert best.usable_mb == j["usable_MB"] and best.within_budget == j["within_budget"]
 
 
-@pytest.mark.parametrize("c", [c for c in PLANS if c["plan"]["pipeline_type"] == "pipedream_flush"],
-                         ids=lambda c: f"{c['model']}-{c['name']}")
+def search_model(c: dict, plan: ParallelPlan) -> Galvatron24CostModel:
+    """Galvatron24CostModel of a golden case, in the judge's best context and the plan's pipeline type."""
+    j = c["judge"]
+    return Galvatron24CostModel(profile(c["model"]), ghw(c["nodes"]), c["memory_gb"], plan.global_batch or 0,
+                                j["min_tp"], j["max_tp"], MODELS[c["model"]][2], c["plan"]["default_dp_type"],
+                                c["sp_space"], j["sp_search"] if c["sp_space"] == "tp+sp" else None,
+                                c["plan"]["pipeline_type"])
+
+
+@pytest.mark.parametrize("c", PLANS, ids=lambda c: f"{c['model']}-{c['name']}")
 def test_search_model_matches_the_judge(c: dict) -> None:
-    """Galvatron24CostModel (what the search runs on) in the judge's context prices the plan as the judge."""
+    """Galvatron24CostModel (what the search runs on) in the judge's context prices the plan as the judge: 1F1B
+    and GPipe (one kept micro-batch per stage), vsp at vtp 1 (ParallelPlan.vocab_sp) included."""
     plan, _ = _case(c)
     j = c["judge"]
-    sp = MODELS[c["model"]][2]
-    cost = Galvatron24CostModel(profile(c["model"]), ghw(c["nodes"]), c["memory_gb"], plan.global_batch or 0,
-                                j["min_tp"], j["max_tp"], sp, c["plan"]["default_dp_type"], c["sp_space"],
-                                j["sp_search"] if c["sp_space"] == "tp+sp" else None)
-    got = cost.evaluate(plan)
+    got = search_model(c, plan).evaluate(plan)
     assert rel(got.step_time_s, j["time_per_iter_s"]) < TOL
+    assert len(got.stage_memory_bytes) == len(j["mem_used_MB_per_stage"])
     assert max(rel(a / MB, b) for a, b in zip(got.stage_memory_bytes, j["mem_used_MB_per_stage"])) < TOL
 
 
@@ -163,7 +177,7 @@ def test_tp_sp_keeps_the_cost_model_contract(S: int, min_tp: int, sps: int) -> N
 
 SEARCHES = [s for s in GOLDEN["searches"] if s["plan"] is not None]
 # our price of a plan matches the judge's to ~1e-5 (Galvatron fits its collective lines with scipy's iterative
-# curve_fit, we in closed form; llama's legacy profile adds ~1e-5 more), so "at least as fast" is up to that
+# curve_fit, we in closed form), so "at least as fast" is up to that
 SLACK = 1e-4
 
 
@@ -210,3 +224,115 @@ def test_ulysses_where_it_pays() -> None:
                                                                                     ours["sp_search"])
         assert rel(best.time_s, ours["time_per_iter_s"]) < TOL
         assert max(rel(a, b) for a, b in zip(best.used_mb, ours["mem_used_MB_per_stage"])) < TOL
+
+
+def test_gpipe_memory_is_one_micro_batch_per_stage() -> None:
+    """The search model's GPipe layers keep Galvatron's one (min_tp-group) micro-batch: the same activation bytes
+    on every stage, and less than 1F1B keeps on the first stage (pp micro-batches there)."""
+    prof = profile("gpt-2.7b")
+    s = LayerStrategy(tp=2, dp=2, zero=2)
+    gp = Galvatron24CostModel(prof, ghw(1), 40, 64, pipeline_type="gpipe")
+    fb = Galvatron24CostModel(prof, ghw(1), 40, 64)
+    ctxs = [StageContext(4, 16, 4, 2, st, "gpipe") for st in (0, 1)]
+    mems = [gp.layer_cost(0, s, c).memory(c.inflight) for c in ctxs]
+    assert mems[0] == mems[1]
+    c1 = StageContext(4, 16, 4, 2, 0, "1f1b")
+    assert mems[0] < fb.layer_cost(0, s, c1).memory(c1.inflight)
+    # Galvatron's micro-batch in context min_tp 1: 64 samples over 4 one-wide groups, in 4 chunks -> 4
+    want = GalvatronAccounting(prof, ghw(1), 40).layer_memory(0, s, 2, 0, 64, 4, 1, "gpipe")
+    assert mems[0] == math.ceil(want) * MB
+    assert gp.search_space().schedules == ("gpipe",) and fb.search_space().schedules == ("1f1b",)
+    with pytest.raises(ValueError, match="pipeline_type='1f1b'.*HINT:.*pipedream_flush"):
+        Galvatron24CostModel(prof, ghw(1), 40, 64, pipeline_type="1f1b")
+
+
+@pytest.mark.parametrize("S,min_tp", [(8, 1), (4, 1), (4, 2)])
+def test_gpipe_keeps_the_cost_model_contract(S: int, min_tp: int) -> None:
+    """With a model of world 8, S = 4 probes two-stage GPipe plans, S = 8 one-stage ones."""
+    prof = profile("llama-7b")
+    cost = Galvatron24CostModel(prof, ghw(1), 40, 2 * S, min_tp, 8, True, pipeline_type="gpipe")
+    check_cost_model(cost, prof, world_size=S, space=cost.search_space())
+
+
+GPIPE_SEARCHES = GOLDEN["gpipe_searches"]
+
+
+@pytest.mark.parametrize("s", GPIPE_SEARCHES, ids=lambda s: f"{s['model']}-{s['nodes']}x8-{s['memory_gb']}G")
+def test_gpipe_search_fits_the_judges_budget(s: dict) -> None:
+    """Our search with Galvatron's pipeline_type 'gpipe' returns the plan the judge scored (golden 'ours'; re-run
+    benchmarks/galvatron_judge_golden.py when the search changes on purpose): a pipeline, within Galvatron's
+    budget by the judge, and priced by us as by the judge."""
+    name, nodes, mem, bsz = s["model"], s["nodes"], s["memory_gb"], s["global_batch"]
+    sp = MODELS[name][2]
+    hw = read_hardware_profile(DATA / "hardware", nodes, 8)
+    res = galvatron_search(profile(name), hw, ghw(nodes), mem, bsz, sequence_parallel=sp, pipeline_type="gpipe")
+    assert res.plan is not None and res.plan.prediction is not None and res.context is not None
+    got = {k: v for k, v in write_plan(res.plan, side=True).items() if k != SIDE_FIELD}
+    assert {k: str(v) for k, v in got.items()} == {k: str(v) for k, v in s["ours"]["plan"].items()}
+    j = s["ours"]["judge"]
+    assert j is not None and j["within_budget"]
+    assert max(j["mem_used_MB_per_stage"]) <= j["usable_MB"]
+    assert rel(res.plan.prediction.step_time_s, j["time_per_iter_s"]) < TOL
+    assert max(rel(a / MB, b) for a, b in zip(res.plan.prediction.stage_memory_bytes, j["mem_used_MB_per_stage"])) < TOL
+
+
+def test_gpipe_search_pipelines_somewhere() -> None:
+    """GPipe matters only with pp > 1: at least one golden gpipe search picked a pipeline (else the test above
+    would check nothing GPipe-specific)."""
+    assert any(int(s["ours"]["plan"]["pp_deg"]) > 1 and s["ours"]["plan"]["pipeline_type"] == "gpipe"
+               for s in GPIPE_SEARCHES)
+
+
+def test_vsp_at_vtp1_is_in_the_space() -> None:
+    """Galvatron's search visits vsp with every vtp of its context, 1 included where min_tp is 1; so does ours:
+    a SequenceSplitEnd (tied ends), emitted as ParallelPlan.vocab_sp."""
+    prof = profile("llama-7b")
+    hw = read_hardware_profile(DATA / "hardware", 1, 8)
+    for sps, want in ((2, {True}), (3, {False, True})):
+        cost = Galvatron24CostModel(prof, ghw(1), 40, 32, 1, 8, True, sp_space="tp+sp", sp_search=sps)
+        ends = end_strategies(prof.shape, 8, 8, cost.search_space(), hw)
+        assert {isinstance(e, SequenceSplitEnd) for e in ends if e.tp == 1} == want
+    at2 = Galvatron24CostModel(prof, ghw(1), 40, 32, 2, 8, True, sp_space="tp+sp", sp_search=2)
+    assert all(e.tp >= 2 for e in end_strategies(prof.shape, 8, 8, at2.search_space(), hw))
+    untied = Galvatron24CostModel(prof, ghw(1), 40, 32, 1, 8, True, sp_space="tp+sp").search_space(tied_ends=False)
+    assert not any(isinstance(e, SequenceSplitEnd) for e in end_strategies(prof.shape, 8, 8, untied, hw))
+    e = SequenceSplitEnd(tp=1, dp=8, zero=2)
+    assert e != e.plain() and e.plain() == LayerStrategy(tp=1, dp=8, zero=2) and SequenceSplitEnd.of(e.plain()) == e
+    with pytest.raises(ValueError, match="tp=2.*HINT:"):
+        SequenceSplitEnd(tp=2, dp=4)
+
+
+def test_search_emits_vsp_at_vtp1_as_vocab_sp() -> None:
+    """In the Ulysses-only context with min_tp 1 a vtp-1 end must be sequence-split: the searcher's plans with
+    vtp 1 carry vocab_sp, and the model prices them as the accounting does (checked against the judge above)."""
+    prof = profile("gpt-6.7b")
+    hw = read_hardware_profile(DATA / "hardware", 1, 8)
+    cost = Galvatron24CostModel(prof, ghw(1), 40, 32, 1, 8, True, sp_space="tp+sp", sp_search=2)
+    s = Searcher(prof, hw, 8, cost.usable_bytes, cost.search_space(), cost)
+    seen = [e for g in s.stage_edges(Config(32, 1, "1f1b", 1, 4), 8, 8) for stage in g for pair in stage for e in pair]
+    assert any(isinstance(e, SequenceSplitEnd) for e in seen)
+    uly = LayerStrategy(tp=8, dp=1, sp="ulysses", zero=2)
+    one = ParallelPlan.uniform(8, prof.num_layers, uly, micro_batches=4, global_batch=32,
+                               embed=LayerStrategy(dp=8, zero=2), head=LayerStrategy(dp=8, zero=2)).with_(vocab_sp=True)
+    acc = GalvatronAccounting(prof, ghw(1), 40, sequence_parallel=True, sp_space="tp+sp")
+    got, ref = cost.evaluate(one), acc.score_in(one, 1, 8, True, False, 2)
+    assert ref is not None and not ref.reasons
+    assert got.step_time_s == pytest.approx(ref.time_s, rel=1e-12)
+    assert [x / MB for x in got.stage_memory_bytes] == list(ref.used_mb)
+
+
+def test_megatron_sp_parameter_size_is_galvatrons() -> None:
+    """Under --sequence_parallel Galvatron prices layer states and gradient traffic from the SP memory table's
+    parameter_size (llama-7b legacy: 773.017 MB, the plain table says 773.251): the profile keeps both, and with
+    it our per-stage memory of every llama golden plan is the judge's to the MB (it was 1 MB high per layer)."""
+    lt = profile("llama-7b").layer_types[0]
+    assert lt.params_sp is not None and lt.params_sp * 4 / MB == pytest.approx(773.0166015625, abs=1e-5)
+    assert lt.params * 4 / MB == pytest.approx(773.2509765625, abs=1e-5)
+    assert profile("gpt-2.7b").layer_types[0].params_sp is None  # no separate SP table: nothing to keep
+    llama = [c for c in PLANS if c["model"] == "llama-7b"]
+    assert len(llama) >= 8
+    for c in llama:
+        plan, acc = _case(c)
+        best = acc.score(plan).best
+        assert best is not None
+        assert max(abs(a - b) for a, b in zip(best.used_mb, c["judge"]["mem_used_MB_per_stage"])) <= 1, c["name"]

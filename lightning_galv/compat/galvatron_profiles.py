@@ -653,9 +653,13 @@ def read_model_profile(meta_config: str | Path, config_dir: str | Path, precisio
             raise bad_value(f"{mem_path.name}: layertype_{i}", "has no activation at tp 1",
                             "profile the unsharded layer too.")
         params = int(round(base.params_mb[i] * MB / 4))  # parameter_size: MB at 4 bytes per parameter
+        # the SP table's own parameter_size, which Galvatron's search reads under --sequence_parallel
+        # (search_engine.py get_profiled_model_configs: layertype_{i}_sp); kept only where it differs
+        params_sp = None if plain is None or with_sp is None else int(round(with_sp.params_mb[i] * MB / 4))
         fwd = fits[i]
         layers.append(LayerTypeProfile(f"layertype_{i}", fwd, fwd.scaled(2.0), params, acts,
-                                       g.hidden * g.seq // groups[0].seq))
+                                       g.hidden * g.seq // groups[0].seq,
+                                       params_sp=None if params_sp == params else params_sp))
     type_of = tuple(i for i, g in enumerate(groups) for _ in range(g.count))
     if len(type_of) != shape.num_layers:
         raise bad_value(f"{meta_config}", f"layer groups count {len(type_of)} blocks, the shape {shape.num_layers}",
@@ -743,7 +747,8 @@ def write_model_profile(profile: ModelProfile, meta: MetaConfig | None = None) -
             ck = lt.activation_bytes.get(act_key(1, kind, True))
             if ck is not None:
                 acts["checkpoint"] = ck / MB
-            mem.setdefault(f"layertype_{i}{sfx}", {})[str(g.seq)] = {"parameter_size": lt.params * 4 / MB,
+            n_params = lt.params_sp if sp and lt.params_sp is not None else lt.params
+            mem.setdefault(f"layertype_{i}{sfx}", {})[str(g.seq)] = {"parameter_size": n_params * 4 / MB,
                                                                       "tp_activation_per_bsz_dict": acts}
         for place, key in PLACES.items():
             mem[key + sfx] = {tag: {"model_states": {str(t): v / MB for t, v in ms_t[place].items()},

@@ -392,7 +392,7 @@ def _name(plan: ParallelPlan) -> str:
 
 def _probe_plans(p: Probe) -> list[ParallelPlan]:
     """Uniform single-stage plans of every layer strategy (ends taken round-robin), plans alternating two
-    strategies of different layouts (transitions), and uniform two-stage 1F1B and interleaved plans -- of the
+    strategies of different layouts (transitions), and uniform two-stage 1F1B, GPipe and interleaved plans -- of the
     probe's schedules, and for a model bound to one world size (``CostModel.world_size``) only the plans of
     that size."""
     S, mb, m, L = p.stage_size, p.micro_batch, p.micro_batches, p.profile.num_layers
@@ -421,6 +421,9 @@ def _probe_plans(p: Probe) -> list[ParallelPlan]:
         if L >= 2 and "1f1b" in p.schedules:
             plans.append(ParallelPlan(world_size=2 * S, layers=layers, pp=2, micro_batches=m, global_batch=G,
                                       embed=ends[0], head=ends[-1]))
+        if L >= 2 and "gpipe" in p.schedules:
+            plans.append(ParallelPlan(world_size=2 * S, layers=layers, pp=2, micro_batches=m, global_batch=G,
+                                      pipeline_schedule="gpipe", embed=ends[0], head=ends[-1]))
         if L >= 4 and m % 2 == 0 and "interleaved_1f1b" in p.schedules:
             plans.append(ParallelPlan(world_size=2 * S, layers=layers, pp=2, micro_batches=m, global_batch=G,
                                       pipeline_schedule="interleaved_1f1b", virtual_stages=2, embed=ends[0],

@@ -27,6 +27,7 @@ from typing import Mapping, Sequence
 from ..errors import bad_value
 from ..plan import LayerStrategy, ParallelPlan
 from .profiles import ModelProfile
+from .space import is_sequence_split
 
 MB = float(2**20)
 CONTEXT_MB = 1024.0  # pytorch_context_mem per stage (cost_model_args.py TrainArgs)
@@ -246,7 +247,11 @@ class GalvatronAccounting:
 
     # -- per layer --------------------------------------------------------------------------------------
     def _param_mb(self, i: int, s: LayerStrategy) -> float:
-        return self.m.layer(i).params * 4 / MB / s.tensor_parallel
+        """Galvatron's parameter_size of layer ``i`` over the weights' tp split, in MB: from the Megatron-SP
+        table under --sequence_parallel (search_engine.py get_profiled_model_configs), else the plain one."""
+        lt = self.m.layer(i)
+        params = lt.params_sp if self.sp and lt.params_sp is not None else lt.params
+        return params * 4 / MB / s.tensor_parallel
 
     def _act_mb(self, i: int, tp: int, ckpt: bool) -> float:
         lt = self.m.layer(i)
@@ -278,17 +283,25 @@ class GalvatronAccounting:
         """Activation MB per local sample of one layer (cost_model.py MemoryCostModel.estimate_activation_size)."""
         return self._act_mb(i, s.tp, s.checkpoint)
 
-    def layer_memory(self, i: int, s: LayerStrategy, pp: int, stage: int, gbs: int, mbsz: int, min_tp: int,
-                     schedule: str) -> float:
-        """Model states + activations in MB (cost_model.py MemoryCostModel: estimate_model_states_size, estimate_activation_size)."""
+    def act_samples(self, s: LayerStrategy, pp: int, stage: int, gbs: int, mbsz: int, min_tp: int,
+                    schedule: str) -> float:
+        """Local samples whose activations a layer keeps (cost_model.py MemoryCostModel.initialize).
+        1F1B (and any one-stage plan): the first ``pp - stage`` micro-batches' share of the local batch.
+        GPipe with a pipeline: the first micro-batch alone, of a local batch taken per min_tp-wide group
+        (``gbs / dp / (tp / min_tp)``) -- so one micro-batch, on every stage, and smaller by tp / min_tp."""
         tp, dp = s.tp, s.dp
         chunks = layer_chunks(gbs, tp, dp, mbsz, min_tp)
         micro = torch_chunks(int(gbs / dp / (tp // min_tp)), chunks)
         if schedule == "1f1b" or pp == 1:
             end = pp - stage if pp - stage <= chunks else chunks
-            bsz = sum(micro[:end]) / sum(micro) * gbs / dp
-        else:
-            bsz = micro[0]
+            return sum(micro[:end]) / sum(micro) * gbs / dp
+        return float(micro[0])
+
+    def layer_memory(self, i: int, s: LayerStrategy, pp: int, stage: int, gbs: int, mbsz: int, min_tp: int,
+                     schedule: str) -> float:
+        """Model states + activations in MB (cost_model.py MemoryCostModel: estimate_model_states_size, estimate_activation_size)."""
+        chunks = layer_chunks(gbs, s.tp, s.dp, mbsz, min_tp)
+        bsz = self.act_samples(s, pp, stage, gbs, mbsz, min_tp, schedule)
         return self.layer_states_mb(i, s, chunks) + self.layer_act_mb(i, s) * bsz
 
     def layer_time(self, i: int, s: LayerStrategy, pp: int, gbs_chunk: float, no_comm: bool) -> float:
@@ -485,7 +498,7 @@ class GalvatronAccounting:
             raise bad_value("Ulysses layers", "priced only in Galvatron's sp_space 'tp+sp'",
                             "build GalvatronAccounting(..., sp_space='tp+sp'), or score plans without Ulysses layers.")
         assert plan.embed is not None
-        vsp = (plan.embed.ulysses or plan.vocab_sp) if vsp is None else vsp
+        vsp = (is_sequence_split(plan.embed) or plan.vocab_sp) if vsp is None else vsp
         esdp = plan.embed.zero == 3 if embed_sdp is None else embed_sdp
         ctxs = [c for c in (self.score_in(plan, a, b, vsp, esdp, s) for a, b, s in self.contexts(plan)) if c is not None]
         ok = [c for c in ctxs if math.isfinite(c.time_s) and (force or not c.reasons)]

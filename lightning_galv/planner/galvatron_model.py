@@ -21,6 +21,13 @@ Ulysses collective is priced from the measured sp_time tables. A 'tp+sp' context
 buffer, 3 = both); prices do not depend on it except for that buffer, so 3 covers 1 at the same price
 (see :func:`galvatron_contexts`).
 
+Galvatron's ``--pipeline_type`` is a search-wide choice too, so the model is built for one: 'pipedream_flush'
+(1F1B, the default here) or 'gpipe'. They share the time formula (cost_model.py pipeline_costmodel is the same
+for both); under GPipe Galvatron keeps the activations of one micro-batch on every stage -- the first chunk
+of a local batch taken per min_tp-wide group -- and one micro-batch of the ends' activations on the first
+stage too (cost_model.py MemoryCostModel.initialize / estimate_other_memory_cost; dynamic_programming.py
+prices every stage with the same per-layer memory).
+
 What differs from the scorer, on purpose: Galvatron prices the embedding and the head of a one-stage plan
 as one table entry; our search may pick them separately, so each end of a one-stage plan is charged half of
 its strategy's entry (both halves of one strategy add up to Galvatron's number exactly). Galvatron's final
@@ -41,7 +48,9 @@ from .galvatron_accounting import (CONTEXT_MB, MB, GalvatronAccounting, Galvatro
                                    pipeline_step, torch_chunks)
 from .layer_dp import FrontsMemo
 from .profiles import HardwareProfile, ModelProfile
-from .space import SearchSpace
+from .space import SearchSpace, SequenceSplitEnd, is_sequence_split
+
+PIPELINE_TYPES = {"pipedream_flush": "1f1b", "gpipe": "gpipe"}  # Galvatron's --pipeline_type -> our schedule
 
 
 @dataclass(frozen=True)
@@ -82,14 +91,16 @@ class Galvatron24CostModel(CostModel):
     Galvatron's 20 % allocator reserve above 20 GB); search with ``memory_budget_bytes=usable_bytes,
     memory_margin=0`` and :meth:`search_space` (or use :func:`galvatron_search`). ``sp_space='tp+sp'`` prices
     Ulysses layers and sequence-split ends (Galvatron's ``--sp_space tp+sp``) in context ``sp_search``
-    (default 3: any mix); the default 'tp' prices exactly as before.
+    (default 3: any mix); the default 'tp' prices exactly as before. ``pipeline_type`` is Galvatron's:
+    'pipedream_flush' (1F1B, default) or 'gpipe'; the search space then holds that schedule only.
     """
 
     step_time_vs_pipeline = "at_most"  # Galvatron's bubble counts the first and last stage only (pipeline_step)
 
     def __init__(self, model: ModelProfile, hw: GalvatronHardware, memory_gb: float, global_batch: int,
                  min_tp: int = 1, max_tp: int | None = None, sequence_parallel: bool = False,
-                 default_dp_type: str = "zero2", sp_space: str = "tp", sp_search: int | None = None) -> None:
+                 default_dp_type: str = "zero2", sp_space: str = "tp", sp_search: int | None = None,
+                 pipeline_type: str = "pipedream_flush") -> None:
         if not isinstance(hw, GalvatronHardware):
             raise TypeError(f"hw={type(hw).__name__}: expected GalvatronHardware. HINT: "
                             "compat.galvatron.read_galvatron_hardware(dir, nodes, gpus_per_node).")
@@ -109,6 +120,10 @@ class Galvatron24CostModel(CostModel):
             raise bad_value(f"sp_search={sp_search}", f"sp_space {sp_space!r} has contexts "
                             f"{(1, 2, 3) if sp_space == 'tp+sp' else (1,)} (1 tp, 2 Ulysses, 3 both)",
                             "leave sp_search=None, or use sp_space='tp+sp' for Ulysses contexts.")
+        if pipeline_type not in PIPELINE_TYPES:
+            raise bad_value(f"pipeline_type={pipeline_type!r}", "Galvatron's pipeline types are "
+                            f"{sorted(PIPELINE_TYPES)} (arguments.py --pipeline_type)", "use 'pipedream_flush' (1F1B) or 'gpipe'.")
+        self.pipeline_type, self.schedule = pipeline_type, PIPELINE_TYPES[pipeline_type]
         self.acc = GalvatronAccounting(model, hw, memory_gb, sequence_parallel, default_dp_type, max_tp, sp_space)
         self.sp_space, self.sp_search = sp_space, sp_search
         self.model, self.hw, self.global_batch = model, hw, global_batch
@@ -131,14 +146,15 @@ class Galvatron24CostModel(CostModel):
     def search_space(self, grid_mb: float = 4.0, **overrides: object) -> SearchSpace:
         """Galvatron's space in this context, plus ours: per-layer tp / ZeRO-3 / checkpointing (as Galvatron),
         uneven stage division and any tp / pp degree (ours), one strategy for both ends (as Galvatron: one
-        vtp and embed_sdp), 1F1B. Memory on a ``grid_mb`` grid (Galvatron: 1 MB; a coarser grid is faster and
-        conservative). Under sp_space 'tp+sp' also Ulysses per layer and sequence-split ends (vsp), as the
-        context's sp_search allows. ``overrides`` replace any field."""
+        vtp and embed_sdp), the model's pipeline schedule. Memory on a ``grid_mb`` grid (Galvatron: 1 MB; a
+        coarser grid is faster and conservative). Under sp_space 'tp+sp' also Ulysses per layer and
+        sequence-split ends (vsp), as the context's sp_search allows, vtp 1 included
+        (:class:`~.space.SequenceSplitEnd`). ``overrides`` replace any field."""
         tp_mode = "megatron" if self.acc.sp else "none"
         sp_modes = {1: (tp_mode,), 2: ("ulysses",), 3: (tp_mode, "ulysses")}[self.sp_search]
         vocab_sp = {1: (False,), 2: (True,), 3: (False, True)}[self.sp_search]
         kw: dict[str, object] = dict(
-            min_tp=self.min_tp, max_tp=self.max_tp, schedules=("1f1b",), pp_degrees=self.pp_degrees,
+            min_tp=self.min_tp, max_tp=self.max_tp, schedules=(self.schedule,), pp_degrees=self.pp_degrees,
             sp_modes=sp_modes, zero_stages=(self.default_zero, 3),
             tp_consecutive=(True, False), tied_ends=True, vocab_padding=True, uneven_partition=True,
             memory_bins=max(16, int(math.ceil(self.acc.usable_mb / grid_mb))))
@@ -194,25 +210,28 @@ class Galvatron24CostModel(CostModel):
                             f"[{self.min_tp}, {self.max_tp}]", "price it with a model of a context that holds it.")
 
     def _end(self, s: LayerStrategy) -> tuple[int, bool, bool]:
-        """(vtp, vsp, embed_sdp) of an end strategy."""
+        """(vtp, vsp, embed_sdp) of an end strategy; vsp is Ulysses over vtp > 1 or a SequenceSplitEnd at vtp 1."""
         if s.sp not in ("none", "ulysses") or s.ep > 1 or not self.min_tp <= s.tp <= self.max_tp:
             raise bad_value(f"end strategy {s.short()}", f"Galvatron's ends take vtp in [{self.min_tp}, "
                             f"{self.max_tp}], optionally sequence-split (vsp)", "use end_strategies of search_space().")
         if s.data_group > 1 and s.zero not in (self.default_zero, 3):
             raise bad_value(f"end zero={s.zero}", f"Galvatron's ends take ZeRO-{self.default_zero} or ZeRO-3 "
                             "(embed_sdp)", f"use zero {self.default_zero} or 3.")
-        if s.ulysses != (self.sp_search == 2) and self.sp_search != 3:
+        vsp = is_sequence_split(s)
+        if vsp != (self.sp_search == 2) and self.sp_search != 3:
             raise bad_value(f"end strategy {s.short()}", f"context sp_search {self.sp_search} (sp_space "
                             f"{self.sp_space!r}) takes {'only' if self.sp_search == 2 else 'no'} sequence-split ends "
                             "(vsp) (search_engine.py parallelism_optimization)",
                             "use end_strategies of search_space(), or sp_space='tp+sp' for vsp.")
-        return s.tp, s.ulysses, s.zero == 3 and s.data_group > 1
+        return s.tp, vsp, s.zero == 3 and s.data_group > 1
 
     # -- parts ------------------------------------------------------------------------------------------------
     def layer_cost(self, layer: int, s: LayerStrategy, ctx: StageContext) -> LayerCost:
         """Time as Galvatron's pipeline model takes it: ``fwd`` = the layer's compute for one micro-batch
         (forward + backward, with its tp and p2p traffic), ``step_extra`` = what its gradient reduction adds
-        (cost_model.py TimeCostModel.gen_result with and without no_comm); memory per Galvatron's rules."""
+        (cost_model.py TimeCostModel.gen_result with and without no_comm); memory per Galvatron's rules:
+        ``act`` is what one of the schedule's in-flight micro-batches adds (under GPipe with a pipeline,
+        Galvatron's one kept micro-batch divided by the m in flight)."""
         key = (self.model.layer_type_of[layer], s, ctx.stage_size, ctx.micro_batch)
         hit = self._cache.get(key)
         if hit is not None:
@@ -225,7 +244,13 @@ class Galvatron24CostModel(CostModel):
         comp = self.acc.layer_time(layer, s, pp, gchunk, True)
         full = self.acc.layer_time(layer, s, pp, gchunk, False)
         states = self.acc.layer_states_mb(layer, s, chunks) * MB
-        act = self.acc.layer_act_mb(layer, s) * mb / s.dp * MB  # one in-flight micro-batch of local samples
+        if self.schedule == "gpipe" and pp > 1:
+            # Galvatron keeps one (min_tp-group) micro-batch on every stage (MemoryCostModel.initialize); the
+            # search multiplies `act` by the schedule's in-flight count (m for GPipe), so spread it over those
+            samples = self.acc.act_samples(s, pp, 0, self.global_batch, mbsz, self.min_tp, "gpipe") / m
+        else:
+            samples = mb / s.dp  # 1F1B: one in-flight micro-batch of local samples
+        act = self.acc.layer_act_mb(layer, s) * samples * MB
         hit = self._cache[key] = CeiledLayerCost(comp, 0.0, max(0.0, full - comp), states, act)
         return hit
 
@@ -258,14 +283,16 @@ class Galvatron24CostModel(CostModel):
     def stage_fixed(self, plan_embed: LayerStrategy, plan_head: LayerStrategy, ctx: StageContext,
                     vocab_parallel_loss: bool = False) -> tuple[float, float, float]:
         """The ends on this stage + Galvatron's 1 GB context + the Megatron-SP global buffer, rounded up to MB
-        as its DP does (dynamic_programming.py: ``other_mem_cost`` ceil'ed, ``int(global_memory)`` added)."""
+        as its DP does (dynamic_programming.py: ``other_mem_cost`` ceil'ed, ``int(global_memory)`` added). The
+        ends' activations follow the model's pipeline type, as :meth:`layer_cost` (whose contract keeps it
+        blind to ``ctx.schedule``) does."""
         S, mb = ctx.stage_size, ctx.micro_batch
         first, last = ctx.stage == 0, ctx.stage == ctx.pp - 1
         t, mem = 0.0, CONTEXT_MB
         for present, s, is_first in ((first, plan_embed, True), (last, plan_head, False)):
             if not present:
                 continue
-            f, l_, times = self._ends_parts(s, S, mb, ctx.schedule)
+            f, l_, times = self._ends_parts(s, S, mb, self.schedule)
             if len(times) == 1:  # one stage: each end half of its strategy's one-stage entry
                 t += times[0] / 2
                 mem += sum(f) / 2
@@ -277,22 +304,22 @@ class Galvatron24CostModel(CostModel):
 
     # -- whole plan ---------------------------------------------------------------------------------------------
     def evaluate(self, plan: ParallelPlan) -> PlanCost:
-        """Per-stage parts as the search sums them; the step by Galvatron's 1F1B formula over the stages'
-        compute (layers without gradient reduction, plus the ends) and the layers' time with it
-        (cost_model.py pipeline_costmodel)."""
+        """Per-stage parts as the search sums them; the step by Galvatron's pipeline formula (the same for
+        1F1B and GPipe) over the stages' compute (layers without gradient reduction, plus the ends) and the
+        layers' time with it (cost_model.py pipeline_costmodel). A plan with ``vocab_sp`` (vsp at vtp 1) is
+        priced with its ends as :class:`~.space.SequenceSplitEnd`, as the search saw them."""
         if plan.global_batch is None:
             raise bad_value("global_batch=None", "Galvatron prices a fixed global batch", "set plan.global_batch.")
         if plan.global_batch != self.global_batch or plan.world_size != self.world_size:
             raise bad_value(f"global_batch={plan.global_batch}, world_size={plan.world_size}",
                             f"this model prices batch {self.global_batch} on {self.world_size} ranks",
                             "build a Galvatron24CostModel for the plan's batch and world.")
-        if plan.pp > 1 and plan.pipeline_schedule != "1f1b":
-            raise bad_value(f"pipeline_schedule={plan.pipeline_schedule}", "this model prices Galvatron's "
-                            "pipedream_flush (1F1B) only", "search with schedules=('1f1b',).")
-        if plan.vocab_sp:
-            raise bad_value("vocab_sp=True", "this model prices sequence-split ends as sp='ulysses' end strategies "
-                            "(vtp >= 2); Galvatron's vsp with vtp 1 prices like vsp with vtp 2 on half-rule end tables",
-                            "score the plan with GalvatronAccounting(..., sp_space='tp+sp').score(plan).")
+        if plan.pp > 1 and plan.pipeline_schedule != self.schedule:
+            other = {v: k for k, v in PIPELINE_TYPES.items()}.get(plan.pipeline_schedule)
+            raise bad_value(f"pipeline_schedule={plan.pipeline_schedule}", f"this model prices Galvatron's "
+                            f"pipeline_type {self.pipeline_type!r} ({self.schedule}); Galvatron searches one "
+                            "pipeline type at a time", f"build Galvatron24CostModel(..., pipeline_type={other!r})"
+                            if other else "Galvatron has no interleaved schedule; use '1f1b' or 'gpipe'.")
         if len(plan.layers) != self.model.num_layers:
             raise bad_value(f"{len(plan.layers)} layers in plan", f"the profile has {self.model.num_layers}",
                             "evaluate the plan against the profile of the same model.")
@@ -300,6 +327,10 @@ class Galvatron24CostModel(CostModel):
             raise bad_value(f"pp={plan.pp}, micro_batches={plan.micro_batches}", f"Galvatron's model is undefined "
                             f"here in context min_tp={self.min_tp} (uneven micro-batches per min_tp group, or no "
                             "p2p coefficient)", "pick micro-batches dividing global_batch / (stage / min_tp).")
+        if plan.vocab_sp:  # the flag is the plan's; the parts see it on the ends, as the search does
+            assert plan.embed is not None and plan.head is not None
+            plan = replace(plan, embed=SequenceSplitEnd.of(plan.embed), head=SequenceSplitEnd.of(plan.head),
+                           vocab_sp=False)
         parts = super().evaluate(plan)
         assert plan.embed is not None and plan.head is not None
         mb = plan.global_batch // plan.micro_batches
@@ -336,7 +367,8 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
                      memory_gb: float, global_batch: int, *, sequence_parallel: bool = False,
                      default_dp_type: str = "zero2", max_tp: int = 8, top_k: int = 3, grid_mb: float = 4.0,
                      refine_mb: float | None = None, contexts: Sequence[tuple[int, ...]] | None = None,
-                     sp_space: str = "tp", **space: object) -> GalvatronSearchResult:
+                     sp_space: str = "tp", pipeline_type: str = "pipedream_flush",
+                     **space: object) -> GalvatronSearchResult:
     """Our search under Galvatron 2.4's cost model: once per search context ``(min_tp, max_tp)``, as Galvatron's
     own search loops them (search_engine.py parallelism_optimization), keeping the fastest plan that fits
     Galvatron's usable memory. ``hw`` (our hardware profile of the same cluster) only serves the guideline
@@ -349,7 +381,8 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
     about twice the search time; off by default, benchmarks/vs_galvatron.py runs without it).
 
     ``sp_space='tp+sp'`` searches Galvatron's other layer space (Ulysses per layer, sequence-split ends) over
-    the contexts of :func:`galvatron_contexts`; ``contexts`` may then name (min_tp, max_tp[, sp_search])."""
+    the contexts of :func:`galvatron_contexts`; ``contexts`` may then name (min_tp, max_tp[, sp_search]).
+    ``pipeline_type`` is Galvatron's: 'pipedream_flush' (1F1B) or 'gpipe' (plans with pp > 1 take it)."""
     from .search import search
 
     if not isinstance(model, ModelProfile):
@@ -366,7 +399,7 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
     for lo, hi, sps in ctxs:
         c0 = time.perf_counter()
         cost = Galvatron24CostModel(model, ghw, memory_gb, global_batch, lo, hi, sequence_parallel, default_dp_type,
-                                    sp_space, sps)
+                                    sp_space, sps, pipeline_type)
         try:
             res = search(model, hw, world, cost.usable_bytes, global_batch=global_batch, top_k=top_k,
                          space=cost.search_space(grid_mb, **space), cost_model=cost, memory_margin=0.0, memo=memo)
@@ -387,7 +420,7 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
                 continue
             c0 = time.perf_counter()
             cost = Galvatron24CostModel(model, ghw, memory_gb, global_batch, c.min_tp, c.max_tp, sequence_parallel,
-                                        default_dp_type, sp_space, c.sp_search)
+                                        default_dp_type, sp_space, c.sp_search, pipeline_type)
             tops = tops_of[i]
             fine = search(model, hw, world, cost.usable_bytes, global_batch=global_batch, top_k=1,
                           space=cost.search_space(refine_mb, **{**space, "pp_degrees": tuple(sorted({p.pp for p in tops})),
@@ -396,6 +429,10 @@ def galvatron_search(model: ModelProfile | ModelShape, hw: HardwareProfile, ghw:
                           cost_model=cost, memory_margin=0.0, memo=memo)[0]
             out[i] = replace(c, plan=fine if faster(fine, c.plan) else c.plan, wall_s=c.wall_s + time.perf_counter() - c0)
             break
+    if pipeline_type == "gpipe":  # Galvatron writes its --pipeline_type into every plan, one-stage plans too
+        # (search_engine.py save_results); the search labels those 1F1B, which prices the same at pp 1
+        out = [replace(c, plan=replace(c.plan, pipeline_schedule="gpipe"))
+               if c.plan is not None and c.plan.pp == 1 else c for c in out]
     best = None
     for c in out:  # strict '>': the first context in search order wins ties (search_engine.py)
         if c.plan is not None and (best is None or c.plan.prediction.throughput >  # type: ignore[union-attr]

@@ -429,6 +429,11 @@ class LayerTypeProfile:
     # the block's Mixture-of-Experts layer, if it has one: only such layer types may take ep > 1 (the
     # measured times, parameters and activations above are of the whole block, experts included)
     moe: MoELayerFacts | None = None
+    # Galvatron's "parameter_size" of the layer from its Megatron-SP memory run (layertype_i_sp), when it
+    # differs from ``params`` (run-to-run noise: llama-7b's legacy file says 773.017 vs 773.251 MB). Galvatron's
+    # search prices states and gradient traffic from that table under --sequence_parallel
+    # (search_engine.py get_profiled_model_configs), so a Galvatron-compatible model must too; None: ``params``.
+    params_sp: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, Mapping):
@@ -699,6 +704,8 @@ class ModelProfile:
         for lt in d["layer_types"]:  # dense layer types serialize exactly as before MoE existed
             if lt.get("moe") is None:
                 lt.pop("moe", None)
+            if lt.get("params_sp") is None:  # and profiles without a separate Megatron-SP parameter size too
+                lt.pop("params_sp", None)
         if self.ends is None:  # so do profiles without Galvatron's end tables
             d.pop("ends")
         else:

@@ -31,7 +31,7 @@ from .layer_dp import FrontsMemo, LayerFronts, layer_dp
 from .pareto import pareto_keep
 from .partition import place, stage_layer_ranges
 from .profiles import HardwareProfile, ModelProfile
-from .space import SearchSpace, applies, candidate_strategies, end_strategies
+from .space import SearchSpace, SequenceSplitEnd, applies, candidate_strategies, end_strategies
 
 Edge = tuple[LayerStrategy, LayerStrategy]  # (embedding, head) strategies as one stage sees them
 # memory, in budgets, of a (layer type, strategy) pair that cannot be applied: finite, so the memory grid's
@@ -568,11 +568,20 @@ class Searcher:
 
     def _finish(self, cfg: Config, layers: tuple[LayerStrategy, ...], division: tuple[int, ...],
                 embed: LayerStrategy, head: LayerStrategy) -> ParallelPlan | None:
-        """Build the plan and price it with the full cost model (the search's objective is only a proxy)."""
+        """Build the plan and price it with the full cost model (the search's objective is only a proxy).
+        Sequence-split vtp-1 ends (tied, :class:`~.space.SequenceSplitEnd`) become plain ends plus the
+        plan's ``vocab_sp`` flag."""
+        vocab_sp = isinstance(embed, SequenceSplitEnd)
+        if vocab_sp != isinstance(head, SequenceSplitEnd):
+            raise AssertionError(f"vsp on one end only ({embed.short()}, {head.short()}): end_strategies offers "
+                                 "SequenceSplitEnd with tied ends only")
+        if vocab_sp:
+            assert isinstance(embed, SequenceSplitEnd) and isinstance(head, SequenceSplitEnd)
+            embed, head = embed.plain(), head.plain()
         plan = ParallelPlan(world_size=self.world, layers=layers, pp=cfg.pp, pp_division=division,
                             micro_batches=cfg.m, global_batch=cfg.global_batch, pipeline_schedule=cfg.schedule,
                             virtual_stages=cfg.v, embed=embed, head=head,
-                            vocab_parallel_loss=self.space.vocab_parallel_loss)
+                            vocab_parallel_loss=self.space.vocab_parallel_loss, vocab_sp=vocab_sp)
         pc = self.cost.evaluate(plan)
         if pc.peak_memory_bytes > self.budget * (1 + 1e-9):  # cannot happen with the conservative grid
             return None

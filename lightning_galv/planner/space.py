@@ -58,7 +58,8 @@ class SearchSpace:
     min_tp: int = 1
     tied_ends: bool = False  # one strategy for embedding and head, as Galvatron's one vtp / vsp / embed_sdp
     # whether the ends are sequence-split (Galvatron's vsp, sp_space 'tp+sp': sp='ulysses' over the vtp group,
-    # weights replicated, ZeRO over the whole stage). Our runtime cannot run such ends: a Galvatron-model option.
+    # weights replicated, ZeRO over the whole stage; at vtp 1 a SequenceSplitEnd, emitted as
+    # ParallelPlan.vocab_sp, tied ends only). Our runtime cannot run such ends: a Galvatron-model option.
     vocab_sp: tuple[bool, ...] = (False,)
 
     def __post_init__(self) -> None:
@@ -105,6 +106,46 @@ class SearchSpace:
         (search_engine.py: vtp from min_tp to max_tp); ``embed_tp=`` fixes it."""
         return cls(sp_modes=("none",), zero_stages=(zero,), checkpoint=(False,), tp_consecutive=(True,),
                    uniform=True, **kw)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class SequenceSplitEnd(LayerStrategy):
+    """An end strategy with Galvatron's ``vsp`` on a vocab-tp-1 end: the plan-level flag
+    :attr:`~lightning_galv.plan.ParallelPlan.vocab_sp`, carried by the end strategy while the search runs.
+
+    Why a type of its own: a :class:`LayerStrategy` cannot say it (Ulysses needs ``tp > 1``), yet Galvatron's
+    search proposes vsp with any vtp its context allows, 1 included (search_engine.py parallelism_optimization
+    loops vsp beside vtp = min_tp..max_tp), and prices it apart from no vsp -- the ends' gradient traffic is
+    sized by the last stage's one-way table (cost_model.py OtherTimeCostModel.estimate_dp_time), and the plan
+    enters the Ulysses-only context (sp_search 2), the only one without Megatron-SP's global buffer. It
+    compares unequal to the plain strategy of the same fields (dataclass equality checks the class), so
+    the search's caches keep both apart; the search emits it as a plain end plus ``vocab_sp=True``
+    (:meth:`plain`). Our runtime ignores the flag: a 1-way sequence split is no split.
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tp != 1 or self.sp != "none":
+            raise bad_value(f"SequenceSplitEnd({self.short_dims()})", "marks vsp on a vocab-tp-1 end only",
+                            "use LayerStrategy(tp=vtp, sp='ulysses') for a sequence-split end with vtp > 1.")
+
+    @classmethod
+    def of(cls, s: LayerStrategy) -> "SequenceSplitEnd":
+        """The sequence-split form of the tp-1 end ``s``."""
+        return cls(**s.to_dict())
+
+    def plain(self) -> LayerStrategy:
+        """The same end as a plain :class:`LayerStrategy` (what a :class:`ParallelPlan` holds)."""
+        return LayerStrategy(**self.to_dict())
+
+    def short(self) -> str:
+        return super().short() + "·vsp"
+
+
+def is_sequence_split(s: LayerStrategy) -> bool:
+    """Whether end strategy ``s`` is sequence-split (Galvatron's vsp): Ulysses over vtp > 1, or a
+    :class:`SequenceSplitEnd` at vtp 1."""
+    return s.ulysses or isinstance(s, SequenceSplitEnd)
 
 
 def applies(layer: LayerTypeProfile, s: LayerStrategy) -> bool:
@@ -172,7 +213,9 @@ def end_strategies(shape: ModelShape, stage_size: int, micro_batch: int, space: 
     with any ZeRO stage. A fixed ``embed_tp`` keeps the old behaviour: that degree, raised to the
     next divisor when the micro-batch is too small to split. With ``heuristic_pruning`` and ``hw``,
     vocab-parallel groups stay inside a node, as the layers' tp groups do. ``vocab_sp`` adds (or, with
-    ``(True,)``, keeps only) Galvatron's sequence-split ends, which only its cost model prices.
+    ``(True,)``, keeps only) Galvatron's sequence-split ends, which only its cost model prices: Ulysses ends
+    for vtp > 1 and, with ``tied_ends`` (the plan has one ``vocab_sp`` flag), :class:`SequenceSplitEnd` for
+    vtp 1 -- so the space holds every (vtp, vsp) pair Galvatron's search visits.
     """
     S, mb, sp, vocab = stage_size, micro_batch, space, shape.vocab_size
     out: list[LayerStrategy] = []
@@ -187,12 +230,15 @@ def end_strategies(shape: ModelShape, stage_size: int, micro_batch: int, space: 
                                         and not hw.is_intra_node(vtp, 1)):
             continue
         for vsp in sp.vocab_sp:
-            if vsp and vtp == 1:  # a 1-way sequence split: not an end strategy of ours (sp needs tp > 1)
+            if vsp and vtp == 1 and not sp.tied_ends:  # vocab_sp is one flag for both ends of a plan
                 continue
             group = S if vsp else dp
             zeros = (0,) if group == 1 else (sp.default_embed_zero,) if sp.embed_tp is not None or \
                 sp.embed_zero is not None else sp.zero_stages
-            out += [LayerStrategy(tp=vtp, dp=dp, sp="ulysses" if vsp else "none", zero=z) for z in zeros]
+            if vsp and vtp == 1:  # Galvatron's vsp at vtp 1: no LayerStrategy of ours (Ulysses needs tp > 1)
+                out += [SequenceSplitEnd(tp=1, dp=dp, zero=z) for z in zeros]
+            else:
+                out += [LayerStrategy(tp=vtp, dp=dp, sp="ulysses" if vsp else "none", zero=z) for z in zeros]
         if sp.embed_tp is not None:
             break
     return out
