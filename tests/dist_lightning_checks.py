@@ -700,3 +700,50 @@ def fit_stopped_rank(plan: dict, tmpdir: str, stop_rank: int, timeout_s: float, 
             os.kill(int(f.read()), signal.SIGKILL)
     dist.destroy_process_group()  # no closing barrier: a member of the world is gone
     return out
+
+
+def fit_auto_hf(kind: str, steps: int = 3, per_shard: int = 2) -> dict[str, Any]:
+    """strategy='galvatron' (automatic mode) on a GalvHFCausalLM: it must pick a plan the adapter accepts and train
+    it exactly. Then, on rank 0 with the profiles automatic mode used, the wider search (top 50 per configuration)
+    with and without the model's limits (``galv_sp_modes`` / ``galv_check_plan``): how many plans the model refuses
+    in each, and how many tp > 1 Ulysses layer strategies the limited one still offers."""
+    from lightning_galv.auto import search_run_plans
+    from lightning_galv.models.protocol import find_parts
+
+    world = int(os.environ["LOCAL_WORLD_SIZE"])
+    module = make_module(kind)
+    ref_module = copy.deepcopy(module)
+    data = Windows(steps * per_shard * world)
+    loader = DataLoader(data, batch_size=per_shard, shuffle=False)
+    strategy = GalvatronStrategy(memory_budget="2GB")
+    rec = LossRecorder()
+    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec], **trainer_kwargs())
+    trainer.fit(module, loader)
+    plan = strategy.plan
+    assert plan is not None and strategy.auto is not None
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
+    ref_losses, want = reference(ref_module, data.data[perm], steps, per_shard * plan.data_parallel_size)
+    got = full_state(module.model)
+    out: dict[str, Any] = {"plan": plan.to_dict(), "n_losses": len(rec.losses), "weight_err": weight_err(got, want),
+                           "loss_err": max(abs(a - b) / abs(b) for a, b in zip(rec.losses, ref_losses))}
+    if dist.get_rank() == 0:
+        parts = find_parts(module)
+        auto = strategy.auto
+
+        def refused(plans: list[ParallelPlan]) -> int:
+            n = 0
+            for p in plans:
+                try:
+                    parts.check_plan(p)
+                except ValueError:
+                    n += 1
+            return n
+
+        args = (auto.model, auto.hardware, world, len(parts.blocks), auto.budget, auto.memory_margin,
+                auto.loader_batch, True, False)
+        limited = search_run_plans(*args, top_k=50, sp_modes=parts.sp_modes, check_plan=parts.check_plan).plans
+        free = search_run_plans(*args, top_k=50).plans
+        out.update(sp_modes=parts.sp_modes, refused_limited=refused(limited), refused_free=refused(free),
+                   n_limited=len(limited), n_free=len(free),
+                   ulysses_tp=sum(s.tp > 1 and s.ulysses for p in limited for s in p.layers))
+    return out

@@ -103,9 +103,19 @@ def test_unsupported_architecture_and_limits_are_refused_with_a_hint() -> None:
     gpt2.galv_check_plan(ParallelPlan.uniform(2, 2, L(tp=2, sp="ulysses")))  # accepted
     with pytest.raises(ValueError, match="Conv1D.*HINT"):  # parallelize asks the model first, before any mesh
         check_plan_for_model(ParallelPlan(2, (L(dp=2), L(tp=2, sp="megatron"))), find_parts(gpt2))
-    mixtral = galv_hf(_hf("mixtral"))
-    with pytest.raises(ValueError, match="expert parallelism.*HINT: use ep=1"):
-        mixtral.galv_check_plan(ParallelPlan.uniform(2, 2, L(dp=2, ep=2)))
+    mixtral = galv_hf(_hf("mixtral"))  # expert parallelism goes through this package's EP (test below)
+    check_plan_for_model(ParallelPlan.uniform(4, 2, L(dp=4, ep=2)), find_parts(mixtral))
+    two = drc.hf_config("mixtral", 2)
+    two.num_local_experts = 2
+    with pytest.raises(ValueError, match="ep=4 does not divide its 2 experts.*HINT"):
+        check_plan_for_model(ParallelPlan.uniform(4, 2, L(dp=4, ep=4)),
+                             find_parts(galv_hf(AutoModelForCausalLM.from_config(two))))
+    with pytest.raises(ValueError, match="no MoE layer.*HINT"):
+        check_plan_for_model(ParallelPlan.uniform(4, 2, L(dp=4, ep=2)), find_parts(galv_hf(_hf("llama"))))
+    noisy = drc.hf_config("mixtral", 2)
+    noisy.router_jitter_noise = 0.1
+    with pytest.raises(ValueError, match="router_jitter_noise=0.1.*HINT"):
+        galv_hf(AutoModelForCausalLM.from_config(noisy)).train()(torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="sliding_window.*HINT"):
         galv_hf(_hf("mistral"))(torch.zeros(1, 32, dtype=torch.long))
 
@@ -186,6 +196,63 @@ def test_hf_parity_4_ranks() -> None:
               ParallelPlan.from_dict(plan).describe())
 
 
+def test_mixtral_moe_block_runs_through_the_packages_moe_layer() -> None:
+    """The HF sparse MoE block becomes an MoELayer over HF's own router and fused experts: same keys, same output."""
+    from lightning_galv.models.hf_moe import HFSparseMoE
+    from lightning_galv.models.moe import MoELayer
+
+    hf = _hf("mixtral")
+    block = hf.model.layers[0].mlp
+    gate, experts = block.gate, block.experts
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
+    want = block(x)  # HF's own block, before the adapter replaces it
+    adapter = galv_hf(hf)
+    layer = adapter.hf.model.layers[0].mlp
+    assert isinstance(layer, HFSparseMoE) and isinstance(layer, MoELayer)
+    assert layer.gate is gate and layer.experts is experts  # HF's modules, not copies
+    assert [type(m).__name__ for m in adapter.moe_layers] == ["HFSparseMoE"] * 2
+    got = layer(x)
+    assert float((got - want).abs().max()) <= 1e-6
+    assert layer.last_stats is not None and sum(layer.last_stats.tokens_per_expert) == 2 * 5 * 2  # dropless, top-2
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_hf_mixtral_expert_parallel_4_ranks() -> None:
+    """Mixtral's experts sharded over EP groups (all-to-all dispatch, fused tensors as DTensor Shard(0) on the ep
+    dim) equal one process: ep alone, with ZeRO-1/2/3 on the experts, accumulation and norm clipping, with
+    attention TP / Megatron-SP + checkpointing / Ulysses (ep over its 4-rank data group), and in a pipeline."""
+    kw = {"kind": "hf_mixtral", "steps": 3}
+    cases = [
+        ("hf_mixtral_ep2", ParallelPlan.uniform(4, 3, L(dp=4, ep=2)).to_dict(), kw),
+        ("hf_mixtral_ep2_zero123_accum_clip", ParallelPlan(4, (L(dp=4, ep=2, zero=3), L(dp=4, ep=2, zero=1),
+                                                               L(dp=4, ep=2, zero=2)), embed=L(dp=4),
+                                                           head=L(dp=4)).to_dict(),
+         {**kw, "accumulate": 2, "clip": 0.05}),
+        ("hf_mixtral_ep_attn_tp_sp", ParallelPlan(4, (L(tp=2, dp=2, ep=2), L(tp=2, dp=2, sp="megatron", ep=2,
+                                                                              checkpoint=True),
+                                                      L(tp=2, dp=2, sp="ulysses", ep=4)), embed=L(tp=2, dp=2),
+                                                  head=L(tp=2, dp=2)).to_dict(),
+         {**kw, "clip": 0.01, "clip_algorithm": "value"}),
+        ("hf_mixtral_pp2_ep2", ParallelPlan(4, (L(dp=2, ep=2), L(dp=2, ep=2, zero=2), L(dp=2), L(dp=2, ep=2)),
+                                            pp=2, micro_batches=2, embed=L(dp=2), head=L(dp=2)).to_dict(),
+         {**kw, "layers": 4}),
+    ]
+    results = run_distributed(CHECKS, 4, (cases,), timeout=900)
+    for rank, res in enumerate(results):
+        for (name, plan, _), r in zip(cases, res.values()):
+            assert_matches_one_process(rank, name, r, TOL)
+            assert r["keys_equal"], (rank, name)
+            eps = [s["ep"] for s in plan["layers"]]
+            if r["pp"] == 1:
+                assert r["experts_held"] == [4 // ep for ep in eps], (rank, name, r["experts_held"])
+                assert r["all_to_all"] == [ep > 1 for ep in eps], (rank, name)  # the all-to-all dispatcher ran
+                assert all(all(c.values()) for c in r["routing"]), (rank, name, r["routing"])
+    for (name, plan, _), r in zip(cases, results[0].values()):  # errors: loss, weight, worst first-step gradient
+        print(name, f"{r['loss_err']:.1e}", f"{r['weight_err']:.1e}", f"{max(r['grad_err'].values(), default=0):.1e}",
+              ParallelPlan.from_dict(plan).describe())
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_hf_module_fits_under_the_trainer_2_ranks() -> None:
@@ -199,3 +266,24 @@ def test_hf_module_fits_under_the_trainer_2_ranks() -> None:
     assert res["loss_err"] < TOL and res["weight_err"] < TOL, res
     assert res["keys_equal"] and res["n_losses"] == 4, res
     print("hf_fit", f"{res['loss_err']:.1e}", f"{res['weight_err']:.1e}")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_auto_mode_on_hf_models_2_ranks(tmp_path: Path) -> None:
+    """strategy='galvatron' with no plan on a tiny HF GPT-2 and LLaMA (2 ranks): the search knows what the adapter
+    refuses (GPT-2: no Megatron TP / SP of its blocks, Ulysses only), picks a plan the runtime accepts, and the fit
+    equals one process. Negative control: the same search without the model's limits offers refused GPT-2 plans."""
+    target = str(Path(__file__).parent / "dist_lightning_checks.py") + "::run_many"
+    cases = [(k, "fit_auto_hf", {"kind": k}) for k in ("hf_gpt2", "hf_llama")]
+    res = run_distributed(target, 2, (cases,), init_process_group=False, timeout=900,
+                          env={"GALV_CACHE_DIR": str(tmp_path / "cache")})[0]
+    for name, r in res.items():
+        assert r["n_losses"] == 3 and r["loss_err"] < TOL and r["weight_err"] < TOL, (name, r)
+        assert r["refused_limited"] == 0 and r["n_limited"] > 0, (name, r)
+        print(name, f"{r['loss_err']:.1e}", f"{r['weight_err']:.1e}", ParallelPlan.from_dict(r["plan"]).describe())
+    gpt2, llama = res["hf_gpt2"], res["hf_llama"]
+    assert gpt2["sp_modes"] == ("ulysses",) and llama["sp_modes"] == ("none", "megatron", "ulysses")
+    assert gpt2["refused_free"] > 0, gpt2  # without the limits the search offers plans the adapter refuses
+    assert gpt2["ulysses_tp"] > 0, gpt2  # the blocks may still be split, by Ulysses
+    assert llama["refused_free"] == 0, llama

@@ -73,6 +73,8 @@ from torch import nn
 
 from ..plan import ModelShape, ParallelPlan
 from .dropout import keyed_dropout_
+from .hf_moe import HFSparseMoE, swap_hf_moe
+from .moe import RoutingLog
 
 __all__ = ["HFCausalLM", "galv_hf", "SUPPORTED_FAMILIES", "TESTED_TRANSFORMERS"]
 
@@ -335,6 +337,11 @@ class HFCausalLM(nn.Module):
             self._impl = getattr(model, "_galv_impl", "sdpa")
         model.__dict__["_galv_impl"] = self._impl
 
+        # sparse MoE blocks (Mixtral's) run through this package's MoE runtime: same keys, HF's router and
+        # fused experts, all-to-all expert parallelism (models/hf_moe.py)
+        self.routing_log = RoutingLog()
+        self._moe_paths = sorted({p for i, block in enumerate(blocks) for p in swap_hf_moe(block, i, self.routing_log)})
+
         self._tp_refusal: str | None = None  # why Megatron TP / SP of the blocks is refused, if it is
         if not getattr(config, "base_model_tp_plan", None):
             self._tp_refusal = NO_TP_PLAN.get(family, f"{type(model).__name__} publishes no base_model_tp_plan")
@@ -370,6 +377,11 @@ class HFCausalLM(nn.Module):
     def galv_head(self) -> nn.Linear:
         return self.hf.get_output_embeddings()
 
+    @property
+    def moe_layers(self) -> list[HFSparseMoE]:
+        """The MoE layers present in this process (pipeline placeholders skipped), in block order."""
+        return [m for m in self.galv_blocks.modules() if isinstance(m, HFSparseMoE)]
+
     def _part(self, key: str) -> nn.Module | None:
         path = self._paths[key]
         return None if path is None else self.get_submodule(path)
@@ -382,6 +394,14 @@ class HFCausalLM(nn.Module):
         seq = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
         return ModelShape(c.num_hidden_layers, c.hidden_size, heads, kv, ffn, c.vocab_size, seq_len or seq)
 
+    @property
+    def galv_sp_modes(self) -> tuple[str, ...]:
+        """Sequence modes the blocks run with tp > 1 (what automatic mode may search): Ulysses only when Megatron
+        TP / SP of the blocks is refused (GPT-2), else all of them."""
+        from ..plan import SP_MODES
+
+        return ("ulysses",) if self._tp_refusal is not None else tuple(SP_MODES)
+
     def galv_check_plan(self, plan: ParallelPlan) -> None:
         """Refuse what this family cannot run (see the module docstring), before anything is applied."""
         for i, s in enumerate(plan.layers):
@@ -390,12 +410,6 @@ class HFCausalLM(nn.Module):
                                  f"{type(self.hf).__name__} blocks is not supported: {self._tp_refusal}. HINT: use "
                                  "sp='ulysses' (sequence parallel, weights whole) or tp=1 for its layers; the "
                                  "embedding and head may still use tp.")
-            if s.ep > 1:
-                raise ValueError(f"layers[{i}] strategy {s.short()}: expert parallelism of the Hugging Face "
-                                 f"{type(self.hf).__name__} is not supported: its experts are one fused module, "
-                                 "which this package's all-to-all EP does not drive (and HF's own EP all-reduces "
-                                 "replicated tokens). HINT: use ep=1 (experts run whole, replicated on tp ranks), "
-                                 "or lightning_galv.models.MoEDecoder for expert parallelism.")
 
     def galv_embed_forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """What the model's own forward does before the first layer (token + learned positions, dropout)."""
