@@ -21,8 +21,14 @@ from lightning_galv.plan import ParallelPlan
 
 
 def hf_config(family: str, layers: int = 3, dropout: float = 0.0) -> Any:
-    """Tiny random Hugging Face configs (no hub) shaped like the reference models: vocab 64, hidden 32, seq 16."""
+    """Tiny random Hugging Face configs (no hub) shaped like the reference models: vocab 64, hidden 32, seq 16.
+    ``"mixtral_aux"``: Mixtral with HF's router load-balancing loss on (``output_router_logits``), weighted 0.5."""
     from transformers import AutoConfig
+
+    if family == "mixtral_aux":
+        cfg = hf_config("mixtral", layers, dropout)
+        cfg.output_router_logits, cfg.router_aux_loss_coef = True, 0.5
+        return cfg
 
     common = dict(vocab_size=64, num_hidden_layers=layers, tie_word_embeddings=False)
     if family == "gpt2":
@@ -164,7 +170,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     if ref_micro > 1 and dropout:
         raise ValueError("MoE under pp with dropout: the micro-batched reference would draw other masks. "
                          "HINT: use dropout=0 for this check.")
-    if isinstance(model, MoEDecoder):  # the injected aux-loss gradient is scaled like the LM loss
+    if hasattr(model, "set_aux_grad_scale"):  # the injected aux-loss gradient is scaled like the LM loss
         model.set_aux_grad_scale(1.0 / accumulate)  # (a pipeline schedule divides by its micro-batches itself)
     ref = copy.deepcopy(model)
     if ref_micro > 1:

@@ -216,6 +216,41 @@ def test_mixtral_moe_block_runs_through_the_packages_moe_layer() -> None:
     assert layer.last_stats is not None and sum(layer.last_stats.tokens_per_expert) == 2 * 5 * 2  # dropless, top-2
 
 
+def test_mixtral_router_aux_loss_equals_hfs_own() -> None:
+    """output_router_logits=True: the adapter's cross entropy plus the injected pooled aux gradient equals HF's own
+    ``CE + router_aux_loss_coef * aux_loss`` (values and every gradient); HF's own forward through the adapted model
+    is not charged twice; a pipeline is refused (the pool spans all layers of a forward)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    cfg = drc.hf_config("mixtral_aux", 2)
+    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    own = copy.deepcopy(hf)
+    adapter = galv_hf(hf)
+    x = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(2))
+    xi, y = x[:, :-1], x[:, 1:]
+
+    def ce(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, 64), y.reshape(-1))
+
+    out = own(xi)
+    (ce(out.logits) + cfg.router_aux_loss_coef * out.aux_loss).backward()
+    want = {n: p.grad.clone() for n, p in own.named_parameters()}
+    ce(adapter(xi)).backward()
+    assert abs(float(adapter.aux_losses()["aux_loss"]) - float(out.aux_loss)) <= 1e-6
+    err = max(float((p.grad - want[n[3:]]).abs().max()) for n, p in adapter.named_parameters())
+    own.zero_grad()
+    ce(own(xi).logits).backward()  # the same model without the aux term: what the check must tell apart
+    effect = max(float((p.grad - want[n]).abs().max()) for n, p in own.named_parameters())
+    assert err <= 1e-7 < 1e-4 <= effect, (err, effect)
+    adapter.zero_grad()
+    out2 = adapter.hf(xi)  # HF's own forward on the adapted model: HF adds the aux itself, we add nothing
+    (ce(out2.logits) + cfg.router_aux_loss_coef * out2.aux_loss).backward()
+    assert max(float((p.grad - want[n[3:]]).abs().max()) for n, p in adapter.named_parameters()) <= 1e-7
+    with pytest.raises(ValueError, match="pp=2 with output_router_logits=True.*HINT"):
+        adapter.galv_check_plan(ParallelPlan.uniform(4, 2, L(dp=2), pp=2, micro_batches=2))
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_hf_mixtral_expert_parallel_4_ranks() -> None:
@@ -234,6 +269,11 @@ def test_hf_mixtral_expert_parallel_4_ranks() -> None:
                                                       L(tp=2, dp=2, sp="ulysses", ep=4)), embed=L(tp=2, dp=2),
                                                   head=L(tp=2, dp=2)).to_dict(),
          {**kw, "clip": 0.01, "clip_algorithm": "value"}),
+        # HF's router load-balancing loss (output_router_logits, weight 0.5) from globally reduced sums
+        ("hf_mixtral_aux_ep2_ckpt_accum", ParallelPlan(4, (L(dp=4, ep=2, checkpoint=True), L(tp=2, dp=2, ep=2),
+                                                            L(tp=2, dp=2, sp="ulysses", ep=4, zero=2)),
+                                                        embed=L(dp=4), head=L(dp=4)).to_dict(),
+         {**kw, "kind": "hf_mixtral_aux", "accumulate": 2}),
         ("hf_mixtral_pp2_ep2", ParallelPlan(4, (L(dp=2, ep=2), L(dp=2, ep=2, zero=2), L(dp=2), L(dp=2, ep=2)),
                                             pp=2, micro_batches=2, embed=L(dp=2), head=L(dp=2)).to_dict(),
          {**kw, "layers": 4}),

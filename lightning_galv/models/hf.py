@@ -73,7 +73,7 @@ from torch import nn
 
 from ..plan import ModelShape, ParallelPlan
 from .dropout import keyed_dropout_
-from .hf_moe import HFSparseMoE, swap_hf_moe
+from .hf_moe import HFSparseMoE, PooledRouterAux, swap_hf_moe
 from .moe import RoutingLog
 
 __all__ = ["HFCausalLM", "galv_hf", "SUPPORTED_FAMILIES", "TESTED_TRANSFORMERS"]
@@ -170,6 +170,14 @@ def _attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             off = coords().seq_offset
             kwargs["position_embeddings"] = (cos[..., off:off + n, :], sin[..., off:off + n, :])
     return type(self).forward(self, *args, **kwargs)
+
+
+def _drop_aux_pools(model: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of the HF model itself (its own forward, not the adapter's): no layer injects a router aux
+    gradient from a pool of the adapter's (HF's forward computes and adds that loss itself)."""
+    for m in model.modules():
+        if isinstance(m, HFSparseMoE):
+            m.aux_pool = None
 
 
 def _block_pre_hook(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -341,6 +349,16 @@ class HFCausalLM(nn.Module):
         # fused experts, all-to-all expert parallelism (models/hf_moe.py)
         self.routing_log = RoutingLog()
         self._moe_paths = sorted({p for i, block in enumerate(blocks) for p in swap_hf_moe(block, i, self.routing_log)})
+        # HF adds router_aux_loss_coef x its pooled load-balancing loss when output_router_logits is on
+        self._router_aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) \
+            if self._moe_paths and getattr(config, "output_router_logits", False) else 0.0
+        for layer in self.moe_layers:
+            layer.router_aux_coef = self._router_aux_coef
+        self._aux_pool: PooledRouterAux | None = None
+        if self._router_aux_coef and not getattr(model, "_galv_aux_hook", False):
+            # the model's own forward adds HF's aux loss to its own loss: no pool of ours may inject it again
+            model.register_forward_pre_hook(_drop_aux_pools)
+            model._galv_aux_hook = True
 
         self._tp_refusal: str | None = None  # why Megatron TP / SP of the blocks is refused, if it is
         if not getattr(config, "base_model_tp_plan", None):
@@ -382,6 +400,17 @@ class HFCausalLM(nn.Module):
         """The MoE layers present in this process (pipeline placeholders skipped), in block order."""
         return [m for m in self.galv_blocks.modules() if isinstance(m, HFSparseMoE)]
 
+    def set_aux_grad_scale(self, scale: float) -> None:
+        """Scale of the injected router-aux gradient; must match the LM loss's (``1 / accumulate_grad_batches``)."""
+        for layer in self.moe_layers:
+            layer.aux_grad_scale = float(scale)
+
+    def aux_losses(self) -> dict[str, torch.Tensor]:
+        """HF's (unweighted) load-balancing loss of the last forward, when ``output_router_logits`` is on (for
+        logging; its gradient, weighted by ``router_aux_loss_coef``, is injected in backward)."""
+        pool = self._aux_pool
+        return {"aux_loss": pool.value()} if pool is not None and pool.counts is not None else {}
+
     def _part(self, key: str) -> nn.Module | None:
         path = self._paths[key]
         return None if path is None else self.get_submodule(path)
@@ -404,6 +433,10 @@ class HFCausalLM(nn.Module):
 
     def galv_check_plan(self, plan: ParallelPlan) -> None:
         """Refuse what this family cannot run (see the module docstring), before anything is applied."""
+        if plan.pp > 1 and self._router_aux_coef:
+            raise ValueError(f"pp={plan.pp} with output_router_logits=True: HF's router load-balancing loss pools every "
+                             "MoE layer of a forward, which pipeline stages run apart. HINT: use pp=1, or build the "
+                             "config with output_router_logits=False (no router aux loss).")
         for i, s in enumerate(plan.layers):
             if s.tp > 1 and not s.ulysses and self._tp_refusal is not None:
                 raise ValueError(f"layers[{i}] strategy {s.short()}: Megatron tensor / sequence parallelism of "
@@ -418,6 +451,10 @@ class HFCausalLM(nn.Module):
         if window is not None and (getattr(self.hf.config, "use_sliding_window", True) is not False) and s > window:
             raise ValueError(f"sequence of {s} tokens > sliding_window={window}: the adapter's attention is plain "
                              "causal. HINT: train on windows of at most sliding_window tokens.")
+        if self._router_aux_coef:  # a fresh pool per forward: each layer's backward reads the one it joined
+            self._aux_pool = PooledRouterAux(self.moe_layers[0].num_experts)
+            for layer in self.moe_layers:
+                layer.aux_pool = self._aux_pool
         h = self.galv_embedding(tokens)  # [b, s, hidden]
         positions, drop = self._part("positions"), self._part("drop")
         if positions is not None:

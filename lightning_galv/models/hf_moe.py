@@ -28,6 +28,18 @@ The experts are computed inside a call of the ``experts`` module (its instance `
 :func:`_run_local_experts`): FSDP2 all-gathers a module's parameters around its forward, so they must be used
 inside one.
 
+**Router load-balancing loss** (``config.output_router_logits=True``: HF then adds
+``router_aux_loss_coef * aux`` to its loss). HF's ``load_balancing_loss_func`` pools every MoE layer of the
+forward before forming the product: ``aux = E * sum_e (C_e / R) * (P_e / R)`` with ``C_e`` the top-k assignments
+of expert e summed over layers and tokens, ``P_e`` its router probability summed likewise, and ``R`` = layers x
+tokens. It is not a sum of per-layer losses, so the reference layer's per-layer :class:`~.moe.AttachAuxLoss` does
+not fit. Here each layer's sums, first added over its data group (``GlobalRouterStats``: the plan-independent,
+global-batch values), go into one :class:`PooledRouterAux` per forward; the gradient of ``aux`` with respect to
+layer l's probability sums is ``E * C / R^2`` -- known once every layer has run, which is before any backward
+-- and :class:`_AttachPooledAux` injects it into each layer's backward. Exact for plans without a pipeline
+(stages run layers of one forward on different ranks at different times: ``pp > 1`` with the aux loss is
+refused); activation-checkpoint recomputes do not add to the pool twice.
+
 Not supported (refused with a ValueError, not run wrongly): ``router_jitter_noise > 0`` while training (HF
 draws it from torch's global generator: different noise under every plan), NetMoE sample placement and
 expert relayout (they need one module per expert).
@@ -42,9 +54,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .moe import LocalDispatcher, LocalStatsReducer, MoELayer, RoutingLog
+from .moe import LocalDispatcher, LocalStatsReducer, MoELayer, RouterSums, RoutingLog, _inside_backward
 
-__all__ = ["HFSparseMoE", "is_hf_sparse_moe", "swap_hf_moe"]
+__all__ = ["HFSparseMoE", "PooledRouterAux", "is_hf_sparse_moe", "swap_hf_moe"]
+
+
+class PooledRouterAux:
+    """HF Mixtral's load-balancing loss of one forward, pooled over its MoE layers (module docstring).
+
+    Holds detached sums only: the gradient is injected per layer by :class:`_AttachPooledAux`."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.counts: torch.Tensor | None = None  # [E] top-k assignments, summed over layers (global over D)
+        self.probs: torch.Tensor | None = None  # [E] router probabilities, summed likewise
+        self.rows = 0  # layers x tokens
+
+    def add(self, sums: RouterSums) -> None:
+        counts, probs = sums.counts.detach().to(sums.prob_sum.dtype), sums.prob_sum.detach()
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.probs = probs if self.probs is None else self.probs + probs
+        self.rows += int(sums.tokens)
+
+    def value(self) -> torch.Tensor:
+        """``E * sum_e (C_e / R) (P_e / R)`` (HF's ``load_balancing_loss_func`` without an attention mask)."""
+        assert self.counts is not None and self.probs is not None, "no MoE layer has run in this forward"
+        return self.num_experts * ((self.counts / self.rows) * (self.probs / self.rows)).sum()
+
+    def grad_probs(self) -> torch.Tensor:
+        """``d value / d P`` = ``E * C / R^2`` ([E]): the same for every layer's probability sums."""
+        assert self.counts is not None
+        return self.num_experts * self.counts / float(self.rows) ** 2
+
+
+class _AttachPooledAux(torch.autograd.Function):
+    """Returns ``hidden`` unchanged; backward also gives the layer's (reduced) probability sums ``probs [E]`` the
+    gradient ``scale * pool.grad_probs()``, read when backward runs (after every layer of the forward has added
+    to ``pool``)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, probs: torch.Tensor, pool: PooledRouterAux,  # type: ignore[override]
+                scale: float) -> torch.Tensor:
+        ctx.pool, ctx.scale = pool, scale
+        return hidden.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # type: ignore[override]
+        return grad, ctx.pool.grad_probs() * ctx.scale, None, None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -107,6 +163,9 @@ class HFSparseMoE(MoELayer):
         self.last_z_loss = None
         self.carry_in = None
         self.carry_out = None
+        self.router_aux_coef = 0.0  # HF's router_aux_loss_coef when output_router_logits (set by the adapter)
+        self.aux_pool: PooledRouterAux | None = None  # this forward's pool (set by the adapter per forward)
+        self._pool_probs: torch.Tensor | None = None
         experts.forward = types.MethodType(_run_local_experts, experts)
 
     @property
@@ -142,7 +201,21 @@ class HFSparseMoE(MoELayer):
             raise ValueError(f"router_jitter_noise={self.jitter_noise}: HF draws the jitter from torch's global "
                              "generator, so it differs under every plan. HINT: build the config with "
                              "router_jitter_noise=0.0.")
-        return super().forward(x)
+        out = super().forward(x)
+        probs, self._pool_probs = self._pool_probs, None
+        if self.aux_pool is not None and probs is not None and probs.requires_grad and self.router_aux_coef:
+            out = _AttachPooledAux.apply(out, probs, self.aux_pool, self.router_aux_coef * self.aux_grad_scale)
+        return out
+
+    def aux_losses(self, sums: RouterSums) -> tuple[torch.Tensor, torch.Tensor]:
+        """Called by :meth:`MoELayer.forward` with the (reduced) router sums: they join this forward's pool (not
+        again in an activation-checkpoint recompute); the per-layer values returned are for logging only (the
+        layer's own aux / z weights are 0)."""
+        if self.aux_pool is not None:
+            if not _inside_backward():
+                self.aux_pool.add(sums)
+            self._pool_probs = sums.prob_sum
+        return super().aux_losses(sums)
 
     def shard_experts(self, local: range, ep_mesh: Any) -> list[nn.Module]:
         """Keep the experts ``local`` (consecutive global ids) of this EP rank: each fused tensor becomes a DTensor
