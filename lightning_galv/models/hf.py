@@ -11,6 +11,8 @@ How the parts are found -- from the model's own structure and metadata, not from
 * **embedding / head**: ``get_input_embeddings()`` / ``get_output_embeddings()``; **final norm**: the base
   model's direct child holding only ``[hidden]`` vectors (``norm``, ``ln_f``); learned **positions**: its
   other ``nn.Embedding`` (GPT-2's ``wpe``); **rotary** tables: its child with an ``inv_freq`` buffer;
+* **sparse MoE blocks** (Mixtral's ``mlp``: a ``gate`` router and fused ``experts``): replaced, under the same
+  name and with the same children, by :class:`~.hf_moe.HFSparseMoE`, an MoE layer of this package's runtime;
 * **projections** (``galv_tp_plan``, set on every block): translated from ``config.base_model_tp_plan``:
 
   =====================================  ==============================================================
@@ -40,10 +42,12 @@ fp32; its cases list which strategy ran on which family):
 ==========================  ==========================================================================
 LLaMA, Qwen2, Mistral        everything: DP, ZeRO-1/2/3, TP, TP + Megatron-SP, Ulysses, checkpointing, pp,
                              vocab-parallel embedding / head (one structure; pp is exercised on LLaMA)
-Mixtral (MoE)                the same, the MoE block replicated on tp ranks; **no expert parallelism**:
-                             ``ep > 1`` is refused (HF's experts are one fused module; routing them through
-                             this package's all-to-all EP is not implemented). The router aux loss is not
-                             added (``output_router_logits`` stays off). pp is not exercised in the tests.
+Mixtral (MoE)                the same, the MoE block replicated on tp ranks, and **expert parallelism**
+                             (``ep > 1``) through this package's all-to-all EP, not HF's own (which
+                             all-reduces replicated tokens): the sparse MoE block becomes an
+                             :class:`~.hf_moe.HFSparseMoE` over HF's own router and fused experts, same keys
+                             (:mod:`.hf_moe`). HF's router load-balancing loss is added (as a gradient) when
+                             ``output_router_logits=True``; then pp is refused.
 GPT-2                        DP, ZeRO, Ulysses, checkpointing, pp, vocab-parallel embedding / head;
                              Megatron TP / SP of the blocks is **refused**: GPT-2 publishes no TP plan and
                              fuses q/k/v in one ``Conv1D`` (``c_attn``) whose column split would have to keep
