@@ -704,11 +704,15 @@ def fit_stopped_rank(plan: dict, tmpdir: str, stop_rank: int, timeout_s: float, 
 
 def fit_auto_hf(kind: str, steps: int = 3, per_shard: int = 2) -> dict[str, Any]:
     """strategy='galvatron' (automatic mode) on a GalvHFCausalLM: it must pick a plan the adapter accepts and train
-    it exactly. Then, on rank 0 with the profiles automatic mode used, the wider search (top 50 per configuration)
-    with and without the model's limits (``galv_sp_modes`` / ``galv_check_plan``): how many plans the model refuses
-    in each, and how many tp > 1 Ulysses layer strategies the limited one still offers."""
+    it exactly. Then, on rank 0 with the profiles automatic mode used: the wider search (top 50 per configuration)
+    under the model's limits (``galv_sp_modes`` / ``galv_check_plan``) and how many of its plans the model refuses;
+    and the layer strategies the search space offers with and without ``galv_sp_modes`` (each as a uniform plan):
+    how many the model refuses, and how many split blocks by Ulysses."""
     from lightning_galv.auto import search_run_plans
     from lightning_galv.models.protocol import find_parts
+    from lightning_galv.plan import LayerStrategy
+    from lightning_galv.planner import SearchSpace
+    from lightning_galv.planner.space import candidate_strategies
 
     world = int(os.environ["LOCAL_WORLD_SIZE"])
     module = make_module(kind)
@@ -742,8 +746,14 @@ def fit_auto_hf(kind: str, steps: int = 3, per_shard: int = 2) -> dict[str, Any]
         args = (auto.model, auto.hardware, world, len(parts.blocks), auto.budget, auto.memory_margin,
                 auto.loader_batch, True, False)
         limited = search_run_plans(*args, top_k=50, sp_modes=parts.sp_modes, check_plan=parts.check_plan).plans
-        free = search_run_plans(*args, top_k=50).plans
-        out.update(sp_modes=parts.sp_modes, refused_limited=refused(limited), refused_free=refused(free),
-                   n_limited=len(limited), n_free=len(free),
-                   ulysses_tp=sum(s.tp > 1 and s.ulysses for p in limited for s in p.layers))
+
+        def offered(space: SearchSpace) -> list[ParallelPlan]:
+            strategies = candidate_strategies(parts.shape, world, world, space)
+            return [ParallelPlan.uniform(world, len(parts.blocks), s, embed=LayerStrategy(dp=world),
+                                         head=LayerStrategy(dp=world)) for s in strategies]
+
+        free_space, limited_space = offered(SearchSpace()), offered(SearchSpace(sp_modes=parts.sp_modes))
+        out.update(sp_modes=parts.sp_modes, refused_limited=refused(limited), n_limited=len(limited),
+                   refused_space_free=refused(free_space), refused_space_limited=refused(limited_space),
+                   ulysses_space=sum(p.layers[0].tp > 1 and p.layers[0].ulysses for p in limited_space))
     return out

@@ -324,6 +324,7 @@ def test_auto_mode_on_hf_models_2_ranks(tmp_path: Path) -> None:
         print(name, f"{r['loss_err']:.1e}", f"{r['weight_err']:.1e}", ParallelPlan.from_dict(r["plan"]).describe())
     gpt2, llama = res["hf_gpt2"], res["hf_llama"]
     assert gpt2["sp_modes"] == ("ulysses",) and llama["sp_modes"] == ("none", "megatron", "ulysses")
-    assert gpt2["refused_free"] > 0, gpt2  # without the limits the search offers plans the adapter refuses
-    assert gpt2["ulysses_tp"] > 0, gpt2  # the blocks may still be split, by Ulysses
-    assert llama["refused_free"] == 0, llama
+    # without the limits the search space offers GPT-2 strategies the adapter refuses; with them none, and the
+    # blocks may still be split, by Ulysses
+    assert gpt2["refused_space_free"] > 0 and gpt2["refused_space_limited"] == 0 and gpt2["ulysses_space"] > 0, gpt2
+    assert llama["refused_space_free"] == 0, llama
