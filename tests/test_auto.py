@@ -81,7 +81,7 @@ def test_search_keeps_to_what_the_model_runs(tmp_path) -> None:  # type: ignore[
     limited_space = offered(SearchSpace(sp_modes=parts.sp_modes))
     assert refused(offered(SearchSpace())) > 0 and refused(limited_space) == 0
     assert any(p.layers[0].tp > 1 and p.layers[0].ulysses for p in limited_space)
-    args = (profile, hw, 4, 4, 1e9, 0.02, 4, True, False)
+    args = (profile, hw, 4, 4, 8e9, 0.02, 4, True, False)
     limited = search_run_plans(*args, top_k=50, cache_dir=tmp_path, sp_modes=parts.sp_modes,
                                check_plan=parts.check_plan)
     assert limited.plans and refused(limited.plans) == 0
