@@ -251,6 +251,20 @@ def test_mixtral_router_aux_loss_equals_hfs_own() -> None:
         adapter.galv_check_plan(ParallelPlan.uniform(4, 2, L(dp=2), pp=2, micro_batches=2))
 
 
+def test_mixtral_refuses_the_expert_moving_callbacks() -> None:
+    """Expert relayout and sample placement move experts as modules; HF's are fused: a ValueError with a HINT."""
+    from lightning_galv.parallel.expert import AllToAllDispatcher
+    from lightning_galv.parallel.moe_step import attach_relayout, step_dispatcher
+
+    adapter = galv_hf(_hf("mixtral"))
+    layer = adapter.moe_layers[0]
+    layer.dispatcher = AllToAllDispatcher(None, 2, 0)  # as apply_ep leaves it (no collective until a forward)
+    with pytest.raises(ValueError, match="keeps its experts fused in MixtralExperts.*HINT: drop the ExpertRelayout"):
+        attach_relayout(adapter)
+    with pytest.raises(ValueError, match="keeps its experts fused.*HINT"):
+        step_dispatcher(layer)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_hf_mixtral_expert_parallel_4_ranks() -> None:

@@ -177,11 +177,6 @@ class HFSparseMoE(MoELayer):
         """Parameters of one expert (a row of each fused tensor), for the planner."""
         return sum(int(t[0].numel()) for t in (self.experts.gate_up_proj, self.experts.down_proj))
 
-    def expert_template(self) -> nn.Module:
-        raise ValueError(f"layer {self.layer_idx}: expert relayout / sample placement need one module per expert; "
-                         "the Hugging Face MoE block keeps its experts fused. HINT: train it without the "
-                         "relayout / placement callbacks (expert parallelism itself works).")
-
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """HF's router on ``x [T, hidden]`` -> (logits ``[T, E]`` fp32, probabilities ``[T, E]``, renormalised
         top-k weights ``[T, k]``, top-k expert ids ``[T, k]``)."""
