@@ -123,6 +123,9 @@ def _run_local_experts(self: nn.Module, expert_input: torch.Tensor, splits: list
     ``first, first + 1, ...``; row ``j`` of this rank's shard is expert ``first + j``) each on its contiguous
     chunk of ``expert_input [N, hidden]`` -> ``[N, hidden]``. Every local expert runs, on an empty chunk too."""
     gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)  # [E_local, 2I, H], [E_local, H, I]
+    if gate_up.shape[0] != len(splits):
+        raise RuntimeError(f"experts {first}..{first + len(splits) - 1} dispatched to a shard of {gate_up.shape[0]} "
+                           "experts. HINT: this is a bug in the expert sharding (models/hf_moe.py shard_experts).")
     outs = []
     for j, chunk in enumerate(expert_input.split(splits)):  # chunk: [n_e, hidden]
         gate, up = F.linear(chunk, gate_up[j]).chunk(2, dim=-1)  # [n_e, I] each (gate rows first)
