@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .models.protocol import ModelParts
-from .plan import LayerStrategy, ParallelPlan
+from .plan import SP_MODES, LayerStrategy, ParallelPlan
 from .units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -193,7 +193,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
     if rank == 0:
         try:
             found = search_run_plans(profile, hw, world_size, n_layers, budget, margin, loader_batch, pipeline,
-                                     vocab_parallel_loss)
+                                     vocab_parallel_loss, sp_modes=parts.sp_modes, check_plan=parts.check_plan)
             best = found.plans[0]
             box[0] = (best.to_dict(), found.model.to_json(), found.hardware.to_json(), "\n".join(found.notes))
             if verbose:
@@ -251,13 +251,19 @@ class PlanSearch:
 def search_run_plans(profile: "ModelProfile", hw: "HardwareProfile | None", world_size: int, n_layers: int,
                      budget: float, margin: float, loader_batch: int | None, pipeline: bool,
                      vocab_parallel_loss: bool, top_k: int = 3, cache_dir: "str | os.PathLike[str] | None" = None,
-                     progress: "Callable[[int, int, str], None] | None" = None) -> PlanSearch:
+                     progress: "Callable[[int, int, str], None] | None" = None,
+                     sp_modes: tuple[str, ...] | None = None,
+                     check_plan: "Callable[[ParallelPlan], None] | None" = None) -> PlanSearch:
     """Search every configuration this run can execute (:func:`run_configs`), ``top_k`` plans each, priced
     like the runtime runs them; a calibration stored in the cache folder corrects the profiles first. Pure
     (no collectives): automatic mode calls it on rank 0. Raises ``ValueError`` when no plan fits.
 
     ``progress(i, n, what)`` is called before each of the ``n`` configurations (``galv search`` draws its
-    progress bar from it: a search over many pipeline degrees and micro-batch counts takes a while)."""
+    progress bar from it: a search over many pipeline degrees and micro-batch counts takes a while).
+
+    What the model cannot run is never searched or returned: ``sp_modes`` (the model's ``galv_sp_modes``, e.g. an
+    adapted HF GPT-2 runs tp > 1 blocks only under Ulysses) restricts the space, and ``check_plan`` (the model's
+    ``galv_check_plan``) drops any remaining plan it refuses, so the runtime never receives a plan it rejects."""
     from .planner import GalvatronCostModel, ProfileCache, SearchSpace, search
     from .planner.calibration import Calibration, calibration_path
     from .planner.search import rank_key
@@ -276,7 +282,8 @@ def search_run_plans(profile: "ModelProfile", hw: "HardwareProfile | None", worl
     for i, (pp, gb, ms) in enumerate(configs):
         if progress is not None:
             progress(i, len(configs), f"pp={pp} global batch {gb} micro-batches {list(ms)}")
-        space = SearchSpace(pp_degrees=(pp,), micro_batches=ms, vocab_parallel_loss=vocab_parallel_loss)
+        modes = {} if sp_modes is None else {"sp_modes": tuple(sp_modes)}
+        space = SearchSpace(pp_degrees=(pp,), micro_batches=ms, vocab_parallel_loss=vocab_parallel_loss, **modes)
         try:
             result = search(profile, hw, world_size, budget, global_batch=gb, top_k=top_k, space=space,
                             cost_model=cost, memory_margin=margin)
@@ -285,8 +292,22 @@ def search_run_plans(profile: "ModelProfile", hw: "HardwareProfile | None", worl
             failures.append((pp, need, how, str(exc)))
             notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): no plan fits")
             continue
-        found += result
+        refused = []
+        for plan in result:
+            try:
+                if check_plan is not None:
+                    check_plan(plan)
+            except ValueError as exc:
+                refused.append(str(exc))
+            else:
+                found.append(plan)
+        if refused:
+            notes.append(f"pp={pp}: {len(refused)} plan(s) the model refuses dropped (first: {refused[0][:160]})")
         notes.append(f"pp={pp} (global batch {gb}, micro-batches {list(ms)}): {result.explanation.splitlines()[0]}")
+    if not found and not failures:  # plans fitted, but the model refused every one of them
+        raise ValueError(f"no plan this run can execute: the model refused every plan the search found "
+                         f"({'; '.join(notes)}). HINT: give a plan by hand (GalvatronStrategy(plan=...)), or widen "
+                         "the search (more ranks, another loader batch).")
     if not found:
         pp, need, how, first = min(failures, key=lambda f: f[1])
         if need == float("inf"):  # no degree could name a fitting budget: its own error says why
@@ -386,7 +407,10 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
 
     world, rank = dist.get_world_size(), dist.get_rank()
     links = {k: v for k, v in hw.to_dict().items() if k not in ("device_memory_bytes", "memory_bandwidth", "name")}
-    key = fingerprint({"v": 1, "profile": profile.to_dict(), "hw": links, "world": world})
+    what = {"v": 1, "profile": profile.to_dict(), "hw": links, "world": world}
+    if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
+        what["sp_modes"] = list(parts.sp_modes)
+    key = fingerprint(what)
 
     def cached() -> str | None:  # rank 0 decides, so every rank takes the same branch (profiling is collective)
         hit = cache.load("model", key) if cache is not None else None
@@ -395,11 +419,13 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     hit = _shared(rank, cached)
     if hit is not None:
         return ModelProfile.from_json(hit)
+    sp_kinds = parts.sp_modes if tuple(parts.sp_modes) != tuple(SP_MODES) else ("none", "megatron", "ulysses")
     types: list[LayerTypeProfile] = []
     for j, lt in enumerate(profile.layer_types):
         block = parts.blocks[profile.layer_type_of.index(j)]
         types.append(ShardedLayerProfiler(lambda b=block: copy.deepcopy(b).float(), profile.shape, hw,
-                                          batch_sizes=(1, 2), repeats=2, progress=verbose).fit(lt))
+                                          batch_sizes=(1, 2), repeats=2, progress=verbose,
+                                          sp_kinds=sp_kinds).fit(lt))
     out = profile.with_(layer_types=tuple(types))
     if cache is not None and rank == 0:
         cache.save("model", key, out)

@@ -134,7 +134,8 @@ def _measure_worker(config: str | None, budget: float | None, search: dict[str, 
 
             found = search_run_plans(profile, hw, world, len(parts.blocks), cap, DEFAULT_MEMORY_MARGIN,
                                      loader_batch, pipeline, bool(getattr(module, "galv_vocab_parallel_loss", False)),
-                                     top_k=search["top_k"], progress=searching)
+                                     top_k=search["top_k"], progress=searching, sp_modes=parts.sp_modes,
+                                     check_plan=parts.check_plan)
             payload.update(plans=[p.to_dict() for p in found.plans], notes=found.notes,
                            seq_len=profile.shape.seq_len)
         return ("ok", payload)

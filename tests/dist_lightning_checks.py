@@ -700,3 +700,60 @@ def fit_stopped_rank(plan: dict, tmpdir: str, stop_rank: int, timeout_s: float, 
             os.kill(int(f.read()), signal.SIGKILL)
     dist.destroy_process_group()  # no closing barrier: a member of the world is gone
     return out
+
+
+def fit_auto_hf(kind: str, steps: int = 3, per_shard: int = 2) -> dict[str, Any]:
+    """strategy='galvatron' (automatic mode) on a GalvHFCausalLM: it must pick a plan the adapter accepts and train
+    it exactly. Then, on rank 0 with the profiles automatic mode used: the wider search (top 50 per configuration)
+    under the model's limits (``galv_sp_modes`` / ``galv_check_plan``) and how many of its plans the model refuses;
+    and the layer strategies the search space offers with and without ``galv_sp_modes`` (each as a uniform plan):
+    how many the model refuses, and how many split blocks by Ulysses."""
+    from lightning_galv.auto import search_run_plans
+    from lightning_galv.models.protocol import find_parts
+    from lightning_galv.plan import LayerStrategy
+    from lightning_galv.planner import SearchSpace
+    from lightning_galv.planner.space import candidate_strategies
+
+    world = int(os.environ["LOCAL_WORLD_SIZE"])
+    module = make_module(kind)
+    ref_module = copy.deepcopy(module)
+    data = Windows(steps * per_shard * world)
+    loader = DataLoader(data, batch_size=per_shard, shuffle=False)
+    strategy = GalvatronStrategy(memory_budget="2GB")
+    rec = LossRecorder()
+    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec], **trainer_kwargs())
+    trainer.fit(module, loader)
+    plan = strategy.plan
+    assert plan is not None and strategy.auto is not None
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
+    ref_losses, want = reference(ref_module, data.data[perm], steps, per_shard * plan.data_parallel_size)
+    got = full_state(module.model)
+    out: dict[str, Any] = {"plan": plan.to_dict(), "n_losses": len(rec.losses), "weight_err": weight_err(got, want),
+                           "loss_err": max(abs(a - b) / abs(b) for a, b in zip(rec.losses, ref_losses))}
+    if dist.get_rank() == 0:
+        parts = find_parts(module)
+        auto = strategy.auto
+
+        def refused(plans: list[ParallelPlan]) -> int:
+            n = 0
+            for p in plans:
+                try:
+                    parts.check_plan(p)
+                except ValueError:
+                    n += 1
+            return n
+
+        args = (auto.model, auto.hardware, world, len(parts.blocks), auto.budget, auto.memory_margin,
+                auto.loader_batch, True, False)
+        limited = search_run_plans(*args, top_k=50, sp_modes=parts.sp_modes, check_plan=parts.check_plan).plans
+
+        def offered(space: SearchSpace) -> list[ParallelPlan]:
+            strategies = candidate_strategies(parts.shape, world, world, space)
+            return [ParallelPlan.uniform(world, len(parts.blocks), s, embed=LayerStrategy(dp=world),
+                                         head=LayerStrategy(dp=world)) for s in strategies]
+
+        free_space, limited_space = offered(SearchSpace()), offered(SearchSpace(sp_modes=parts.sp_modes))
+        out.update(sp_modes=parts.sp_modes, refused_limited=refused(limited), n_limited=len(limited),
+                   refused_space_free=refused(free_space), refused_space_limited=refused(limited_space),
+                   ulysses_space=sum(p.layers[0].tp > 1 and p.layers[0].ulysses for p in limited_space))
+    return out

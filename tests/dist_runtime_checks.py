@@ -21,8 +21,14 @@ from lightning_galv.plan import ParallelPlan
 
 
 def hf_config(family: str, layers: int = 3, dropout: float = 0.0) -> Any:
-    """Tiny random Hugging Face configs (no hub) shaped like the reference models: vocab 64, hidden 32, seq 16."""
+    """Tiny random Hugging Face configs (no hub) shaped like the reference models: vocab 64, hidden 32, seq 16.
+    ``"mixtral_aux"``: Mixtral with HF's router load-balancing loss on (``output_router_logits``), weighted 0.5."""
     from transformers import AutoConfig
+
+    if family == "mixtral_aux":
+        cfg = hf_config("mixtral", layers, dropout)
+        cfg.output_router_logits, cfg.router_aux_loss_coef = True, 0.5
+        return cfg
 
     common = dict(vocab_size=64, num_hidden_layers=layers, tie_word_embeddings=False)
     if family == "gpt2":
@@ -164,7 +170,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     if ref_micro > 1 and dropout:
         raise ValueError("MoE under pp with dropout: the micro-batched reference would draw other masks. "
                          "HINT: use dropout=0 for this check.")
-    if isinstance(model, MoEDecoder):  # the injected aux-loss gradient is scaled like the LM loss
+    if hasattr(model, "set_aux_grad_scale"):  # the injected aux-loss gradient is scaled like the LM loss
         model.set_aux_grad_scale(1.0 / accumulate)  # (a pipeline schedule divides by its micro-batches itself)
     ref = copy.deepcopy(model)
     if ref_micro > 1:
@@ -246,7 +252,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
                     rloss = _ce(ref(x), y, label_smoothing)
                     (rloss / accumulate).backward()
             ref_losses.append(float(rloss))
-            if step == 0 and k == 0 and plan.pp == 1 and isinstance(model, MoEDecoder):
+            if step == 0 and k == 0 and plan.pp == 1 and getattr(model, "moe_layers", None):
                 routing = _routing_checks(model, ref, plan)
             g = loss.detach().clone()
             dist.all_reduce(g)
@@ -283,7 +289,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     worst = max(errs, key=errs.get)
     weight_err = errs[worst]
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    moe_layers = model.moe_layers if isinstance(model, MoEDecoder) else []
+    moe_layers = list(getattr(model, "moe_layers", None) or [])  # MoEDecoder's, or a HF model's (HFSparseMoE)
     from torch.distributed.fsdp import FSDPModule
 
     # the modules under FSDP2, grouped by state (a unit of several modules may share one), and which
@@ -298,7 +304,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     fsdp_prefetch = {n: [names[id(t._modules[0])] for t in m._get_fsdp_state()._states_to_forward_prefetch]
                      for n, m in model.named_modules() if isinstance(m, FSDPModule)}
     fsdp_prefetch = {n: t for n, t in fsdp_prefetch.items() if t}
-    experts_held = [sum(1 for e in m.experts if any(True for _ in e.parameters())) for m in moe_layers]
+    experts_held = [_experts_held(m) for m in moe_layers]
     all_to_all = [m.last_stats is not None and m.last_stats.send_splits is not None for m in moe_layers]
     return {"loss_err": loss_err, "weight_err": weight_err, "losses": losses, "ref_losses": ref_losses,
             "experts_held": experts_held, "all_to_all": all_to_all, "routing": routing,
@@ -306,6 +312,20 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
             "norm_err": max(norm_errs, default=0.0), "clipped": clipped, "sharded_seen": sharded_seen,
             "relayout": relayout_records, "placement": placement_steps, "fsdp_roots": fsdp_roots,
             "fsdp_states": sorted(fsdp_states.values()), "fsdp_prefetch": fsdp_prefetch}
+
+
+def _experts_held(layer: torch.nn.Module) -> int:
+    """Experts whose weights this rank holds: expert modules with parameters (MoEDecoder), or for a HF layer's fused
+    tensors the rows of this rank's shard on the mesh dim named "ep" (all of them when not expert-parallel)."""
+    if isinstance(layer.experts, torch.nn.ModuleList):
+        return sum(1 for e in layer.experts if any(True for _ in e.parameters()))
+    p = layer.experts.gate_up_proj
+    names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()
+    if "ep" not in names:
+        return layer.num_experts
+    i = names.index("ep")
+    assert p.placements[i].is_shard(0), p.placements
+    return layer.num_experts // p.device_mesh.size(i)
 
 
 def _shuffle_solver() -> Any:

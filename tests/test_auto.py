@@ -41,3 +41,64 @@ def test_no_plan_fits_names_the_smallest_budget_once(tmp_path) -> None:  # type:
     assert "pipeline hooks" not in msg  # pipelines were searched (pipeline=True): the HINT does not suggest them
     with pytest.raises(ValueError, match=r"HINT: .*or give the LightningModule the pipeline hooks"):
         search_run_plans(profile, hw, 4, 4, 1000.0, 0.02, 4, False, False, cache_dir=tmp_path)
+
+
+def test_search_keeps_to_what_the_model_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An adapted HF GPT-2 runs tp > 1 blocks only under Ulysses (``galv_sp_modes``) and refuses the rest
+    (``galv_check_plan``): the search restricted by both returns only plans it accepts, and still splits blocks by
+    Ulysses; unrestricted, the search space offers strategies it refuses (what auto mode used to pick from). A
+    plan the model's check refuses is dropped whatever its rank."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_galv.auto import search_run_plans
+    from lightning_galv.models.hf import galv_hf
+    from lightning_galv.models.protocol import find_parts
+    from lightning_galv.planner import HardwareProfile, ModelProfile
+
+    cfg = AutoConfig.for_model("gpt2", vocab_size=64, n_embd=64, n_head=4, n_layer=4, n_positions=64,
+                               tie_word_embeddings=False)
+    parts = find_parts(galv_hf(AutoModelForCausalLM.from_config(cfg)))
+    assert parts.sp_modes == ("ulysses",)
+    profile, hw = ModelProfile.from_shape(parts.shape), HardwareProfile.uniform(1, 4, 1e9)
+
+    def refused(plans: list) -> int:
+        n = 0
+        for p in plans:
+            try:
+                parts.check_plan(p)
+            except ValueError:
+                n += 1
+        return n
+
+    from lightning_galv.plan import LayerStrategy, ParallelPlan
+    from lightning_galv.planner import SearchSpace
+    from lightning_galv.planner.space import candidate_strategies
+
+    def offered(space: SearchSpace) -> list:  # each layer strategy the space offers, as a uniform plan
+        return [ParallelPlan.uniform(4, 4, s, embed=LayerStrategy(dp=4), head=LayerStrategy(dp=4))
+                for s in candidate_strategies(parts.shape, 4, 4, space)]
+
+    limited_space = offered(SearchSpace(sp_modes=parts.sp_modes))
+    assert refused(offered(SearchSpace())) > 0 and refused(limited_space) == 0
+    assert any(p.layers[0].tp > 1 and p.layers[0].ulysses for p in limited_space)
+    args = (profile, hw, 4, 4, 8e9, 0.02, 4, True, False)
+    limited = search_run_plans(*args, top_k=50, cache_dir=tmp_path, sp_modes=parts.sp_modes,
+                               check_plan=parts.check_plan)
+    assert limited.plans and refused(limited.plans) == 0
+    # the model's check drops plans whatever their rank: refuse the unrestricted search's best one
+    best = search_run_plans(*args, top_k=3, cache_dir=tmp_path).plans[0]
+
+    def not_best(plan: object) -> None:
+        if plan == best:
+            raise ValueError("refused. HINT: none")
+
+    dropped = search_run_plans(*args, top_k=3, cache_dir=tmp_path, check_plan=not_best)
+    assert best not in dropped.plans and dropped.plans and any("refuses dropped" in n for n in dropped.notes)
+    # a check that refuses everything: a ValueError naming the refusal, not an empty pick
+    import pytest
+
+    def refuse_all(plan: object) -> None:
+        raise ValueError("nothing runs here. HINT: none")
+
+    with pytest.raises(ValueError, match="the model refused every plan.*HINT"):
+        search_run_plans(*args, top_k=3, cache_dir=tmp_path, check_plan=refuse_all)

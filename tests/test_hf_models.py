@@ -103,9 +103,19 @@ def test_unsupported_architecture_and_limits_are_refused_with_a_hint() -> None:
     gpt2.galv_check_plan(ParallelPlan.uniform(2, 2, L(tp=2, sp="ulysses")))  # accepted
     with pytest.raises(ValueError, match="Conv1D.*HINT"):  # parallelize asks the model first, before any mesh
         check_plan_for_model(ParallelPlan(2, (L(dp=2), L(tp=2, sp="megatron"))), find_parts(gpt2))
-    mixtral = galv_hf(_hf("mixtral"))
-    with pytest.raises(ValueError, match="expert parallelism.*HINT: use ep=1"):
-        mixtral.galv_check_plan(ParallelPlan.uniform(2, 2, L(dp=2, ep=2)))
+    mixtral = galv_hf(_hf("mixtral"))  # expert parallelism goes through this package's EP (test below)
+    check_plan_for_model(ParallelPlan.uniform(4, 2, L(dp=4, ep=2)), find_parts(mixtral))
+    two = drc.hf_config("mixtral", 2)
+    two.num_local_experts = 2
+    with pytest.raises(ValueError, match="ep=4 does not divide its 2 experts.*HINT"):
+        check_plan_for_model(ParallelPlan.uniform(4, 2, L(dp=4, ep=4)),
+                             find_parts(galv_hf(AutoModelForCausalLM.from_config(two))))
+    with pytest.raises(ValueError, match="no MoE layer.*HINT"):
+        check_plan_for_model(ParallelPlan.uniform(4, 2, L(dp=4, ep=2)), find_parts(galv_hf(_hf("llama"))))
+    noisy = drc.hf_config("mixtral", 2)
+    noisy.router_jitter_noise = 0.1
+    with pytest.raises(ValueError, match="router_jitter_noise=0.1.*HINT"):
+        galv_hf(AutoModelForCausalLM.from_config(noisy)).train()(torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="sliding_window.*HINT"):
         galv_hf(_hf("mistral"))(torch.zeros(1, 32, dtype=torch.long))
 
@@ -186,6 +196,117 @@ def test_hf_parity_4_ranks() -> None:
               ParallelPlan.from_dict(plan).describe())
 
 
+def test_mixtral_moe_block_runs_through_the_packages_moe_layer() -> None:
+    """The HF sparse MoE block becomes an MoELayer over HF's own router and fused experts: same keys, same output."""
+    from lightning_galv.models.hf_moe import HFSparseMoE
+    from lightning_galv.models.moe import MoELayer
+
+    hf = _hf("mixtral")
+    block = hf.model.layers[0].mlp
+    gate, experts = block.gate, block.experts
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
+    want = block(x)  # HF's own block, before the adapter replaces it
+    adapter = galv_hf(hf)
+    layer = adapter.hf.model.layers[0].mlp
+    assert isinstance(layer, HFSparseMoE) and isinstance(layer, MoELayer)
+    assert layer.gate is gate and layer.experts is experts  # HF's modules, not copies
+    assert [type(m).__name__ for m in adapter.moe_layers] == ["HFSparseMoE"] * 2
+    got = layer(x)
+    assert float((got - want).detach().abs().max()) <= 1e-6
+    assert layer.last_stats is not None and sum(layer.last_stats.tokens_per_expert) == 2 * 5 * 2  # dropless, top-2
+
+
+def test_mixtral_router_aux_loss_equals_hfs_own() -> None:
+    """output_router_logits=True: the adapter's cross entropy plus the injected pooled aux gradient equals HF's own
+    ``CE + router_aux_loss_coef * aux_loss`` (values and every gradient); HF's own forward through the adapted model
+    is not charged twice; a pipeline is refused (the pool spans all layers of a forward)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    cfg = drc.hf_config("mixtral_aux", 2)
+    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    own = copy.deepcopy(hf)
+    adapter = galv_hf(hf)
+    x = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(2))
+    xi, y = x[:, :-1], x[:, 1:]
+
+    def ce(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, 64), y.reshape(-1))
+
+    out = own(xi)
+    (ce(out.logits) + cfg.router_aux_loss_coef * out.aux_loss).backward()
+    want = {n: p.grad.clone() for n, p in own.named_parameters()}
+    ce(adapter(xi)).backward()
+    assert abs(float(adapter.aux_losses()["aux_loss"]) - float(out.aux_loss)) <= 1e-6
+    err = max(float((p.grad - want[n[3:]]).abs().max()) for n, p in adapter.named_parameters())
+    own.zero_grad()
+    ce(own(xi).logits).backward()  # the same model without the aux term: what the check must tell apart
+    effect = max(float((p.grad - want[n]).abs().max()) for n, p in own.named_parameters())
+    assert err <= 1e-7 < 1e-4 <= effect, (err, effect)
+    adapter.zero_grad()
+    out2 = adapter.hf(xi)  # HF's own forward on the adapted model: HF adds the aux itself, we add nothing
+    (ce(out2.logits) + cfg.router_aux_loss_coef * out2.aux_loss).backward()
+    assert max(float((p.grad - want[n[3:]]).abs().max()) for n, p in adapter.named_parameters()) <= 1e-7
+    with pytest.raises(ValueError, match="pp=2 with output_router_logits=True.*HINT"):
+        adapter.galv_check_plan(ParallelPlan.uniform(4, 2, L(dp=2), pp=2, micro_batches=2))
+
+
+def test_mixtral_refuses_the_expert_moving_callbacks() -> None:
+    """Expert relayout and sample placement move experts as modules; HF's are fused: a ValueError with a HINT."""
+    from lightning_galv.parallel.expert import AllToAllDispatcher
+    from lightning_galv.parallel.moe_step import attach_relayout, step_dispatcher
+
+    adapter = galv_hf(_hf("mixtral"))
+    layer = adapter.moe_layers[0]
+    layer.dispatcher = AllToAllDispatcher(None, 2, 0)  # as apply_ep leaves it (no collective until a forward)
+    with pytest.raises(ValueError, match="keeps its experts fused in MixtralExperts.*HINT: drop the ExpertRelayout"):
+        attach_relayout(adapter)
+    with pytest.raises(ValueError, match="keeps its experts fused.*HINT"):
+        step_dispatcher(layer)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_hf_mixtral_expert_parallel_4_ranks() -> None:
+    """Mixtral's experts sharded over EP groups (all-to-all dispatch, fused tensors as DTensor Shard(0) on the ep
+    dim) equal one process: ep alone, with ZeRO-1/2/3 on the experts, accumulation and norm clipping, with
+    attention TP / Megatron-SP + checkpointing / Ulysses (ep over its 4-rank data group), and in a pipeline."""
+    kw = {"kind": "hf_mixtral", "steps": 3}
+    cases = [
+        ("hf_mixtral_ep2", ParallelPlan.uniform(4, 3, L(dp=4, ep=2)).to_dict(), kw),
+        ("hf_mixtral_ep2_zero123_accum_clip", ParallelPlan(4, (L(dp=4, ep=2, zero=3), L(dp=4, ep=2, zero=1),
+                                                               L(dp=4, ep=2, zero=2)), embed=L(dp=4),
+                                                           head=L(dp=4)).to_dict(),
+         {**kw, "accumulate": 2, "clip": 0.05}),
+        ("hf_mixtral_ep_attn_tp_sp", ParallelPlan(4, (L(tp=2, dp=2, ep=2), L(tp=2, dp=2, sp="megatron", ep=2,
+                                                                              checkpoint=True),
+                                                      L(tp=2, dp=2, sp="ulysses", ep=4)), embed=L(tp=2, dp=2),
+                                                  head=L(tp=2, dp=2)).to_dict(),
+         {**kw, "clip": 0.01, "clip_algorithm": "value"}),
+        # HF's router load-balancing loss (output_router_logits, weight 0.5) from globally reduced sums
+        ("hf_mixtral_aux_ep2_ckpt_accum", ParallelPlan(4, (L(dp=4, ep=2, checkpoint=True), L(tp=2, dp=2, ep=2),
+                                                            L(tp=2, dp=2, sp="ulysses", ep=4, zero=2)),
+                                                        embed=L(dp=4), head=L(dp=4)).to_dict(),
+         {**kw, "kind": "hf_mixtral_aux", "accumulate": 2}),
+        ("hf_mixtral_pp2_ep2", ParallelPlan(4, (L(dp=2, ep=2), L(dp=2, ep=2, zero=2), L(dp=2), L(dp=2, ep=2)),
+                                            pp=2, micro_batches=2, embed=L(dp=2), head=L(dp=2)).to_dict(),
+         {**kw, "layers": 4}),
+    ]
+    results = run_distributed(CHECKS, 4, (cases,), timeout=900)
+    for rank, res in enumerate(results):
+        for (name, plan, _), r in zip(cases, res.values()):
+            assert_matches_one_process(rank, name, r, TOL)
+            assert r["keys_equal"], (rank, name)
+            eps = [s["ep"] for s in plan["layers"]]
+            if r["pp"] == 1:
+                assert r["experts_held"] == [4 // ep for ep in eps], (rank, name, r["experts_held"])
+                assert r["all_to_all"] == [ep > 1 for ep in eps], (rank, name)  # the all-to-all dispatcher ran
+                assert all(all(c.values()) for c in r["routing"]), (rank, name, r["routing"])
+    for (name, plan, _), r in zip(cases, results[0].values()):  # errors: loss, weight, worst first-step gradient
+        print(name, f"{r['loss_err']:.1e}", f"{r['weight_err']:.1e}", f"{max(r['grad_err'].values(), default=0):.1e}",
+              ParallelPlan.from_dict(plan).describe())
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_hf_module_fits_under_the_trainer_2_ranks() -> None:
@@ -199,3 +320,25 @@ def test_hf_module_fits_under_the_trainer_2_ranks() -> None:
     assert res["loss_err"] < TOL and res["weight_err"] < TOL, res
     assert res["keys_equal"] and res["n_losses"] == 4, res
     print("hf_fit", f"{res['loss_err']:.1e}", f"{res['weight_err']:.1e}")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_auto_mode_on_hf_models_2_ranks(tmp_path: Path) -> None:
+    """strategy='galvatron' with no plan on a tiny HF GPT-2 and LLaMA (2 ranks): the search knows what the adapter
+    refuses (GPT-2: no Megatron TP / SP of its blocks, Ulysses only), picks a plan the runtime accepts, and the fit
+    equals one process. Negative control: the same search without the model's limits offers refused GPT-2 plans."""
+    target = str(Path(__file__).parent / "dist_lightning_checks.py") + "::run_many"
+    cases = [(k, "fit_auto_hf", {"kind": k}) for k in ("hf_gpt2", "hf_llama")]
+    res = run_distributed(target, 2, (cases,), init_process_group=False, timeout=900,
+                          env={"GALV_CACHE_DIR": str(tmp_path / "cache")})[0]
+    for name, r in res.items():
+        assert r["n_losses"] == 3 and r["loss_err"] < TOL and r["weight_err"] < TOL, (name, r)
+        assert r["refused_limited"] == 0 and r["n_limited"] > 0, (name, r)
+        print(name, f"{r['loss_err']:.1e}", f"{r['weight_err']:.1e}", ParallelPlan.from_dict(r["plan"]).describe())
+    gpt2, llama = res["hf_gpt2"], res["hf_llama"]
+    assert gpt2["sp_modes"] == ("ulysses",) and llama["sp_modes"] == ("none", "megatron", "ulysses")
+    # without the limits the search space offers GPT-2 strategies the adapter refuses; with them none, and the
+    # blocks may still be split, by Ulysses
+    assert gpt2["refused_space_free"] > 0 and gpt2["refused_space_limited"] == 0 and gpt2["ulysses_space"] > 0, gpt2
+    assert llama["refused_space_free"] == 0, llama

@@ -1,5 +1,6 @@
 """Every recipe under recipes/ trains as ``galv fit --config`` (in a subprocess, on CPU ranks, at a tiny size):
-the loss goes down and the checkpoint it writes loads into a plain ``CausalLM`` with the trained weights.
+the loss goes down and the checkpoint it writes loads into a plain ``CausalLM`` (or the ``CausalLM`` subclass the
+recipe names with ``class_path``, e.g. ``GalvHFCausalLM``) with the trained weights.
 Tuning recipes (``module_factory:`` keys, read by ``galv tune --config``) run their study and write the best
 plan; a recipe may point its data at local JSON Lines / parquet files and a local tokenizer.json."""
 
@@ -38,7 +39,8 @@ TINY: dict[str, list[str]] = {
 
 def test_every_recipe_is_covered() -> None:
     names = {p.name for p in RECIPES}
-    assert {"tiny_cpu.yaml", "gpt2_hybrid.yaml", "moe_ep.yaml", "long_seq.yaml", "llama_1b_auto.yaml"} <= names
+    assert {"tiny_cpu.yaml", "gpt2_hybrid.yaml", "moe_ep.yaml", "long_seq.yaml", "llama_1b_auto.yaml",
+            "hf_mixtral_ep.yaml"} <= names
     assert set(TINY) <= names
     assert {p.name for p in TUNE_RECIPES} == {"tune_tiny.yaml"}
 
@@ -75,7 +77,21 @@ def test_recipe_trains_and_its_checkpoint_loads(recipe: Path, tmp_path: Path) ->
 
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert ckpt.is_file(), sorted(str(p) for p in (tmp_path / "run").rglob("*"))
-    model = CausalLM.load_from_checkpoint(ckpt, map_location="cpu")
+    named = (yaml.safe_load(recipe.read_text())["model"] or {}).get("class_path")
+    cls = CausalLM
+    if named:  # a CausalLM subclass (GalvHFCausalLM rebuilds its HF model from the saved config dict)
+        import importlib
+
+        module_name, _, cls_name = named.rpartition(".")
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        assert issubclass(cls, CausalLM), named
+    model = cls.load_from_checkpoint(ckpt, map_location="cpu")
+    if named and hasattr(model.model, "hf"):  # the HF model's own keys and full shapes (EP shards gathered)
+        from transformers import AutoModelForCausalLM
+
+        fresh = AutoModelForCausalLM.from_config(model.model.hf.config)
+        assert {k: v.shape for k, v in model.model.hf.state_dict().items()} == \
+            {k: v.shape for k, v in fresh.state_dict().items()}
     overrides = dict(zip(TINY.get(recipe.name, [])[::2], TINY.get(recipe.name, [])[1::2]))
     seq = int(overrides.get("--data.seq_len", yaml.safe_load(recipe.read_text())["data"]["seq_len"]))
     tokens = load_byte_tokens([DEFAULT_CORPUS])[: 8 * seq + 1]

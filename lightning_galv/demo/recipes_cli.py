@@ -6,7 +6,10 @@ Two things differ from a bare ``LightningCLI``:
   recipe works from anywhere (``galv fit --config ~/r/tiny_cpu.yaml``). This covers the inputs a recipe
   names (:data:`RECIPE_PATH_KEYS`: the strategy's plan file, the corpus files, the tokenizer file); a value
   given on the command line instead stays relative to the current folder, like any command-line path;
-* runs without a progress bar print the training loss on rank 0 (:class:`~lightning_galv.callbacks.LossLog`).
+* runs without a progress bar print the training loss on rank 0 (:class:`~lightning_galv.callbacks.LossLog`);
+* a recipe's ``model:`` may name a subclass of :class:`~lightning_galv.demo.module.CausalLM` with
+  ``class_path`` / ``init_args`` (e.g. :class:`lightning_galv.hf.GalvHFCausalLM` over a Hugging Face model); the
+  reference-model recipes give ``CausalLM``'s arguments directly, as before.
 """
 
 from __future__ import annotations
@@ -76,11 +79,30 @@ class GalvCLI(LightningCLI):
         resolve_recipe_paths(config)
 
 
+def names_model_class(args: list[str]) -> bool:
+    """Whether a ``--config`` file among ``args`` gives ``model:`` as ``class_path`` / ``init_args``: LightningCLI must
+    then parse the model in subclass mode (decided before parsing, so it reads the recipe files itself)."""
+    configs = [v for k, v in zip(args, args[1:]) if k == "--config"]
+    configs += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    for path in configs:
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):
+            continue  # jsonargparse reports it
+        if isinstance(raw, dict) and isinstance(raw.get("model"), dict) and "class_path" in raw["model"]:
+            return True
+    return False
+
+
 def cli_main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
+    import sys
+
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     parser_kwargs: dict[str, Any] = {cmd: {"epilog": f"example: {ex}"} for cmd, ex in EXAMPLES.items()} if run else {}
+    subclass = names_model_class(list(sys.argv[1:] if args is None else args))
     return GalvCLI(CausalLM, ByteCorpus, args=args, run=run, save_config_kwargs={"overwrite": True},
-                   trainer_defaults={"callbacks": [LossLog(every=10)]}, parser_kwargs=parser_kwargs)
+                   trainer_defaults={"callbacks": [LossLog(every=10)]}, parser_kwargs=parser_kwargs,
+                   subclass_mode_model=subclass)
 
 
 if __name__ == "__main__":

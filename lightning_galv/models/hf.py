@@ -11,6 +11,8 @@ How the parts are found -- from the model's own structure and metadata, not from
 * **embedding / head**: ``get_input_embeddings()`` / ``get_output_embeddings()``; **final norm**: the base
   model's direct child holding only ``[hidden]`` vectors (``norm``, ``ln_f``); learned **positions**: its
   other ``nn.Embedding`` (GPT-2's ``wpe``); **rotary** tables: its child with an ``inv_freq`` buffer;
+* **sparse MoE blocks** (Mixtral's ``mlp``: a ``gate`` router and fused ``experts``): replaced, under the same
+  name and with the same children, by :class:`~.hf_moe.HFSparseMoE`, an MoE layer of this package's runtime;
 * **projections** (``galv_tp_plan``, set on every block): translated from ``config.base_model_tp_plan``:
 
   =====================================  ==============================================================
@@ -40,10 +42,12 @@ fp32; its cases list which strategy ran on which family):
 ==========================  ==========================================================================
 LLaMA, Qwen2, Mistral        everything: DP, ZeRO-1/2/3, TP, TP + Megatron-SP, Ulysses, checkpointing, pp,
                              vocab-parallel embedding / head (one structure; pp is exercised on LLaMA)
-Mixtral (MoE)                the same, the MoE block replicated on tp ranks; **no expert parallelism**:
-                             ``ep > 1`` is refused (HF's experts are one fused module; routing them through
-                             this package's all-to-all EP is not implemented). The router aux loss is not
-                             added (``output_router_logits`` stays off). pp is not exercised in the tests.
+Mixtral (MoE)                the same, the MoE block replicated on tp ranks, and **expert parallelism**
+                             (``ep > 1``) through this package's all-to-all EP, not HF's own (which
+                             all-reduces replicated tokens): the sparse MoE block becomes an
+                             :class:`~.hf_moe.HFSparseMoE` over HF's own router and fused experts, same keys
+                             (:mod:`.hf_moe`). HF's router load-balancing loss is added (as a gradient) when
+                             ``output_router_logits=True``; then pp is refused.
 GPT-2                        DP, ZeRO, Ulysses, checkpointing, pp, vocab-parallel embedding / head;
                              Megatron TP / SP of the blocks is **refused**: GPT-2 publishes no TP plan and
                              fuses q/k/v in one ``Conv1D`` (``c_attn``) whose column split would have to keep
@@ -73,6 +77,8 @@ from torch import nn
 
 from ..plan import ModelShape, ParallelPlan
 from .dropout import keyed_dropout_
+from .hf_moe import HFSparseMoE, PooledRouterAux, swap_hf_moe
+from .moe import RoutingLog
 
 __all__ = ["HFCausalLM", "galv_hf", "SUPPORTED_FAMILIES", "TESTED_TRANSFORMERS"]
 
@@ -168,6 +174,14 @@ def _attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             off = coords().seq_offset
             kwargs["position_embeddings"] = (cos[..., off:off + n, :], sin[..., off:off + n, :])
     return type(self).forward(self, *args, **kwargs)
+
+
+def _drop_aux_pools(model: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of the HF model itself (its own forward, not the adapter's): no layer injects a router aux
+    gradient from a pool of the adapter's (HF's forward computes and adds that loss itself)."""
+    for m in model.modules():
+        if isinstance(m, HFSparseMoE):
+            m.aux_pool = None
 
 
 def _block_pre_hook(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -335,6 +349,21 @@ class HFCausalLM(nn.Module):
             self._impl = getattr(model, "_galv_impl", "sdpa")
         model.__dict__["_galv_impl"] = self._impl
 
+        # sparse MoE blocks (Mixtral's) run through this package's MoE runtime: same keys, HF's router and
+        # fused experts, all-to-all expert parallelism (models/hf_moe.py)
+        self.routing_log = RoutingLog()
+        self._moe_paths = sorted({p for i, block in enumerate(blocks) for p in swap_hf_moe(block, i, self.routing_log)})
+        # HF adds router_aux_loss_coef x its pooled load-balancing loss when output_router_logits is on
+        self._router_aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) \
+            if self._moe_paths and getattr(config, "output_router_logits", False) else 0.0
+        for layer in self.moe_layers:
+            layer.router_aux_coef = self._router_aux_coef
+        self._aux_pool: PooledRouterAux | None = None
+        if self._router_aux_coef and not getattr(model, "_galv_aux_hook", False):
+            # the model's own forward adds HF's aux loss to its own loss: no pool of ours may inject it again
+            model.register_forward_pre_hook(_drop_aux_pools)
+            model._galv_aux_hook = True
+
         self._tp_refusal: str | None = None  # why Megatron TP / SP of the blocks is refused, if it is
         if not getattr(config, "base_model_tp_plan", None):
             self._tp_refusal = NO_TP_PLAN.get(family, f"{type(model).__name__} publishes no base_model_tp_plan")
@@ -370,6 +399,22 @@ class HFCausalLM(nn.Module):
     def galv_head(self) -> nn.Linear:
         return self.hf.get_output_embeddings()
 
+    @property
+    def moe_layers(self) -> list[HFSparseMoE]:
+        """The MoE layers present in this process (pipeline placeholders skipped), in block order."""
+        return [m for m in self.galv_blocks.modules() if isinstance(m, HFSparseMoE)]
+
+    def set_aux_grad_scale(self, scale: float) -> None:
+        """Scale of the injected router-aux gradient; must match the LM loss's (``1 / accumulate_grad_batches``)."""
+        for layer in self.moe_layers:
+            layer.aux_grad_scale = float(scale)
+
+    def aux_losses(self) -> dict[str, torch.Tensor]:
+        """HF's (unweighted) load-balancing loss of the last forward, when ``output_router_logits`` is on (for
+        logging; its gradient, weighted by ``router_aux_loss_coef``, is injected in backward)."""
+        pool = self._aux_pool
+        return {"aux_loss": pool.value()} if pool is not None and pool.counts is not None else {}
+
     def _part(self, key: str) -> nn.Module | None:
         path = self._paths[key]
         return None if path is None else self.get_submodule(path)
@@ -382,20 +427,26 @@ class HFCausalLM(nn.Module):
         seq = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
         return ModelShape(c.num_hidden_layers, c.hidden_size, heads, kv, ffn, c.vocab_size, seq_len or seq)
 
+    @property
+    def galv_sp_modes(self) -> tuple[str, ...]:
+        """Sequence modes the blocks run with tp > 1 (what automatic mode may search): Ulysses only when Megatron
+        TP / SP of the blocks is refused (GPT-2), else all of them."""
+        from ..plan import SP_MODES
+
+        return ("ulysses",) if self._tp_refusal is not None else tuple(SP_MODES)
+
     def galv_check_plan(self, plan: ParallelPlan) -> None:
         """Refuse what this family cannot run (see the module docstring), before anything is applied."""
+        if plan.pp > 1 and self._router_aux_coef:
+            raise ValueError(f"pp={plan.pp} with output_router_logits=True: HF's router load-balancing loss pools every "
+                             "MoE layer of a forward, which pipeline stages run apart. HINT: use pp=1, or build the "
+                             "config with output_router_logits=False (no router aux loss).")
         for i, s in enumerate(plan.layers):
             if s.tp > 1 and not s.ulysses and self._tp_refusal is not None:
                 raise ValueError(f"layers[{i}] strategy {s.short()}: Megatron tensor / sequence parallelism of "
                                  f"{type(self.hf).__name__} blocks is not supported: {self._tp_refusal}. HINT: use "
                                  "sp='ulysses' (sequence parallel, weights whole) or tp=1 for its layers; the "
                                  "embedding and head may still use tp.")
-            if s.ep > 1:
-                raise ValueError(f"layers[{i}] strategy {s.short()}: expert parallelism of the Hugging Face "
-                                 f"{type(self.hf).__name__} is not supported: its experts are one fused module, "
-                                 "which this package's all-to-all EP does not drive (and HF's own EP all-reduces "
-                                 "replicated tokens). HINT: use ep=1 (experts run whole, replicated on tp ranks), "
-                                 "or lightning_galv.models.MoEDecoder for expert parallelism.")
 
     def galv_embed_forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """What the model's own forward does before the first layer (token + learned positions, dropout)."""
@@ -404,6 +455,10 @@ class HFCausalLM(nn.Module):
         if window is not None and (getattr(self.hf.config, "use_sliding_window", True) is not False) and s > window:
             raise ValueError(f"sequence of {s} tokens > sliding_window={window}: the adapter's attention is plain "
                              "causal. HINT: train on windows of at most sliding_window tokens.")
+        if self._router_aux_coef:  # a fresh pool per forward: each layer's backward reads the one it joined
+            self._aux_pool = PooledRouterAux(self.moe_layers[0].num_experts)
+            for layer in self.moe_layers:
+                layer.aux_pool = self._aux_pool
         h = self.galv_embedding(tokens)  # [b, s, hidden]
         positions, drop = self._part("positions"), self._part("drop")
         if positions is not None:

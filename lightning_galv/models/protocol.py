@@ -16,7 +16,10 @@ block; default ``galv_embedding(tokens)``) and ``galv_head_forward(h)`` (after t
 
 Optional, for models that cannot run every strategy: ``galv_check_plan(plan)`` is called before anything
 is applied and raises a ``ValueError`` (with a ``HINT:``) for a plan the model cannot take (an adapted
-Hugging Face GPT-2, whose fused ``Conv1D`` projections are not split, refuses tensor parallelism so).
+Hugging Face GPT-2, whose fused ``Conv1D`` projections are not split, refuses tensor parallelism so). Such a
+model also exposes ``galv_sp_modes``: the sequence modes (``"none"`` = plain Megatron TP, ``"megatron"``,
+``"ulysses"``) its blocks can run with tp > 1, so that automatic mode searches, and profiles, only those
+(GPT-2's adapter: ``("ulysses",)``); default: all of :data:`~lightning_galv.plan.SP_MODES`.
 
 and each block carries two attributes (on its class, or set on the instance by an adapter):
 
@@ -41,7 +44,7 @@ from typing import Callable
 
 from torch import nn
 
-from ..plan import ModelShape, ParallelPlan
+from ..plan import SP_MODES, ModelShape, ParallelPlan
 
 
 @dataclass
@@ -53,6 +56,7 @@ class ModelParts:
     shape: ModelShape | None
     understood: bool  # True when the model implements the protocol (TP/SP allowed)
     check_plan: Callable[[ParallelPlan], None] | None = None  # the model's own galv_check_plan, if any
+    sp_modes: tuple[str, ...] = SP_MODES  # what the blocks can run with tp > 1 (the model's galv_sp_modes)
 
 
 def find_parts(model: nn.Module) -> ModelParts:
@@ -62,7 +66,8 @@ def find_parts(model: nn.Module) -> ModelParts:
         shape = inner.galv_shape() if hasattr(inner, "galv_shape") else None
         return ModelParts(inner.galv_blocks, getattr(inner, "galv_embedding", None),
                           getattr(inner, "galv_final_norm", None), getattr(inner, "galv_head", None),
-                          shape, understood=True, check_plan=getattr(inner, "galv_check_plan", None))
+                          shape, understood=True, check_plan=getattr(inner, "galv_check_plan", None),
+                          sp_modes=tuple(getattr(inner, "galv_sp_modes", SP_MODES)))
     best: nn.ModuleList | None = None
     for mod in inner.modules():
         if isinstance(mod, nn.ModuleList) and len(mod) and len({type(m) for m in mod}) == 1:

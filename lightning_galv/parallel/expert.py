@@ -184,6 +184,11 @@ def apply_ep(block: nn.Module, mesh: Any, strategy: LayerStrategy, name: str) ->
     local: list[nn.Module] = []
     for layer in layers:
         dispatcher = AllToAllDispatcher(ep_mesh.get_group(), size, rank)
+        shard = getattr(layer, "shard_experts", None)
+        if shard is not None:  # fused expert tensors (models/hf_moe.py): sharded on their expert dim instead
+            local += shard(dispatcher.local_experts(layer.num_experts), ep_mesh)
+            layer.dispatcher = dispatcher
+            continue
         keep = set(dispatcher.local_experts(layer.num_experts))
         for e in range(layer.num_experts):
             if e not in keep:
@@ -196,7 +201,10 @@ def apply_ep(block: nn.Module, mesh: Any, strategy: LayerStrategy, name: str) ->
 def mark_expert_params(modules: list[nn.Module], ep: int) -> None:
     """Tell the gradient-norm code that these parameters exist on 1/ep of the layer's ranks (``parallel/grads.py``).
 
-    Call after FSDP2 has (possibly) replaced the parameters."""
+    Call after FSDP2 has (possibly) replaced the parameters. Modules whose parameters are DTensors sharded over
+    the EP group itself (``_galv_ep_in_placements``, models/hf_moe.py) are skipped: their placements count it."""
     for m in modules:
+        if getattr(m, "_galv_ep_in_placements", False):
+            continue
         for p in m.parameters():
             setattr(p, EP_ATTR, ep)

@@ -57,9 +57,19 @@ def attach_placement(model: nn.Module, plan: Any, gpus_per_node: int,
     return out
 
 
+def _require_expert_modules(layer: MoELayer) -> None:
+    """The MoE callbacks move and replicate experts as modules: refuse a layer whose experts are fused tensors."""
+    if not isinstance(layer.experts, nn.ModuleList):
+        raise ValueError(f"MoE layer {layer.layer_idx} ({type(layer).__name__}) keeps its experts fused in "
+                         f"{type(layer.experts).__name__}: expert relayout and sample placement need one module per "
+                         "expert. HINT: drop the ExpertRelayout / SamplePlacement callbacks for this model (its expert "
+                         "parallelism itself works).")
+
+
 def step_dispatcher(layer: MoELayer) -> PlacingDispatcher:
     """The layer's per-step dispatcher, installed over its plain EP dispatcher on first use (shared by the
     expert re-layout and the sample placement callbacks, so that they compose)."""
+    _require_expert_modules(layer)
     d = layer.dispatcher
     if isinstance(d, PlacingDispatcher):
         return d
@@ -94,6 +104,7 @@ def attach_relayout(model: nn.Module, plan: Any = None) -> list[tuple[MoELayer, 
     for layer in layers:
         if not isinstance(layer.dispatcher, AllToAllDispatcher):
             continue  # ep = 1 here: every expert local
+        _require_expert_modules(layer)
         experts = [m for m in layer.experts if any(True for _ in m.parameters())]
         d = step_dispatcher(layer)
         if any(isinstance(m, FSDPModule) for m in experts):

@@ -87,7 +87,10 @@ def moe_facts(block: nn.Module) -> MoELayerFacts | None:
     def count(m: nn.Module | None) -> int:
         return 0 if m is None else sum(p.numel() for p in m.parameters())
 
-    return MoELayerFacts(layer.num_experts, layer.top_k, count(layer.experts[0]), layer.router.in_features,
+    # a Hugging Face layer (models/hf_moe.py) keeps its experts fused: one row of each tensor per expert
+    per_expert = layer.expert_numel() if hasattr(layer, "expert_numel") else count(layer.experts[0])
+    dim = getattr(layer, "hidden_dim", None) or layer.router.in_features
+    return MoELayerFacts(layer.num_experts, layer.top_k, per_expert, dim,
                          count(layer.shared_expert) + count(layer.shared_gate), count(layer.router),
                          layer.capacity_factor)
 

@@ -261,10 +261,12 @@ class GalvatronStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         from ..known_warnings import silence_known_warnings
 
-        silence_known_warnings()  # again here: ranks started by spawn/fork never ran __init__
+        silence_known_warnings()  # rank from the environment, before the process group starts
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
+        # and with the rank the strategy computed: ranks started by spawn/fork never ran __init__
+        silence_known_warnings(self.global_rank)
         # everything that can be checked locally is checked before any rank waits on another
         self._check_precision()
         pp = self._plan_spec.pp if isinstance(self._plan_spec, ParallelPlan) else 1
