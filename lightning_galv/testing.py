@@ -205,6 +205,18 @@ def assert_matches_one_process(rank: int, name: str, r: dict[str, Any], tol: flo
     assert not bad, (rank, name, bad)
 
 
+def count_refused(parts: Any, plans: Collection[ParallelPlan]) -> int:
+    """How many of ``plans`` the model's own plan check (``ModelParts.check_plan``) refuses: auto-mode tests
+    assert the search offers none of them once the model's limits are known."""
+    n = 0
+    for p in plans:
+        try:
+            parts.check_plan(p)
+        except ValueError:
+            n += 1
+    return n
+
+
 def random_strategy(rng: random.Random, width: int, *, edge: bool = False) -> LayerStrategy:
     """A random valid factorization of ``width`` ranks with random sp / ZeRO / checkpointing / grouping.
 

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import lightning_galv  # noqa: F401  (registers the strategy)
 from lightning_galv import GalvatronStrategy, ParallelPlan
+from lightning_galv.testing import count_refused
 from lightning_galv.layout import RankLayout
 from lightning_galv.demo.module import CausalLM
 
@@ -735,13 +736,7 @@ def fit_auto_hf(kind: str, steps: int = 3, per_shard: int = 2) -> dict[str, Any]
         auto = strategy.auto
 
         def refused(plans: list[ParallelPlan]) -> int:
-            n = 0
-            for p in plans:
-                try:
-                    parts.check_plan(p)
-                except ValueError:
-                    n += 1
-            return n
+            return count_refused(parts, plans)
 
         args = (auto.model, auto.hardware, world, len(parts.blocks), auto.budget, auto.memory_margin,
                 auto.loader_batch, True, False)

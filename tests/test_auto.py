@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning_galv.auto import run_configs
+from lightning_galv.testing import count_refused
 
 
 def test_run_configs_follow_the_loader_batch() -> None:
@@ -62,13 +63,7 @@ def test_search_keeps_to_what_the_model_runs(tmp_path) -> None:  # type: ignore[
     profile, hw = ModelProfile.from_shape(parts.shape), HardwareProfile.uniform(1, 4, 1e9)
 
     def refused(plans: list) -> int:
-        n = 0
-        for p in plans:
-            try:
-                parts.check_plan(p)
-            except ValueError:
-                n += 1
-        return n
+        return count_refused(parts, plans)
 
     from lightning_galv.plan import LayerStrategy, ParallelPlan
     from lightning_galv.planner import SearchSpace
