@@ -46,8 +46,9 @@ def _setup() -> tuple[ModelProfile, HardwareProfile, ParallelPlan]:
 def test_replan_keeps_the_best_plan_and_moves_when_calibration_says_communication_is_slow() -> None:
     """64 simulated ranks. Uncalibrated, the running plan is the search's best: nothing to switch to. With
     collectives measured 20x slower than profiled, the calibrated search prefers 2-way tensor parallelism in
-    the blocks (less data-parallel gradient traffic per rank) and predicts it 18 % faster: a switch, whose plan
-    keeps the loader's layout; with a 25 % margin the same finding does not switch."""
+    the blocks (less data-parallel gradient traffic per rank; ZeRO-0, whose bucketed all-reduce overlaps the
+    backward) and predicts it 23 % faster: a switch, whose plan keeps the loader's layout; with a 25 % margin the
+    same finding does not switch."""
     model, hw, best = _setup()
     assert [s.short() for s in best.layers] == ["dp64·zero2"] * 8
     same = replan_search(best, model, hw, 16e9, 0.02)
@@ -55,8 +56,8 @@ def test_replan_keeps_the_best_plan_and_moves_when_calibration_says_communicatio
     slow_comm = Calibration({}, comm_scale=20.0)
     moved = replan_search(best, model, hw, 16e9, 0.02, slow_comm)
     assert moved.plan is not None and loader_layout(moved.plan) == loader_layout(best)
-    assert [s.short() for s in moved.plan.layers] == ["tp2·dp32·zero2"] * 8
-    assert moved.current_s == pytest.approx(105.3e-3, rel=2e-3) and moved.best_s == pytest.approx(86.1e-3, rel=2e-3)
+    assert [s.short() for s in moved.plan.layers] == ["tp2·dp32"] * 8
+    assert moved.current_s == pytest.approx(105.3e-3, rel=2e-3) and moved.best_s == pytest.approx(81.4e-3, rel=2e-3)
     m2, h2 = slow_comm.apply(model, hw)  # the decision is the calibrated cost model's
     from lightning_galv.auto import priced_hardware
 
@@ -64,7 +65,7 @@ def test_replan_keeps_the_best_plan_and_moves_when_calibration_says_communicatio
                               runtime="native")
     assert cost.evaluate(best).step_time_s == pytest.approx(moved.current_s, rel=1e-9)
     assert replan_search(best, model, hw, 16e9, 0.02, slow_comm, min_gain=0.25).plan is None
-    assert "+18%" in moved.describe()
+    assert "+23%" in moved.describe()
 
 
 def test_pristine_copy_holds_no_parameter_memory_and_restores_real_buffers() -> None:
