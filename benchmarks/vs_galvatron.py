@@ -28,14 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-JUDGE = Path(os.environ.get("GALV_JUDGE", ROOT.parent / "shared" / "galvatron-judge"))
-VENV = Path(os.environ.get("JUDGE_VENV", Path(tempfile.gettempdir()) / "judge-venv"))
-if __name__ == "__main__" and os.path.realpath(sys.prefix) != os.path.realpath(VENV) and (VENV / "bin/python").exists():
-    os.execv(str(VENV / "bin/python"), [str(VENV / "bin/python"), os.path.abspath(__file__)] + sys.argv[1:])
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(JUDGE))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _judge_env import ROOT, add_judge_paths, enter_judge_venv  # noqa: E402
+
+if __name__ == "__main__":
+    enter_judge_venv(__file__)
+add_judge_paths()
 
 from lightning_galv.compat.galvatron import (read_galvatron_hardware, read_hardware_profile,  # noqa: E402
                                              read_model_profile, write_plan)

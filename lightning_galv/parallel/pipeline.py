@@ -128,26 +128,23 @@ def _instrument(stage: Any, chunk: int, driver: "PipelineDriver") -> None:
     the module, does not go through this method. And while ``driver.op_log`` is a list (the online
     profiler sets one on a sampled step), each forward and backward of a micro-batch is timed into it --
     the measured pipeline timeline. Unsampled steps pay one attribute check per op."""
-    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+    def timed(kind: str, op: Callable[..., Any]) -> Callable[..., Any]:
+        """``op`` (the stage's own per-micro-batch forward or backward), logged into ``driver.op_log`` if set."""
+        def run(micro: int, *args: Any, **kwargs: Any) -> Any:
+            log = driver.op_log
+            if log is None:
+                return op(micro, *args, **kwargs)
+            t0 = driver.clock()
+            out = op(micro, *args, **kwargs)
+            log.append((kind, chunk, micro, t0, driver.clock()))
+            return out
+        return run
+
+    fwd, backward_one_chunk = timed("F", stage.forward_one_chunk), timed("B", stage.backward_one_chunk)
 
     def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        set_coords(micro=fwd_chunk_id)
-        log = driver.op_log
-        if log is None:
-            return fwd(fwd_chunk_id, *args, **kwargs)
-        t0 = driver.clock()
-        out = fwd(fwd_chunk_id, *args, **kwargs)
-        log.append(("F", chunk, fwd_chunk_id, t0, driver.clock()))
-        return out
-
-    def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        log = driver.op_log
-        if log is None:
-            return bwd(bwd_chunk_id, *args, **kwargs)
-        t0 = driver.clock()
-        out = bwd(bwd_chunk_id, *args, **kwargs)
-        log.append(("B", chunk, bwd_chunk_id, t0, driver.clock()))
-        return out
+        set_coords(micro=fwd_chunk_id)  # keyed dropout: the micro-batch of every forward, logged or not
+        return fwd(fwd_chunk_id, *args, **kwargs)
 
     stage.forward_one_chunk = forward_one_chunk
     stage.backward_one_chunk = backward_one_chunk
