@@ -1,6 +1,6 @@
 """Rank-side code of benchmarks/moe_callbacks_e2e.py: MoE training steps with and without the MoE callbacks.
 
-Every rank first trains the same MoE decoder in one process for ``pretrain`` steps on the shipped corpus (same
+Every rank first trains the same MoE decoder in one process for ``pretrain`` steps on the corpus (same
 seed and data everywhere, so the weights agree), so that routing has the skew and per-sample locality of a
 trained router rather than of a random one. Then the plan is applied and each variant (plain EP, expert
 re-layout, sample placement, both) is timed in rotated order per repeat. A step = forward + backward +
@@ -27,14 +27,15 @@ from lightning_galv.parallel.sample_placement import PlacementController
 from lightning_galv.plan import ParallelPlan
 
 
-def _windows(seq: int) -> TokenWindows:
-    return TokenWindows(load_byte_tokens([DEFAULT_CORPUS]), seq)
+def _windows(seq: int, corpus: str | None = None) -> TokenWindows:
+    """Byte-token windows of the shipped corpus (``corpus=None``) or of a local text / JSONL file."""
+    return TokenWindows(load_byte_tokens([corpus or DEFAULT_CORPUS]), seq)
 
 
-def _pretrained(cfg: dict, steps: int, batch: int, seq: int) -> MoEDecoder:
+def _pretrained(cfg: dict, steps: int, batch: int, seq: int, corpus: str | None = None) -> MoEDecoder:
     torch.manual_seed(0)
     model = MoEDecoder(MoEConfig(**cfg))
-    data = _windows(seq)
+    data = _windows(seq, corpus)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
@@ -47,10 +48,10 @@ def _pretrained(cfg: dict, steps: int, batch: int, seq: int) -> MoEDecoder:
 
 
 def run_all(plan_dict: dict, cfg: dict, variants: list[str], gpus_per_node: int, batch_per_rank: int, seq: int,
-            steps: int, warmup: int, repeats: int, pretrain: int) -> dict[str, Any]:
+            steps: int, warmup: int, repeats: int, pretrain: int, corpus: str | None = None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = ParallelPlan.from_dict(plan_dict)
-    base = _pretrained(cfg, pretrain, batch_per_rank * world, seq)
+    base = _pretrained(cfg, pretrain, batch_per_rank * world, seq, corpus)
     built = {}
     for name in variants:
         model = copy.deepcopy(base)
@@ -63,7 +64,7 @@ def run_all(plan_dict: dict, cfg: dict, variants: list[str], gpus_per_node: int,
         if "placement" in name:
             placement = PlacementController(attach_placement(model, plan, gpus_per_node))
         built[name] = (model, rt, opt, relayout, placement)
-    data = _windows(seq)
+    data = _windows(seq, corpus)
     gen = torch.Generator().manual_seed(1 + rank)
     times: dict[str, list[list[float]]] = {n: [] for n in variants}
     relayout_recs: dict[str, list[dict]] = {n: [] for n in variants}

@@ -28,3 +28,25 @@ def interval(xs: list[float]) -> tuple[float, float, float]:
     mean = statistics.fmean(xs)
     half = t95(n) * statistics.stdev(xs) / math.sqrt(n) if n > 1 else float("nan")
     return mean, mean - half, mean + half
+
+
+def bootstrap_launches(errors: list[list[float]], stat, draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """(value, low, high): ``stat`` of the plans' errors and its 95 % percentile-bootstrap interval over launches.
+
+    ``errors[p][l]`` is plan ``p``'s error in launch ``l``. A launch (its own profile run and its own
+    measurements) is the independent unit, so one bootstrap draw resamples *launches* with replacement and
+    applies the same draw to every plan; each plan's error in a draw is the median over the drawn launches,
+    and ``stat`` (e.g. the median or the max of the absolute errors) summarizes the plans. With 5 launches the
+    interval is coarse -- it says how much the summary moves with the launches we happened to get.
+    """
+    import numpy as np
+
+    e = np.asarray(errors, dtype=float)  # [plans, launches]
+    value = float(stat(np.abs(np.median(e, axis=1))))
+    if e.shape[1] < 2:
+        return value, float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, e.shape[1], size=(draws, e.shape[1]))  # [draws, launches]
+    vals = [float(stat(np.abs(np.median(e[:, pick], axis=1)))) for pick in picks]
+    lo, hi = np.percentile(vals, [2.5, 97.5])
+    return value, float(lo), float(hi)

@@ -54,7 +54,7 @@ def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: in
     from lightning_galv.models.protocol import find_parts
     from lightning_galv.profiling import HardwareProfiler
 
-    probes = [probe(cfg, seq, repeats=1)]
+    probes = [probe(cfg, seq)]
     hw = HardwareProfiler(sizes_bytes=sizes, repeats=repeats, progress=False).fit()
     model = make_model(cfg)
     parts = find_parts(model)
@@ -62,7 +62,7 @@ def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: in
     prof = profile_model(model, parts)
     bandwidth = prof.optimizer_bandwidth
     prof = sharded_profile(model, parts, prof, hw, None, False)
-    probes += [probe(cfg, seq, repeats=1) for _ in range(4)]
+    probes += [probe(cfg, seq) for _ in range(4)]
     return {"hardware": hw.to_json(), "model": prof.to_json(), "optimizer_bandwidth": bandwidth,
             "probe_s": statistics.median(probes)}
 
@@ -80,7 +80,7 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     from lightning_galv.profiling import HardwareProfiler, ModelProfiler
     from lightning_galv.profiling.profilers import ShardedLayerProfiler
 
-    probes = [probe(cfg, seq, repeats=1)]  # the same procedure as the probe before every measured step
+    probes = [probe(cfg, seq)]  # the same procedure as the probe before every measured step
     hw = HardwareProfiler(sizes_bytes=sizes, repeats=repeats, progress=False).fit()
     lcfg = LlamaConfig(**cfg)
 
@@ -97,23 +97,26 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     dist.barrier()
     prof = ModelProfiler(block, shape, batch_sizes=(1, 2, 4), seq_lens=(seq // 2, seq), repeats=3,
                          progress=False, make_head=head)
-    probes.append(probe(cfg, seq, repeats=1))
+    probes.append(probe(cfg, seq))
     model = prof.fit()
-    probes.append(probe(cfg, seq, repeats=1))
+    probes.append(probe(cfg, seq))
     layer = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=5, progress=False).fit(model.layer(0))
     model = model.with_(layer_types=(layer,))
-    probes += [probe(cfg, seq, repeats=1) for _ in range(4)]
+    probes += [probe(cfg, seq) for _ in range(4)]
     probe_s = statistics.median(probes)
     return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": prof.optimizer_bandwidth,
             "probe_s": probe_s}
 
 
-def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 5) -> float:
-    """Median fwd+bwd time of one block on every rank at once: how fast compute is *right now*.
+def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 3) -> float:
+    """Fwd+bwd time of one block on every rank at once: how fast compute is *right now*.
 
     The machine is shared, so the same probe is taken at profiling time and before each plan; the
     benchmark reports predictions with the profile's compute times scaled by the ratio (load
-    normalization) next to the raw ones.
+    normalization) next to the raw ones. Each rank's median of ``repeats`` runs, *averaged* over the ranks:
+    the slowest rank of one short run (what this took before) mostly tells which ranks the scheduler put on
+    one core at that instant -- in the d33f7cb run the 4-rank hetero plan's step took 415-432 ms in all five
+    launches while its probe factor ranged 0.81-1.21.
     """
     from lightning_galv.models.common import Rotary
     from lightning_galv.models.llama import LlamaBlock
@@ -129,8 +132,8 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 5) -> float:
         blk(x).sum().backward()
         ts.append(time.perf_counter() - t0)
     t = torch.tensor([statistics.median(ts[1:])], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t) / dist.get_world_size()
 
 
 def _train_step(model, opt, rt, x, y, micro_batches: int, between=None, marks: list | None = None) -> torch.Tensor:
@@ -207,7 +210,7 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
     for i in range(warmup + steps):
         # the machine's speed drifts (a VM on a shared host: identical launches differ by up to 1.7x), so a
         # compute probe right before every step tells how fast the machine is at that moment
-        p = probe(cfg, seq, repeats=1)
+        p = probe(cfg, seq)
         dist.barrier()
         t0 = time.perf_counter()
         marks: list[float] = []
