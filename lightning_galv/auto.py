@@ -407,7 +407,8 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
 
     world, rank = dist.get_world_size(), dist.get_rank()
     links = {k: v for k, v in hw.to_dict().items() if k not in ("device_memory_bytes", "memory_bandwidth", "name")}
-    what = {"v": 1, "profile": profile.to_dict(), "hw": links, "world": world}
+    # v2: MoE layer types also carry fits measured under expert parallelism (tp1/none/ep<k>)
+    what = {"v": 2, "profile": profile.to_dict(), "hw": links, "world": world}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
     key = fingerprint(what)

@@ -178,6 +178,30 @@ def test_moe_layer_is_replicated_over_tp() -> None:
     assert c.fwd == pytest.approx(compute + comm + router, rel=1e-12)
 
 
+def test_measured_ep_fit_prices_the_block_compute_under_ep() -> None:
+    """A fit measured under ep (``tp1/none/ep<k>``, ShardedLayerProfiler) is the block's compute at that ep --
+    the dispatcher's own work included -- and only the predicted collectives come on top; an ep without its
+    own fit falls back to the tp1 fit, as profiles from before ep variants have only that."""
+    hw = a100()
+    lt = mixtral().layer(0)
+    plain = TimeFit(1e-3, 2e-7, 0.0)
+    ep2 = TimeFit(3e-3, 3e-7, 0.0)
+    measured = replace(lt, sharded={"tp1/none": {"forward": plain, "backward": plain.scaled(2.0)},
+                                    "tp1/none/ep2": {"forward": ep2, "backward": ep2.scaled(2.0)}})
+    cm = GalvatronCostModel(mixtral().with_(layer_types=(measured,)), hw)
+    tokens = 4096.0  # one sample per rank at dp64
+    for ep, fit in ((2, ep2), (4, plain), (1, plain)):
+        s = LayerStrategy(dp=64, ep=ep)
+        c = cm.layer_cost(0, s, CTX)
+        nbytes = tokens * 2 * 4096 * 2
+        router = hw.collective_time("allreduce", 72, 64, 1) + hw.collective_time("allreduce", 36, 64, 1)
+        a2a_f = (hw.collective_time("allgather", 8.0 * 8 * ep, ep, 1) + 2 * hw.collective_time("alltoall", nbytes, ep, 1)
+                 if ep > 1 else 0.0)
+        assert c.fwd == pytest.approx(fit(1, 4096) + router + a2a_f, rel=1e-12), ep
+    assert measured.sharded_fit("forward", 1, "none", 2) is ep2
+    assert measured.sharded_fit("forward", 1, "none", 8) is plain
+
+
 def test_ep_on_a_dense_layer_is_refused_with_a_hint() -> None:
     cm = GalvatronCostModel(mixtral(MIXED), a100())
     with pytest.raises(ValueError, match="HINT:.*ep=1 on dense layers"):

@@ -193,3 +193,18 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     assert set(layer.zero_overhead) == {"zero2", "zero3"}
     for fits in layer.zero_overhead.values():
         assert fits["forward"](2, 16) >= 0 and fits["backward"](2, 16) >= 0
+    # an MoE block is also measured with its experts split over the 2 ranks (all-to-all dispatch); the cost
+    # model takes that fit for ep=2 and the tp1 fit for ep=1; the dense block type has no ep variant
+    from lightning_galv.planner.cost import layer_compute
+    from lightning_galv.plan import LayerStrategy
+
+    moe_prof = ModelProfile.from_dict(r["moe"])
+    dense_t, moe_t = (moe_prof.layer_types[j] for j in (0, 1))
+    assert moe_t.moe is not None and dense_t.moe is None
+    assert "tp1/none/ep2" in moe_t.sharded and not any("/ep" in k for k in dense_t.sharded)
+    ep_fit = moe_t.sharded["tp1/none/ep2"]
+    assert ep_fit["forward"](2, 16) > 0 and ep_fit["backward"](2, 16) > 0
+    s_ep, s_dp = LayerStrategy(dp=2, ep=2), LayerStrategy(dp=2)
+    assert layer_compute(moe_t, "forward", s_ep, 2, 16) == ep_fit["forward"](2, 16)
+    assert layer_compute(moe_t, "backward", s_ep, 2, 16) == ep_fit["backward"](2, 16)
+    assert layer_compute(moe_t, "forward", s_dp, 2, 16) == moe_t.sharded["tp1/none"]["forward"](2, 16)

@@ -12,9 +12,11 @@ seconds and bytes; ``mb`` is the number of samples in one pipeline micro-batch (
 
 Mixture-of-Experts layer types (``LayerTypeProfile.moe``) are priced with the runtime's expert
 parallelism (``parallel/expert.py``): the measured block time already holds the expert compute (balanced
-routing gives every EP rank tokens x top_k rows whatever ep is), so ep changes only what moves between
+routing gives every EP rank tokens x top_k rows whatever ep is), so ep changes what moves between
 ranks -- the dispatch / combine all-to-alls, the count exchange, the expert gradients' smaller group --
-and where the expert states live (E/ep experts per rank, ZeRO over the expert-data group).
+and where the expert states live (E/ep experts per rank, ZeRO over the expert-data group); when the
+profile holds a fit of the block measured under ep (``tp1/none/ep<k>``, ShardedLayerProfiler), its
+compute is that fit, which adds the dispatcher's own work.
 """
 
 from __future__ import annotations
@@ -387,7 +389,7 @@ def layer_compute(lt: LayerTypeProfile, kind: str, s: LayerStrategy, b: float, s
     """Per-rank compute of one ``"forward"`` / ``"backward"`` / ``"recompute"`` pass of a layer under ``s``: the
     measured sharded fit if profiled, else the unsharded fit divided by tp (:func:`sharded_compute`; an MoE
     layer's own share undivided under TP / Megatron-SP, :func:`moe_sharded_compute`)."""
-    fit = lt.sharded_fit("forward" if kind == "recompute" else kind, s.tp, s.sp if s.tp > 1 else "none")
+    fit = lt.sharded_fit("forward" if kind == "recompute" else kind, s.tp, s.sp if s.tp > 1 else "none", s.ep)
     if fit is not None:
         return fit(b, seq)
     full = {"forward": lt.forward, "backward": lt.backward, "recompute": lt.recompute_fit()}[kind]
@@ -586,7 +588,7 @@ class GalvatronCostModel(CostModel):
         fwd = layer_compute(lt, "forward", s, b, seq)
         bwd = layer_compute(lt, "backward", s, b, seq)
         if s.checkpoint:
-            measured = lt.sharded_fit("forward", t, s.sp if t > 1 else "none") is not None
+            measured = lt.sharded_fit("forward", t, s.sp if t > 1 else "none", s.ep) is not None
             rec = layer_compute(lt, "forward" if measured or lt.recompute is None else "recompute", s, b, seq)
         else:
             rec = 0.0

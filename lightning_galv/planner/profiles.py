@@ -312,9 +312,10 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return [m[i][n] / m[i][i] if abs(m[i][i]) > 1e-300 else 0.0 for i in range(n)]
 
 
-def time_key(tp: int, sp: str) -> str:
-    """Key of a sharded compute measurement, e.g. ``tp2/megatron``."""
-    return f"tp{tp}/{sp}"
+def time_key(tp: int, sp: str, ep: int = 1) -> str:
+    """Key of a sharded compute measurement, e.g. ``tp2/megatron``, or ``tp1/none/ep2`` for an MoE block whose
+    experts are split over 2 ranks (all-to-all dispatch)."""
+    return f"tp{tp}/{sp}" + (f"/ep{ep}" if ep > 1 else "")
 
 
 def transient_key(tp: int, sp: str) -> str:
@@ -465,9 +466,12 @@ class LayerTypeProfile:
             over[key] = {k: v if isinstance(v, TimeFit) else TimeFit(**v) for k, v in fits.items()}
         object.__setattr__(self, "zero_overhead", over)
 
-    def sharded_fit(self, kind: str, tp: int, sp: str) -> TimeFit | None:
-        """The measured per-rank ``"forward"``/``"backward"`` fit under (tp, sp), if profiled."""
-        hit = self.sharded.get(time_key(tp, sp))
+    def sharded_fit(self, kind: str, tp: int, sp: str, ep: int = 1) -> TimeFit | None:
+        """The measured per-rank ``"forward"``/``"backward"`` fit under (tp, sp, ep), if profiled; an ep
+        without its own measurement falls back to the (tp, sp) one (profiles from before ep variants)."""
+        hit = self.sharded.get(time_key(tp, sp, ep)) if ep > 1 else None
+        if hit is None:
+            hit = self.sharded.get(time_key(tp, sp))
         return hit[kind] if hit is not None else None
 
     def recompute_fit(self) -> TimeFit:

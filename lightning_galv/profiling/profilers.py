@@ -272,7 +272,8 @@ def _optimizer_bandwidth(block: nn.Module, num_layers: int, repeats: int, traffi
 
 
 class ShardedLayerProfiler:
-    """Per-rank compute of one block *as the runtime shards it*, for every tp degree and sp kind.
+    """Per-rank compute of one block *as the runtime shards it*, for every tp degree and sp kind (and, for
+    an MoE block, every expert-parallel degree at tp 1).
 
     Why: the cost model's fallback divides the unsharded block's time by tp, which assumes sharding
     costs nothing. DTensor dispatch, Megatron-SP's re-sharding and Ulysses' head shuffles add work that
@@ -355,8 +356,56 @@ class ShardedLayerProfiler:
             ckpt = build(True)
             acts[act_key(tp, sp, True)] = self._saved_per_sample(ckpt, b)
             acts[transient_key(tp, sp)] = self._backward_peak_per_sample(ckpt, b)
+        if layer.moe is not None:
+            sharded.update(self._ep_variants(layer))
         prof = replace(layer, sharded=sharded, activation_bytes=acts)
         return replace(prof, zero_overhead=self._zero_overhead(sharded["tp1/none"]))
+
+    def ep_degrees(self, layer: LayerTypeProfile) -> list[int]:
+        """Expert-parallel degrees > 1 this world can run the layer's experts at (tp 1, ep | world and | E)."""
+        if layer.moe is None:
+            return []
+        return [e for e in divisors(self.world) if e > 1 and layer.moe.num_experts % e == 0]
+
+    def _ep_variants(self, layer: LayerTypeProfile) -> dict[str, dict[str, TimeFit]]:
+        """Per-rank compute of an MoE block with its experts split over ``ep`` ranks (tp 1), keyed
+        ``tp1/none/ep<k>``.
+
+        Why: balanced routing gives every rank ``tokens x top_k`` expert rows whatever ``ep`` is, so the cost
+        model used to price ep as the unsharded block plus its all-to-alls -- but the dispatcher's own work
+        (grouping rows by expert and rank, the index copies on both sides, the uneven split bookkeeping,
+        waiting for the slowest sender) is none of those. The measured all-to-alls and count exchange are
+        subtracted as predicted, the way the tp variants subtract theirs, so the cost model still prices
+        them per placement."""
+        from ..layout import MeshFactory, RankLayout
+        from ..parallel.expert import apply_ep
+        from ..plan import LayerStrategy
+        from ..planner.cost import ep_alltoall_bytes, ep_backward_comm, ep_forward_comm
+        from ..planner.profiles import time_key
+
+        moe = layer.moe
+        assert moe is not None  # callers pass MoE layer types only
+        factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
+        seq = self.shape.seq_len
+        out: dict[str, dict[str, TimeFit]] = {}
+        for ep in self.ep_degrees(layer):
+            _progress(f"sharded block ep={ep}", self.progress)
+            s = LayerStrategy(dp=self.world, ep=ep)
+            block = self.make_block().to(self.device)
+            apply_ep(block, factory.expert_mesh(s), s, "profiled block")  # the runtime's own dispatch
+            el = next(block.parameters()).element_size()
+            fwd, bwd = [], []
+            for b in self.batch_sizes:
+                tf, tb, cf, cb = self._time_passes(block, b)
+                nbytes = ep_alltoall_bytes(b * seq, moe, el)
+                comm_f = ep_forward_comm(self.hw, nbytes, moe.num_experts, ep, 1)
+                comm_b = ep_backward_comm(self.hw, nbytes, ep, 1)
+                times = torch.tensor([max(tf - comm_f, cf), max(tb - comm_b, cb)], dtype=torch.float64)
+                dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                fwd.append((b, seq, float(times[0])))
+                bwd.append((b, seq, float(times[1])))
+            out[time_key(1, "none", ep)] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
+        return out
 
     def _saved_per_sample(self, block: nn.Module, b: int) -> float:
         """Bytes autograd keeps for backward per sample (this rank's shard), parameters/buffers excluded."""
