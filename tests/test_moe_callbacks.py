@@ -5,8 +5,9 @@ Pure checks first (refusals, run boundaries), then one 4-rank and one 8-rank lau
 ``tests/dist_runtime_checks.py::run_many`` (start-up dominates on CPU).
 
 Placement cases mostly use a seeded *random* balanced placement instead of the NetMoE solver: on random tokens
-the solver rightly keeps samples home (moving one costs its residual), which would leave the relocation
-paths untested; the solver's own quality is measured on routing traces (benchmarks/moe_placement.py).
+the solver may rightly keep samples home, which would leave the relocation paths untested; the solver's own
+quality is measured on routing traces (benchmarks/moe_placement.py). Both ways a moved sample's residual can
+travel are covered: folded into the all-to-alls (the default) and as carry rows (dropout, Megatron-SP).
 """
 
 from __future__ import annotations
@@ -98,6 +99,15 @@ def _check_launch(results: list[dict[str, Any]], cases: list[tuple[str, dict, di
         if kw.get("placement_shuffle"):
             steps = [st for out in results for st in out[name]["placement"]]
             assert sum(st["moved_samples"] for st in steps) > 0, (name, steps[:3])
+        if kw.get("placement"):
+            # the residual rides inside the all-to-alls unless dropout on the MoE output or Megatron-SP (residual
+            # sequence-sharded, MoE input gathered) forbid it; then it travels as carry rows
+            steps = [st for out in results for st in out[name]["placement"]]
+            folded = sum(st["folded_layers"] for st in steps)
+            if kw.get("dropout") or "megatron" in name:
+                assert folded == 0, (name, steps[:3])
+            else:
+                assert folded > 0, (name, steps[:3])
 
 
 @pytest.fixture(scope="module")

@@ -166,6 +166,8 @@ class HFSparseMoE(MoELayer):
         self.last_z_loss = None
         self.carry_in = None
         self.carry_out = None
+        self.fold_in = None
+        self.residual_folded = False
         self.router_aux_coef = 0.0  # HF's router_aux_loss_coef when output_router_logits (set by the adapter)
         self.aux_pool: PooledRouterAux | None = None  # this forward's pool (set by the adapter per forward)
         self._pool_probs: torch.Tensor | None = None

@@ -88,6 +88,7 @@ from typing import Any, Literal, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..plan import ModelShape
 from .common import RMSNorm, Rotary, init_weights
@@ -515,6 +516,10 @@ class MoELayer(nn.Module):
         # block-level tensors a relocating dispatcher moves with the samples (set by MoEBlock per forward)
         self.carry_in: list[torch.Tensor] | None = None
         self.carry_out: list[torch.Tensor] | None = None
+        # sample placement: the block's residual and the norm it puts before this layer, so the residual can
+        # ride inside the all-to-alls instead of as extra rows (see MoEBlock.forward); set per forward
+        self.fold_in: tuple[torch.Tensor, nn.Module] | None = None
+        self.residual_folded = False
 
     def expert_template(self) -> nn.Module:
         """An expert of this layer's shape on the meta device (no memory; built once, outside the module tree,
@@ -573,19 +578,29 @@ class MoELayer(nn.Module):
         keep, capacity = self.keep_mask(expert_ids, t)
 
         kept_e, kept_t = (expert_ids, token_ids) if keep is None else (expert_ids[keep], token_ids[keep])
-        shared = None
-        if self.shared_expert is not None:
-            shared = self.shared_expert(flat)  # [T, dim]
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(flat)) * shared  # [T, 1] * [T, dim]
         carry_in, self.carry_in, self.carry_out = self.carry_in, None, None
-        if getattr(self.dispatcher, "places_samples", False):
+        fold_in, self.fold_in, self.residual_folded = self.fold_in, None, False
+        places = getattr(self.dispatcher, "places_samples", False)
+        fold = None
+        if places and fold_in is not None and keep is None:
+            h, norm = fold_in
+            if h.shape == x.shape and not any(isinstance(p, DTensor) for p in norm.parameters()):
+                fold = (h.reshape(b * s, d), norm)  # [T, dim] rows of the residual, token order as flat
+        # folded, the shared expert runs on the expert side, on each token's first choice (see below)
+        shared = self.shared_output(flat) if fold is None else None  # [T, dim] or None
+        if places:
             # NetMoE sample placement (parallel/sample_placement.py): the combine delivers each sample's
-            # output to the rank that holds it next, and the block's residual (``carry_in``) and the shared
-            # expert's output travel along in the same all-to-all
+            # output to the rank that holds it next. The block's residual either rides in the dispatch rows
+            # themselves (``fold``: the expert side applies the norm, runs the shared expert and adds both to
+            # the token's first choice, so a sample moves at no extra bytes) or, where that cannot be done
+            # exactly (capacity dropping, sequence parallelism), travels as extra rows with the shared
+            # expert's output (``carry``)
             carry = list(carry_in or []) + ([shared.view(b, s, d)] if shared is not None else [])
-            out, moved, result = self.dispatcher.relocate(self, flat, weights, kept_e, kept_t, (b, s), carry)
-            if shared is not None:
+            out, moved, result = self.dispatcher.relocate(self, flat, weights, kept_e, kept_t, (b, s), carry,
+                                                          fold=fold)
+            if moved is None:  # folded: ``out`` = residual + routed output of the samples this rank holds now
+                self.residual_folded = True
+            elif shared is not None:
                 out = out + moved.pop().reshape(b * s, d)
             self.carry_out = moved
         else:
@@ -612,6 +627,15 @@ class MoELayer(nn.Module):
         total = self.aux_loss_weight * aux + self.z_loss_weight * z
         if total.requires_grad and (self.aux_loss_weight or self.z_loss_weight):
             out = AttachAuxLoss.apply(out, total, self.aux_grad_scale)
+        return out
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The always-on shared expert on normalized rows ``x [N, dim]`` (gated if configured), or None."""
+        if self.shared_expert is None:
+            return None
+        out = self.shared_expert(x)  # [N, dim]
+        if self.shared_gate is not None:
+            out = torch.sigmoid(self.shared_gate(x)) * out  # [N, 1] * [N, dim]
         return out
 
     def aux_losses(self, sums: RouterSums) -> tuple[torch.Tensor, torch.Tensor]:
@@ -664,8 +688,12 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
         self.moe.carry_in = [h]  # moved along if the MoE layer relocates samples (NetMoE); else unused
+        # with no dropout on the MoE output, h + y can be summed on the expert side (see MoELayer.forward)
+        self.moe.fold_in = (h, self.ffn_norm) if (not self.training or self.moe_drop.p == 0.0) else None
         y = self.moe(self.ffn_norm(h))
         moved, self.moe.carry_out = self.moe.carry_out, None
+        if self.moe.residual_folded:
+            return y  # already h + y of the samples this rank now holds
         if moved:
             h = moved[0]  # the residual of the samples this rank now holds
         return h + self.moe_drop(y)

@@ -12,9 +12,16 @@ What travels, all in the all-to-alls the layer makes anyway:
 * **dispatch**: the routed tokens as in plain EP, plus one column with each assignment's routing weight
   (the expert side applies it, so the receiver only sums), and an int64 all-to-all of one key per
   assignment telling the expert side where the output goes (destination rank, token slot there, k-slot);
-* **combine**: expert outputs sorted by destination, plus -- for samples that change rank only -- the
-  block's residual and the shared expert's output ("carry" rows), and the keys again (the receiver cannot
-  derive which row is which token otherwise). Key bytes are logged separately (8 bytes per row).
+* **combine**: expert outputs sorted by destination, and the keys again (the receiver cannot derive which
+  row is which token otherwise; key bytes are logged separately, 8 bytes per row). The block's residual
+  must reach the sample's new rank too. Where it can (no shared expert, no dropout on the MoE output, the
+  residual and the MoE input holding the same tokens, a plain -- not DTensor -- norm), the dispatch sends the
+  *residual* rows instead of their normalized copies, the expert side applies the block's norm (the same
+  per-row function: the experts see the same input) and adds the residual to the token's first choice, so
+  the receiver's sum is the block's output and a moving sample costs no extra bytes ("folded"). Otherwise
+  the residual and the shared expert's output travel as extra "carry" rows for the samples that change rank.
+  Measured on routing recorded on the mixed-domain corpus (benchmarks/moe_callbacks_e2e.py), carry rows ate
+  the whole saving; the fold removes them.
 
 Where the samples go back: placement is kept within a *run* -- consecutive blocks of one pipeline chunk
 with the same batch layout whose MoE layers share one EP group -- and the run's last MoE layer routes its
@@ -69,7 +76,8 @@ class PlacementRecord:
     intra_after: float = 0.0
     key_bytes: float = 0.0
     solve_ms: float = 0.0
-    moved_samples: int = 0
+    moved_samples: int = 0  # samples of the whole EP group that changed rank (the bytes are the group's too)
+    folded: bool = False  # the residual rode in the all-to-alls (no carry rows)
 
 
 def sample_dest_counts(cnt: np.ndarray, layout: Any, size: int) -> np.ndarray:
@@ -117,15 +125,27 @@ class PlacingDispatcher(RelayoutDispatcher):
         self.policy = policy if policy is not None else NetMoEPlacement()
 
     def relocate(self, layer: MoELayer, flat: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                 token_ids: torch.Tensor, bs: tuple[int, int],
-                 carry: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor], DispatchResult]:
+                 token_ids: torch.Tensor, bs: tuple[int, int], carry: list[torch.Tensor],
+                 fold: tuple[torch.Tensor, nn.Module] | None = None,
+                 ) -> tuple[torch.Tensor, list[torch.Tensor] | None, DispatchResult]:
         """Route, compute and combine into the new placement -> (routed output ``[b*s, d]`` of the samples this
-        rank now holds, ``carry`` tensors moved the same way, the dispatch facts for the routing stats)."""
+        rank now holds, ``carry`` tensors moved the same way, the dispatch facts for the routing stats).
+
+        ``fold = (residual rows [b*s, d], norm)``, where the layer's input is ``norm(residual)``: the dispatch
+        sends the residual rows instead, the expert side applies ``norm`` (the same per-row function, so the
+        experts see the same input) and adds the residual to each token's first choice; the receiver's sum is
+        then ``residual + routed output`` and nothing else has to travel with a moved sample. Returned as
+        ``(residual + routed output, None, facts)`` when it took that path; an exchange in which nothing moves
+        runs plain and returns ``carry`` as usual."""
         b, s = bs
         big_k, num_e, k, me = layer.top_k, layer.num_experts, self.size, self.rank
         d, dev = flat.shape[1], flat.device
         n_samples = k * b
-        if not carry:
+        if fold is not None and fold[0].shape != flat.shape:
+            raise ValueError(f"MoE layer {layer.layer_idx}: residual rows {tuple(fold[0].shape)} do not match its "
+                             f"input rows {tuple(flat.shape)}. HINT: fold the residual only where the block's "
+                             "residual and the MoE input hold the same tokens (not under sequence parallelism).")
+        if not carry and fold is None:
             raise ValueError(f"MoE layer {layer.layer_idx} relocates samples but got no residual to move with "
                              "them. HINT: sample placement works on MoE layers inside an MoEBlock (the block "
                              "hands its residual to the layer).")
@@ -142,7 +162,7 @@ class PlacingDispatcher(RelayoutDispatcher):
         here = np.arange(n_samples) // b  # current position of each sample (group index j at j // b)
         placement_in = (np.arange(n_samples) if (self.first or c.placement is None)
                         else np.asarray(c.placement, dtype=np.int64))
-        carry_rows = sum(t.shape[1] for t in carry)
+        carry_rows = 0 if fold is not None else sum(t.shape[1] for t in carry)  # folded: moves cost no rows
         solve_ms = 0.0
         if self.restore:
             target, tie = placement_in // b, placement_in  # home, in the loader's slot order
@@ -161,9 +181,12 @@ class PlacingDispatcher(RelayoutDispatcher):
             set_coords(placement=None, row_source=None)
             if not _inside_backward():
                 self._record(layer.layer_idx, tokens, placement_in, here, here, carry_rows, d, flat.element_size(),
-                             0, solve_ms, 0)
+                             0, solve_ms, 0, fold is not None)
             result = DispatchResult(flat[:0], plan.splits, None, tuple(tuple(int(v) for v in row) for row in table),
                                     tuple(plan.send), tuple(plan.recv))
+            if fold is not None:  # the layer left residual and shared expert to this exchange: add them here
+                sh = layer.shared_output(flat)
+                return fold[0] + (out if sh is None else out + sh), None, result
             return out, list(carry), result
         order_new = np.lexsort((tie, target))  # current group index of the sample at each new group index
         new_index = np.empty(n_samples, dtype=np.int64)
@@ -178,23 +201,36 @@ class PlacingDispatcher(RelayoutDispatcher):
         span = b * s * big_k
         key = (ni // b) * span + ((ni % b) * s + token_ids % s) * big_k + kslot  # [A] unique per assignment
         w = weights.reshape(-1).to(flat.dtype)  # [A] token-major like expert_ids
-        rows = torch.cat([flat.index_select(0, token_ids.index_select(0, idx)),
+        src = fold[0] if fold is not None else flat  # [T, d]: what the expert side receives per token
+        rows = torch.cat([src.index_select(0, token_ids.index_select(0, idx)),
                           w.index_select(0, idx).unsqueeze(1)], dim=1)  # [A, d + 1]
         copies, rows = self.materialize_before(rows)
         got = _AllToAll.apply(rows, plan.send, plan.recv, self.group)  # [N, d + 1] source-major
         keys_got = _a2a_ints(key.index_select(0, idx), plan.send, plan.recv, self.group)  # [N]
         regroup = torch.from_numpy(plan.regroup).to(dev)  # slot-expert-major
         x_in = got.index_select(0, regroup)  # [N, d + 1]
-        y = self.run_slots(layer, x_in[:, :d], plan.splits, copies)  # [N, d]
-        yw = y * x_in[:, d:]  # [N, d] weighted by the routing probability
-        # 4. combine to each sample's new holder (+ carry rows of the samples that leave this rank)
         k_in = keys_got.index_select(0, regroup)
+        if fold is not None:
+            xn = fold[1](x_in[:, :d])  # [N, d] the block's norm, applied here: the experts' usual input
+            y = self.run_slots(layer, xn, plan.splits, copies)  # [N, d]
+            yw = y * x_in[:, d:]  # [N, d] weighted by the routing probability
+            # each token's first choice also carries its residual and its shared-expert output
+            fi = torch.nonzero(k_in % big_k == 0).squeeze(1)  # [T_here] rows of first choices
+            add = x_in.index_select(0, fi)[:, :d]  # [T_here, d] residual rows
+            sh = layer.shared_output(xn.index_select(0, fi))
+            if sh is not None:
+                add = add + sh
+            yw = yw.index_add(0, fi, add)
+        else:
+            y = self.run_slots(layer, x_in[:, :d], plan.splits, copies)  # [N, d]
+            yw = y * x_in[:, d:]  # [N, d] weighted by the routing probability
+        # 4. combine to each sample's new holder (+ carry rows of the samples that leave this rank)
         srt = torch.argsort(k_in)
         out_rows, out_keys = yw.index_select(0, srt), k_in.index_select(0, srt)
         csend = torch.bincount(out_keys // span, minlength=k).tolist()
         dest_pos = new_index // b  # [S] new position of each sample (by current group index)
         crecv = tokens[dest_pos == me].sum(0).tolist()  # [k] rows arriving from each computing rank
-        pack = torch.cat(carry, dim=1)  # [b, carry_rows, d]
+        pack = torch.cat(carry, dim=1) if fold is None else None  # [b, carry_rows, d]
         leaving = [j for j in order_new if here[j] == me and dest_pos[j] != me]  # in new-index order
         carry_send = [sum(1 for j in leaving if dest_pos[j] == r) * carry_rows for r in range(k)]
         arriving = [j for j in order_new if dest_pos[j] == me and here[j] != me]
@@ -203,7 +239,8 @@ class PlacingDispatcher(RelayoutDispatcher):
         starts = np.concatenate([[0], np.cumsum(csend)])
         for r in range(k):
             pieces.append(out_rows[starts[r]:starts[r + 1]])
-            pieces += [pack[j - me * b].to(out_rows.dtype) for j in leaving if dest_pos[j] == r]
+            if pack is not None:
+                pieces += [pack[j - me * b].to(out_rows.dtype) for j in leaving if dest_pos[j] == r]
         buf = torch.cat(pieces)
         back = _AllToAll.apply(buf, [a + c_ for a, c_ in zip(csend, carry_send)],
                                [a + c_ for a, c_ in zip(crecv, carry_recv)], self.group)
@@ -212,14 +249,16 @@ class PlacingDispatcher(RelayoutDispatcher):
         expert_rows = torch.cat(parts[0::2])  # source-major, the order of keys_back
         token_new = (keys_back % span) // big_k  # [rows] token slot on this rank
         out = flat.new_zeros(b * s, d).index_add(0, token_new, expert_rows)  # sum of the k weighted outputs
+        moved: list[torch.Tensor] | None = None
         came = {}
-        for q in range(k):
+        for q in range(k if pack is not None else 0):
             chunk = parts[2 * q + 1].view(-1, carry_rows, d)  # [samples from q, carry_rows, d]
             for i, j in enumerate(j for j in arriving if here[j] == q):
                 came[j] = chunk[i]
-        slots = [came[j] if here[j] != me else pack[j - me * b] for j in order_new[me * b:(me + 1) * b]]
-        new_pack = torch.stack(slots).to(pack.dtype)  # [b, carry_rows, d]
-        moved = list(new_pack.split([t.shape[1] for t in carry], dim=1))
+        if pack is not None:
+            slots = [came[j] if here[j] != me else pack[j - me * b] for j in order_new[me * b:(me + 1) * b]]
+            new_pack = torch.stack(slots).to(pack.dtype)  # [b, carry_rows, d]
+            moved = list(new_pack.split([t.shape[1] for t in carry], dim=1))
         # 5. where samples are now, for the next layer and for keyed dropout
         if self.restore:
             set_coords(placement=None, row_source=None)
@@ -231,7 +270,7 @@ class PlacingDispatcher(RelayoutDispatcher):
         if not _inside_backward():
             self._record(layer.layer_idx, tokens, placement_in, here, dest_pos, carry_rows, d,
                          flat.element_size(), int(expert_ids.numel()) + len(keys_back), solve_ms,
-                         len(leaving))
+                         int((dest_pos != here).sum()), fold is not None)
         result = DispatchResult(x_in[:, :d], plan.splits, None, tuple(tuple(int(v) for v in row) for row in table),
                                 tuple(plan.send), tuple(plan.recv))
         return out, moved, result
@@ -258,7 +297,7 @@ class PlacingDispatcher(RelayoutDispatcher):
 
     def _record(self, layer: int, tokens: np.ndarray, placement_in: np.ndarray, here: np.ndarray,
                 dest: np.ndarray, carry_rows: int, d: int, elsize: int, key_rows: int, solve_ms: float,
-                moved: int) -> None:
+                moved: int, folded: bool = False) -> None:
         """Bytes of this layer's dispatch + combine as sent, and as plain EP would send them (every sample
         at its loader rank), for the same routing."""
         k = self.size
@@ -276,7 +315,7 @@ class PlacingDispatcher(RelayoutDispatcher):
         intra_b, inter_b = self.topology.split_bytes(traffic(home, home, None))
         intra_a, inter_a = self.topology.split_bytes(traffic(here, dest, here))
         self.records.append(PlacementRecord(layer, self.restore, inter_b, inter_a, intra_b, intra_a,
-                                            8.0 * key_rows, solve_ms, moved))
+                                            8.0 * key_rows, solve_ms, moved, folded))
 
 
 def group_topology(global_ranks: list[int], gpus_per_node: int) -> Any:
@@ -333,6 +372,7 @@ class PlacementStep:
     solve_ms: float
     moved_samples: int
     time_saved_s: float | None  # predicted with the given bandwidths (None without them)
+    folded_layers: int = 0  # placing layer forwards whose residual rode in the all-to-alls (no carry rows)
 
 
 class PlacementController:
@@ -368,6 +408,6 @@ class PlacementController:
             saved = t(tot["inter_before"], tot["intra_before"]) - t(tot["inter_after"], tot["intra_after"])
         out = PlacementStep(self.step, tot["inter_before"], tot["inter_after"], tot["intra_before"],
                             tot["intra_after"], tot["key_bytes"], tot["solve_ms"],
-                            sum(r.moved_samples for r in recs), saved)
+                            sum(r.moved_samples for r in recs), saved, sum(r.folded for r in recs))
         self.step += 1
         return out
