@@ -492,8 +492,10 @@ MOE_NOTES = """Model: the MoE decoder, dim 128, 4 blocks all MoE (8 SwiGLU exper
 aux/z-loss on), attention 4 heads (2 kv), vocab 256, seq 64, fp32, Adam, global batch 8, random tokens (the
 router then spreads tokens nearly evenly, which is what the cost model assumes: balanced routing). Profiles as
 automatic mode takes them (HardwareProfiler incl. all-to-all, ModelProfiler per block kind with the MoE facts,
-then each block kind as the runtime shards it by the ShardedLayerProfiler at 1-2 samples, `auto.sharded_profile`;
-earlier runs of this section left that step out); everything else as in the dense section above (probe normalization, MemTracker peak,
+then each block kind as the runtime shards it by the ShardedLayerProfiler, `auto.sharded_profile`, which for an
+MoE block also times every expert-parallel degree), both at the sample counts automatic mode takes
+(`auto.profile_batch_sizes`: 1, 2 and the loader's per-rank batch -- 1/2/4 samples at 2 ranks, 1/2 at 4);
+everything else as in the dense section above (probe normalization, MemTracker peak,
 leave-one-out calibration)."""
 
 

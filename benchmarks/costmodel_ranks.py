@@ -49,8 +49,10 @@ def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: in
     """Profiles for the MoE decoder, the way automatic mode takes them: HardwareProfiler on this launch (the
     all-to-all included), the ModelProfiler per block kind (dense and MoE) through ``auto.profile_model``
     (which reads each MoE layer's facts: experts, top-k, expert parameters), then every block kind as the
-    runtime shards it, timed on all ranks (``auto.sharded_profile``, as automatic mode does)."""
-    from lightning_galv.auto import profile_model, sharded_profile
+    runtime shards it, timed on all ranks (``auto.sharded_profile``, as automatic mode does), at the sample
+    counts automatic mode takes for a loader that gives every rank ``8 / world`` samples (the plans' global
+    batch of 8; ``auto.profile_batch_sizes``)."""
+    from lightning_galv.auto import profile_batch_sizes, profile_model, sharded_profile
     from lightning_galv.models.protocol import find_parts
     from lightning_galv.profiling import HardwareProfiler
 
@@ -59,9 +61,10 @@ def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: in
     model = make_model(cfg)
     parts = find_parts(model)
     dist.barrier()
-    prof = profile_model(model, parts)
+    batches = profile_batch_sizes(8 // dist.get_world_size())
+    prof = profile_model(model, parts, batch_sizes=batches)
     bandwidth = prof.optimizer_bandwidth
-    prof = sharded_profile(model, parts, prof, hw, None, False)
+    prof = sharded_profile(model, parts, prof, hw, None, False, batches)
     probes += [probe(cfg, seq) for _ in range(4)]
     return {"hardware": hw.to_json(), "model": prof.to_json(), "optimizer_bandwidth": bandwidth,
             "probe_s": statistics.median(probes)}

@@ -109,10 +109,24 @@ def block_types(blocks: "list[nn.Module] | nn.ModuleList") -> tuple[list[int], l
     return type_of, first, names
 
 
+def profile_batch_sizes(loader_batch: int | None) -> tuple[int, ...]:
+    """Samples per block the model profiles time: 1 and 2 (cheap, and they pin the fit's constant), plus the
+    training loader's per-shard batch (at most 8) when it is larger: a data-parallel layer runs at exactly
+    that size, so its time is measured rather than read off an affine fit of two small, noisy runs. (In the
+    MoE accuracy benchmark this did not by itself close the gap of the plans without ep: the 2-rank dp2 plan
+    stayed ~33 % under-predicted when its 4-sample block was measured directly -- the missing time is
+    outside the block's own fwd/bwd.)"""
+    sizes = {1, 2}
+    if loader_batch is not None and loader_batch > 2:
+        sizes.add(min(int(loader_batch), 8))
+    return tuple(sorted(sizes))
+
+
 def profile_model(model: nn.Module, parts: ModelParts, cache: "ProfileCache | None" = None,
-                  verbose: bool = False) -> "ModelProfile":
+                  verbose: bool = False, batch_sizes: tuple[int, ...] = (1, 2)) -> "ModelProfile":
     """The model profile automatic mode searches with (from ``cache`` when these blocks were measured
-    before): one layer type per kind of block (:func:`block_types`), each measured on its first block."""
+    before): one layer type per kind of block (:func:`block_types`), each measured on its first block at
+    ``batch_sizes`` samples (:func:`profile_batch_sizes`)."""
     from .profiling import ModelProfiler
     from .profiling.profilers import buffer_bytes
 
@@ -120,9 +134,9 @@ def profile_model(model: nn.Module, parts: ModelParts, cache: "ProfileCache | No
     type_of, first, names = block_types(parts.blocks)
     makes = [lambda b=parts.blocks[i]: copy.deepcopy(b).float() for i in first]
     if len(makes) == 1 and "[" not in names[0]:  # a dense model of one block kind: profiled exactly as before
-        return ModelProfiler(makes[0], parts.shape, batch_sizes=(1, 2), repeats=2, cache=cache, progress=verbose,
-                             buffer_bytes=buffer_bytes(model)).fit()
-    return ModelProfiler(makes, parts.shape, batch_sizes=(1, 2), repeats=2, cache=cache, progress=verbose,
+        return ModelProfiler(makes[0], parts.shape, batch_sizes=batch_sizes, repeats=2, cache=cache,
+                             progress=verbose, buffer_bytes=buffer_bytes(model)).fit()
+    return ModelProfiler(makes, parts.shape, batch_sizes=batch_sizes, repeats=2, cache=cache, progress=verbose,
                          buffer_bytes=buffer_bytes(model), layer_type_of=type_of, kinds=names).fit()
 
 
@@ -187,7 +201,7 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
         plan = ParallelPlan.uniform(world_size, n_layers, LayerStrategy(dp=world_size, zero=zero))
         _say(verbose and rank == 0, f"auto plan (model without the block protocol): {plan.layers[0].short()}")
         return AutoSearch(plan, None, None, budget, margin, loader_batch, "model without the block protocol: data parallel")
-    profile, hw = measure_profiles(model, parts, world_size, budget, verbose)
+    profile, hw = measure_profiles(model, parts, world_size, budget, verbose, loader_batch=loader_batch)
     box: list[Any] = [None]
     error: BaseException | None = None
     if rank == 0:
@@ -220,11 +234,13 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
 
 
 def measure_profiles(model: nn.Module, parts: ModelParts, world_size: int, budget: float, verbose: bool = True,
-                     cache: "ProfileCache | None" = None) -> "tuple[ModelProfile, HardwareProfile | None]":
+                     cache: "ProfileCache | None" = None, loader_batch: int | None = None,
+                     ) -> "tuple[ModelProfile, HardwareProfile | None]":
     """The profiles automatic mode (and ``galv profile`` / ``galv search``) plans with, measured or read from
     ``cache`` (default: ``$GALV_CACHE_DIR``): collectives on all ranks (None on one rank), the model's block
-    types on rank 0 (shared with every rank), then the runtime's sharded blocks on all ranks. Every rank of
-    the default process group must call it together."""
+    types on rank 0 (shared with every rank), then the runtime's sharded blocks on all ranks, at the sample
+    counts of :func:`profile_batch_sizes` (``loader_batch``: the training loader's per-shard batch, if known).
+    Every rank of the default process group must call it together."""
     from .planner import ModelProfile, ProfileCache
     from .profiling import HardwareProfiler
 
@@ -232,9 +248,11 @@ def measure_profiles(model: nn.Module, parts: ModelParts, world_size: int, budge
     rank = dist.get_rank()
     hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, device_memory_bytes=budget, cache=cache,
                           progress=verbose).fit() if world_size > 1 else None
-    profile = ModelProfile.from_json(_shared(rank, lambda: profile_model(model, parts, cache, verbose).to_json()))
+    sizes = profile_batch_sizes(loader_batch)
+    profile = ModelProfile.from_json(_shared(rank, lambda: profile_model(model, parts, cache, verbose,
+                                                                         sizes).to_json()))
     if hw is not None:  # every rank: the runtime's own sharded blocks, timed on real tp groups (issue 13)
-        profile = sharded_profile(model, parts, profile, hw, cache, verbose)
+        profile = sharded_profile(model, parts, profile, hw, cache, verbose, sizes)
     return profile, hw
 
 
@@ -397,7 +415,8 @@ def _shared(rank: int, make: Any) -> Any:
 
 
 def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile", hw: "HardwareProfile",
-                    cache: "ProfileCache | None", verbose: bool) -> "ModelProfile":
+                    cache: "ProfileCache | None", verbose: bool,
+                    batch_sizes: tuple[int, ...] = (1, 2)) -> "ModelProfile":
     """``profile`` with every layer type's sharded fits measured by :class:`ShardedLayerProfiler` (all ranks
     together; cached by what was measured). The block-only ModelProfiler divides compute by tp, which on
     CPU under-prices tensor parallelism by up to ~20 % (benchmarks/RESULTS.md, cost-model accuracy)."""
@@ -411,6 +430,8 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     what = {"v": 2, "profile": profile.to_dict(), "hw": links, "world": world}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
+    if tuple(batch_sizes) != (1, 2):
+        what["batch_sizes"] = list(batch_sizes)
     key = fingerprint(what)
 
     def cached() -> str | None:  # rank 0 decides, so every rank takes the same branch (profiling is collective)
@@ -425,7 +446,7 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     for j, lt in enumerate(profile.layer_types):
         block = parts.blocks[profile.layer_type_of.index(j)]
         types.append(ShardedLayerProfiler(lambda b=block: copy.deepcopy(b).float(), profile.shape, hw,
-                                          batch_sizes=(1, 2), repeats=2, progress=verbose,
+                                          batch_sizes=batch_sizes, repeats=2, progress=verbose,
                                           sp_kinds=sp_kinds).fit(lt))
     out = profile.with_(layer_types=tuple(types))
     if cache is not None and rank == 0:

@@ -120,7 +120,7 @@ def _measure_worker(config: str | None, budget: float | None, search: dict[str, 
                             "is nothing to profile or search (automatic mode trains it data-parallel)",
                             "expose galv_blocks / galv_shape (lightning_galv.models.protocol)")
         cap = budget if budget is not None else device_memory(torch.device("cpu"))
-        profile, hw = measure_profiles(module, parts, world, cap, verbose=rank == 0)
+        profile, hw = measure_profiles(module, parts, world, cap, verbose=rank == 0, loader_batch=loader_batch)
         if rank != 0:
             return None
         payload: dict[str, Any] = {"model": profile.to_json(), "hardware": hw.to_json() if hw else None,

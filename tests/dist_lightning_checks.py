@@ -286,7 +286,7 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
     with which *any* plan without a pipeline fits (found by bisection with the same profile and cost model
     as automatic mode), so the search has to use pipeline stages; the predictions come back for the test.
     """
-    from lightning_galv.auto import priced_hardware, profile_model
+    from lightning_galv.auto import priced_hardware, profile_batch_sizes, profile_model
     from lightning_galv.models.protocol import find_parts
     from lightning_galv.plan import LayerStrategy
     from lightning_galv.planner import GalvatronCostModel, HardwareProfile, ProfileCache
@@ -313,8 +313,9 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
         # (the same cached hardware profile, so the sharded measurement is cached for automatic mode too)
         measured_hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, cache=ProfileCache(),
                                        progress=False).fit()
-        prof = profile_model(module, find_parts(module), ProfileCache())
-        prof = sharded_profile(module, find_parts(module), prof, measured_hw, ProfileCache(), False)
+        sizes = profile_batch_sizes(per_shard)  # the sample counts automatic mode will profile at
+        prof = profile_model(module, find_parts(module), ProfileCache(), batch_sizes=sizes)
+        prof = sharded_profile(module, find_parts(module), prof, measured_hw, ProfileCache(), False, sizes)
         hw = priced_hardware(prof, HardwareProfile.uniform(1, world, 1e12), 1e12)
         cost = GalvatronCostModel(prof, hw, runtime="native")
         _, gb, ms = run_configs(world, n_layers, per_shard, pipeline=True)[0]

@@ -16,6 +16,16 @@ def test_run_configs_follow_the_loader_batch() -> None:
         assert gb == 6 * 8 // pp and all(6 % m == 0 for m in ms)
 
 
+def test_profile_batch_sizes_cover_the_loader_batch() -> None:
+    """Automatic mode times blocks at 1 and 2 samples and at the loader's per-shard batch (capped at 8), so a
+    data-parallel layer's size is measured, not extrapolated."""
+    from lightning_galv.auto import profile_batch_sizes
+
+    assert profile_batch_sizes(None) == (1, 2) and profile_batch_sizes(1) == (1, 2) and profile_batch_sizes(2) == (1, 2)
+    assert profile_batch_sizes(4) == (1, 2, 4) and profile_batch_sizes(6) == (1, 2, 6)
+    assert profile_batch_sizes(64) == (1, 2, 8)
+
+
 def test_run_configs_without_hooks_or_batch() -> None:
     assert run_configs(4, 8, 4, pipeline=False) == [(1, 16, (1,))]
     # unknown loader batch: only what runs with any batch size

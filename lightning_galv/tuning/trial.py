@@ -146,7 +146,7 @@ def profile_run(module_factory: str, data_factory: str, memory_budget: Any) -> d
 
     import torch.distributed as dist
 
-    from ..auto import device_memory, parse_bytes, profile_model, sharded_profile
+    from ..auto import device_memory, parse_bytes, profile_batch_sizes, profile_model, sharded_profile
     from ..models.protocol import find_parts
     from ..planner import ModelProfile, ProfileCache
     from ..profiling import HardwareProfiler
@@ -164,14 +164,17 @@ def profile_run(module_factory: str, data_factory: str, memory_budget: Any) -> d
     cache = ProfileCache()
     hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, device_memory_bytes=budget, cache=cache,
                           progress=False).fit() if world > 1 else None
-    box: list[Any] = [profile_model(copy.deepcopy(module), parts, cache).to_json() if dist.get_rank() == 0 else None]
+    loader_batch = getattr(loader, "batch_size", None)
+    sizes = profile_batch_sizes(loader_batch)  # as automatic mode profiles (same cache entries)
+    box: list[Any] = [profile_model(copy.deepcopy(module), parts, cache, batch_sizes=sizes).to_json()
+                      if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     model = ModelProfile.from_json(box[0])
     if hw is not None:
-        model = sharded_profile(module, parts, model, hw, cache, False)
+        model = sharded_profile(module, parts, model, hw, cache, False, sizes)
     from ..auto import priced_hardware
 
     hw = priced_hardware(model, hw, budget)
     pipeline = all(callable(getattr(module, n, None)) for n in ("galv_pipeline_batch", "galv_pipeline_loss"))
     return {"model_profile": model.to_json(), "hardware_profile": hw.to_json(), "budget": budget,
-            "loader_batch": getattr(loader, "batch_size", None), "pipeline": pipeline}
+            "loader_batch": loader_batch, "pipeline": pipeline}
