@@ -268,8 +268,14 @@ def main() -> None:
                 f = ref / statistics.median(r0["probes"])
                 model, hw = launch_profiles[launch][world]
                 pred = GalvatronCostModel(profile_for(model, c), hw, runtime="native").evaluate(c.plan)
+                # where the time goes: measured (fwd+bwd, gradient sync wait, optimizer) at profile speed against
+                # the prediction's micro-batch part and per-step part (no pipeline: step = m x micro-batch + extra)
+                ph = [statistics.median(v) * f for v in zip(*r0["phases"])]
+                one = c.plan.pp == 1
                 per_launch[c.name].append(dict(launch=launch, raw=r0["step_s"], mt=statistics.median(r0["times"]) * f,
-                                               load=1 / f, pred=pred.step_time_s, pm=pred.peak_memory_bytes))
+                                               load=1 / f, pred=pred.step_time_s, pm=pred.peak_memory_bytes, ph=ph,
+                                               pfb=pred.stage_mb_time_s[0] * c.plan.micro_batches if one else None,
+                                               pex=pred.stage_extra_s[0] if one else None))
                 if launch == 0:
                     memory[c.name] = dict(mm=max(r[c.name]["peak_bytes"] for r in res),
                                           rss=max(r[c.name]["rss_peak_bytes"] for r in res),
@@ -358,6 +364,27 @@ def _boot(rs: list[dict], key: str) -> str:
             f"-> goal {ok} at the upper ends")
 
 
+def phase_table(rows: list[dict]) -> str:
+    """Predicted vs measured per phase, before calibration: so an error can be traced to the forward/backward
+    (compute, tp / ep collectives, the overlapped gradient all-reduce) or to the per-step part (the gradient
+    sync wait after backward and the optimizer)."""
+    lines = ["Where the time goes, before calibration (median over launches, at profile speed; plans without a "
+             "pipeline): fwd+bwd = the micro-batches' forward and backward with what the runtime overlaps with them, "
+             "per step = gradient-sync wait after backward + optimizer step.", "",
+             "| plan | fwd+bwd predicted / measured | err | per step predicted / measured | err |", "|---|---|---|---|---|"]
+    for r in rows:
+        runs = [x for x in r["runs"] if x.get("pfb") is not None]
+        if not runs:
+            continue
+        pfb = statistics.median(x["pfb"] for x in runs)
+        mfb = statistics.median(x["ph"][0] for x in runs)
+        pex = statistics.median(x["pex"] for x in runs)
+        mex = statistics.median(x["ph"][1] + x["ph"][2] for x in runs)
+        lines.append(f"| {r['name']} | {pfb * 1e3:.0f} / {mfb * 1e3:.0f} ms | {rel(pfb, mfb):+.0%} | "
+                     f"{pex * 1e3:.0f} / {mex * 1e3:.0f} ms | {rel(pex, mex):+.0%} |")
+    return "\n".join(lines)
+
+
 def budget_sweep(rows: list[dict]) -> str:
     """The feasibility check against budgets on a fixed grid (every 4 MiB from 24 to 128 MiB), chosen without
     looking at the predictions: a plan "fits" when the search would keep it (prediction within the budget less
@@ -439,6 +466,7 @@ def table(rows: list[dict], launches: int, steps: int, warmup: int, fresh: bool 
                   f"{_boot([r for r in out if r['world'] == w], 'cal_errs')}" for w in (2, 4)
                   if any(r["world"] == w for r in ins)) + ".",
               budget_sweep(rows),
+              phase_table(rows),
               f"Factors fitted on all in-sample plans of each world (first launch): {facts}."]
     prof = ("a fresh profile per launch and world size, taken right before that launch's plans run"
             if fresh else "one cached profile per world size")
