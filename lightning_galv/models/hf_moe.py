@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .moe import LocalDispatcher, LocalStatsReducer, MoELayer, RouterSums, RoutingLog, _inside_backward
+from .moe import MoELayer, RouterSums, RoutingLog, _inside_backward
 
 __all__ = ["HFSparseMoE", "PooledRouterAux", "is_hf_sparse_moe", "swap_hf_moe"]
 
@@ -157,17 +157,7 @@ class HFSparseMoE(MoELayer):
         self.expert_dims = (int(hidden), int(experts.down_proj.shape[-1]))
         self.shared_expert = None
         self.shared_gate = None
-        self.dispatcher = LocalDispatcher()
-        self.stats_reducer = LocalStatsReducer()
-        self.aux_grad_scale = 1.0
-        self.routing_log = log
-        self.last_stats = None
-        self.last_aux_loss = None
-        self.last_z_loss = None
-        self.carry_in = None
-        self.carry_out = None
-        self.fold_in = None
-        self.residual_folded = False
+        self.init_runtime_state(log)
         self.router_aux_coef = 0.0  # HF's router_aux_loss_coef when output_router_logits (set by the adapter)
         self.aux_pool: PooledRouterAux | None = None  # this forward's pool (set by the adapter per forward)
         self._pool_probs: torch.Tensor | None = None

@@ -506,6 +506,11 @@ class MoELayer(nn.Module):
         self.shared_expert = SwiGLU(cfg.dim, cfg.shared_expert_hidden) if cfg.shared_expert_hidden else None
         self.shared_gate = (nn.Linear(cfg.dim, 1, bias=False)
                             if cfg.shared_expert_hidden and cfg.shared_expert_gate else None)
+        self.init_runtime_state(log)
+
+    def init_runtime_state(self, log: RoutingLog | None = None) -> None:
+        """The state the runtime and the callbacks read and set on any MoE layer (the layer's weights aside):
+        one place, so a subclass that builds its weights its own way (``models/hf_moe.py``) cannot miss one."""
         self.dispatcher: TokenDispatcher = LocalDispatcher()
         self.stats_reducer: RouterStatsReducer = LocalStatsReducer()
         self.aux_grad_scale: float = 1.0
