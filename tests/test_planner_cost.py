@@ -267,6 +267,31 @@ def test_fsdp_overhead_scaled_by_the_ranks_parameter_share() -> None:
         _layer_cost(GalvatronCostModel(profile(), hw), LayerStrategy(dp=2, zero=3)).fwd)
 
 
+def test_dtensor_optimizer_overhead_charged_once_per_step_to_dtensor_layers() -> None:
+    """A layer whose parameters the native runtime keeps as DTensors (tp > 1, or FSDP2's ZeRO-2/3 over > 1
+    rank) pays the measured per-layer optimizer overhead once per step; plain parameters (dp, ZeRO-0/1,
+    Ulysses, a one-rank ZeRO-3) do not; tp and ZeRO-3 at once pay the larger; the ideal runtime never."""
+    lt = profile().layer(0)
+    prof = profile().with_(layer_types=(LayerTypeProfile(lt.name, lt.forward, lt.backward, lt.params,
+                                                         lt.activation_bytes, lt.hidden,
+                                                         optimizer_overhead={"tp": 3 * MS, "zero": 2 * MS}),))
+    hw = hardware()
+
+    def delta(s: LayerStrategy, mb: int = 4, runtime: str = "native") -> float:
+        with_, without = (_layer_cost(GalvatronCostModel(p, hw, runtime=runtime), s, mb=mb) for p in (prof, profile()))
+        assert (with_.fwd, with_.bwd, with_.states) == (without.fwd, without.bwd, without.states)
+        return with_.step_extra - without.step_extra
+
+    assert delta(LayerStrategy(tp=2, dp=1), mb=8) == pytest.approx(3 * MS)
+    assert delta(LayerStrategy(dp=2, zero=3)) == pytest.approx(2 * MS)
+    assert delta(LayerStrategy(dp=2, zero=2)) == pytest.approx(2 * MS)
+    assert delta(LayerStrategy(tp=2, dp=2, zero=3), mb=8) == pytest.approx(3 * MS)
+    for plain in (LayerStrategy(dp=2), LayerStrategy(dp=2, zero=1), LayerStrategy(tp=2, dp=1, sp="ulysses"),
+                  LayerStrategy(dp=1, zero=3)):
+        assert delta(plain, mb=8) == 0.0, plain
+    assert delta(LayerStrategy(tp=2, dp=1), mb=8, runtime="ideal") == 0.0
+
+
 def test_recompute_peak_counts_after_the_head_is_freed() -> None:
     """Checkpointed layers: the measured recompute peak replaces 'full activations', and it is booked
     against memory from which the head's activations (one micro-batch) are already gone."""

@@ -193,6 +193,9 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     assert set(layer.zero_overhead) == {"zero2", "zero3"}
     for fits in layer.zero_overhead.values():
         assert fits["forward"](2, 16) >= 0 and fits["backward"](2, 16) >= 0
+    # the optimizer step's DTensor overhead, per layer, measured for tp and for FSDP2 sharding
+    assert set(layer.optimizer_overhead) == {"tp", "zero"}
+    assert all(0.0 <= v < 1.0 for v in layer.optimizer_overhead.values()), layer.optimizer_overhead
     # an MoE block is also measured with its experts split over the 2 ranks (all-to-all dispatch); the cost
     # model takes that fit for ep=2 and the tp1 fit for ep=1; the dense block type has no ep variant
     from lightning_galv.planner.cost import layer_compute

@@ -131,7 +131,8 @@ def test_layer_profile_round_trips_measured_sharding() -> None:
     lt = LayerTypeProfile("block", TimeFit(1e-3, 1e-6), TimeFit(2e-3, 2e-6), 10, {"tp1/none": 5.0,
                           transient_key(2, "megatron"): 7.0}, 4,
                           sharded={"tp2/megatron": {"forward": TimeFit(1e-3), "backward": TimeFit(3e-3)}},
-                          zero_overhead={"zero3": {"forward": TimeFit(1e-4), "backward": TimeFit(2e-4)}})
+                          zero_overhead={"zero3": {"forward": TimeFit(1e-4), "backward": TimeFit(2e-4)}},
+                          optimizer_overhead={"tp": 1e-3, "zero": 2e-3})
     prof = ModelProfile("p", SHAPE, (lt,), (0,) * SHAPE.num_layers)
     back = ModelProfile.from_json(prof.to_json())
     assert back == prof
@@ -139,3 +140,9 @@ def test_layer_profile_round_trips_measured_sharding() -> None:
     assert back.layer(0).recompute_peak(2, "megatron") == 7.0
     with pytest.raises(ValueError, match="HINT"):
         LayerTypeProfile("b", TimeFit(), TimeFit(), 1, {"tp1/none": 1.0}, 4, zero_overhead={"zero9": {}})
+    for bad in ({"ep": 1e-3}, {"tp": -1.0}, {"zero": float("nan")}):
+        with pytest.raises(ValueError, match="optimizer_overhead.*HINT"):
+            LayerTypeProfile("b", TimeFit(), TimeFit(), 1, {"tp1/none": 1.0}, 4, optimizer_overhead=bad)
+    # a profile without the measurement serializes as before it existed
+    plain = LayerTypeProfile("b", TimeFit(), TimeFit(), 1, {"tp1/none": 1.0}, 4)
+    assert "optimizer_overhead" not in ModelProfile("p", SHAPE, (plain,), (0,) * SHAPE.num_layers).to_dict()["layer_types"][0]

@@ -250,6 +250,14 @@ def state_bytes_per_param(zero: int, d: int, precision: str) -> float:
     return (p + g + o) / d
 
 
+def dtensor_step_overhead(lt: LayerTypeProfile, s: LayerStrategy, d: int) -> float:
+    """Seconds the optimizer step of layer ``lt`` adds under ``s`` because the native runtime keeps its
+    parameters as DTensors (tensor parallel, or FSDP2 for ZeRO-2/3 over more than one rank): measured per
+    layer type (``LayerTypeProfile.optimizer_overhead``); both at once are charged once, at the larger."""
+    keys = (["tp"] if s.tensor_parallel > 1 else []) + (["zero"] if s.zero >= 2 and d > 1 else [])
+    return max((lt.optimizer_overhead.get(k, 0.0) for k in keys), default=0.0)
+
+
 def inflight_microbatches(pp: int, stage: int, m: int, schedule: str, v: int = 1) -> float:
     """Micro-batches whose activations a stage holds at peak (Narayanan SC'21; Korthikanti '22 Sec. 4.2.3)."""
     if pp == 1:
@@ -618,6 +626,8 @@ class GalvatronCostModel(CostModel):
                 fwd_t, bwd_t = fwd_t + of, bwd_t + ob
             else:  # ZeRO-2 gathers once per step and reduce-scatters on the last micro-batch
                 extra += of + ob
+        if native:
+            extra += dtensor_step_overhead(lt, s, d)
         states = 0.0
         for p, g, _, _ in groups:
             states += p * state_bytes_per_param(s.zero, g, precision)

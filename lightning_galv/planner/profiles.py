@@ -435,6 +435,12 @@ class LayerTypeProfile:
     # search prices states and gradient traffic from that table under --sequence_parallel
     # (search_engine.py get_profiled_model_configs), so a Galvatron-compatible model must too; None: ``params``.
     params_sp: int | None = None
+    # "tp" / "zero" -> seconds per step the optimizer update of this layer takes *beyond* its memory traffic
+    # when its parameters are DTensors -- split by tensor parallelism, or sharded by FSDP2 under ZeRO-2/3.
+    # Every update of a DTensor goes through sharding propagation: on CPU ~75-130 us per tensor per step
+    # against ~20 us for a plain tensor, which for small shards outweighs the traffic the sharding saves
+    # (ShardedLayerProfiler measures it; missing = free, as in profiles from before it did).
+    optimizer_overhead: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, Mapping):
@@ -465,6 +471,12 @@ class LayerTypeProfile:
                                 "record both passes (ShardedLayerProfiler).")
             over[key] = {k: v if isinstance(v, TimeFit) else TimeFit(**v) for k, v in fits.items()}
         object.__setattr__(self, "zero_overhead", over)
+        for key, sec in dict(self.optimizer_overhead).items():
+            if key not in ("tp", "zero") or not (isinstance(sec, (int, float)) and math.isfinite(sec) and sec >= 0):
+                raise bad_value(f"optimizer_overhead[{key!r}]={sec!r}",
+                                "keys are 'tp'/'zero', each a finite number of seconds >= 0",
+                                "record it with ShardedLayerProfiler (or leave it out: unmeasured = free).")
+        object.__setattr__(self, "optimizer_overhead", {k: float(v) for k, v in dict(self.optimizer_overhead).items()})
 
     def sharded_fit(self, kind: str, tp: int, sp: str, ep: int = 1) -> TimeFit | None:
         """The measured per-rank ``"forward"``/``"backward"`` fit under (tp, sp, ep), if profiled; an ep
@@ -710,6 +722,8 @@ class ModelProfile:
                 lt.pop("moe", None)
             if lt.get("params_sp") is None:  # and profiles without a separate Megatron-SP parameter size too
                 lt.pop("params_sp", None)
+            if not lt.get("optimizer_overhead"):  # and profiles without a measured DTensor optimizer overhead
+                lt.pop("optimizer_overhead", None)
         if self.ends is None:  # so do profiles without Galvatron's end tables
             d.pop("ends")
         else:

@@ -359,7 +359,65 @@ class ShardedLayerProfiler:
         if layer.moe is not None:
             sharded.update(self._ep_variants(layer))
         prof = replace(layer, sharded=sharded, activation_bytes=acts)
-        return replace(prof, zero_overhead=self._zero_overhead(sharded["tp1/none"]))
+        return replace(prof, zero_overhead=self._zero_overhead(sharded["tp1/none"]),
+                       optimizer_overhead=self._optimizer_overhead(layer))
+
+    def _optimizer_overhead(self, layer: LayerTypeProfile, cap_params: int = 64 * 2**20) -> dict[str, float]:
+        """``{"tp": s, "zero": s}`` for :class:`LayerTypeProfile`.optimizer_overhead: per layer, what an Adam
+        step over its parameters takes beyond its memory traffic when they are DTensors.
+
+        Why: the cost model prices the update by bytes moved (``ModelProfiler``'s optimizer bandwidth), which
+        holds for plain tensors. Split by tp or sharded by FSDP2, every parameter is a DTensor and each of its
+        ~10 update ops dispatches through sharding propagation; on CPU a tp2 model's step took as long as the
+        unsharded one, at half the bytes. Timed here on all ranks at once, as many blocks as the model has (up to
+        ``cap_params`` parameters, so that the step runs from memory as the real one does), sharded like the
+        widest tp variant with sp none and like ZeRO-3 over the world; the same blocks unsharded, timed beside
+        them and scaled to the sharded byte count, are subtracted, so contention and cache effects cancel.
+        """
+        from ..layout import MeshFactory, RankLayout
+        from ..parallel.block import apply_block
+        from ..parallel.data_parallel import apply_fsdp
+        from ..plan import LayerStrategy
+
+        if self.world == 1:
+            return {}
+        factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
+        copies = max(1, min(self.shape.num_layers, cap_params // max(1, layer.params)))
+        tps = [tp for tp, sp in self.variants() if tp > 1 and sp == "none"]
+        shardings: dict[str, LayerStrategy | None] = {"plain": None}
+        if tps:
+            shardings["tp"] = LayerStrategy(tp=max(tps), dp=self.world // max(tps))
+        shardings["zero"] = LayerStrategy(dp=self.world, zero=3)
+        out: dict[str, tuple[float, int]] = {}
+        for name, s in shardings.items():
+            _progress(f"optimizer step {name}", self.progress)
+            blocks = []
+            for _ in range(copies):
+                block = self.make_block().to(self.device)
+                if name == "tp":
+                    apply_block(block, factory.mesh(s), s)
+                elif name == "zero":
+                    apply_fsdp(block, factory.data_mesh(s), s, self.world)
+                blocks.append(block)
+            params = [p for b in blocks for p in b.parameters() if p.requires_grad]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt = torch.optim.Adam(params, lr=1e-6)  # for-each or loop: whatever torch picks for this device
+            times = []
+            for _ in range(self.repeats + 1):  # the first step creates the moments
+                dist.barrier()
+                self._sync()
+                t0 = time.perf_counter()
+                opt.step()
+                self._sync()
+                times.append(time.perf_counter() - t0)
+            t = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+            out[name] = (float(t), numel)
+            del opt, params, blocks
+        plain_s, plain_n = out.pop("plain")
+        return {name: max(0.0, (sec - plain_s * n / plain_n) / copies) for name, (sec, n) in out.items()}
 
     def ep_degrees(self, layer: LayerTypeProfile) -> list[int]:
         """Expert-parallel degrees > 1 this world can run the layer's experts at (tp 1, ep | world and | E)."""
