@@ -239,6 +239,38 @@ def test_stats_reducer_hook_sees_local_sums_and_defines_the_aux_loss() -> None:
     assert torch.allclose(layer.last_aux_loss, aux_local) and torch.allclose(layer.last_z_loss, z_local)
 
 
+def test_async_reducer_starts_after_routing_and_finishes_after_the_experts() -> None:
+    """A reducer with ``start`` (GlobalRouterStats) is started before any expert runs and its result taken
+    after the last one (so its collective hides behind the experts); the aux losses are what it returns."""
+    layer = _layer(num_experts=4, top_k=2)
+    events: list[str] = []
+    for i, expert in enumerate(layer.experts):
+        expert.register_forward_hook(lambda *_, i=i: events.append(f"expert{i}"))
+
+    class Twin:
+        def __call__(self, s: RouterSums) -> RouterSums:
+            raise AssertionError("an async reducer is not called synchronously")
+
+        def start(self, s: RouterSums):  # noqa: ANN201
+            events.append("start")
+
+            def finish() -> RouterSums:
+                events.append("finish")
+                return RouterSums(s.counts * 2, s.prob_sum * 2, s.z_sum * 2, s.tokens * 2)
+            return finish
+
+    x = _x()
+    layer(x)
+    aux_local = layer.last_aux_loss
+    layer.stats_reducer = Twin()
+    events.clear()
+    layer(x)
+    experts = [i for i, ev in enumerate(events) if ev.startswith("expert")]
+    assert events.count("start") == events.count("finish") == 1 and experts
+    assert events.index("start") < experts[0] and events.index("finish") > experts[-1]
+    assert torch.allclose(layer.last_aux_loss, aux_local)
+
+
 # ---------------------------------------------------------------------------------------------------
 # aux-gradient injection
 # ---------------------------------------------------------------------------------------------------

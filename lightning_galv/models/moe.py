@@ -83,7 +83,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol, Sequence
+from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -240,9 +240,23 @@ class RouterSums:
 
 
 class RouterStatsReducer(Protocol):
-    """Maps the local :class:`RouterSums` of a layer to the sums the aux losses are formed from."""
+    """Maps the local :class:`RouterSums` of a layer to the sums the aux losses are formed from.
+
+    A reducer that communicates may also offer ``start(sums) -> finish`` (:class:`AsyncStatsReducer`): the
+    layer then starts the reduction right after routing and calls ``finish()`` for the result after its
+    experts ran, so the collective hides behind the expert work instead of making every rank wait for the
+    slowest one at that point of the forward."""
 
     def __call__(self, sums: RouterSums) -> RouterSums: ...
+
+
+@runtime_checkable
+class AsyncStatsReducer(Protocol):
+    """A :class:`RouterStatsReducer` whose reduction can run while the layer's experts compute."""
+
+    def __call__(self, sums: RouterSums) -> RouterSums: ...
+
+    def start(self, sums: RouterSums) -> Callable[[], RouterSums]: ...
 
 
 class LocalStatsReducer:
@@ -591,6 +605,11 @@ class MoELayer(nn.Module):
             h, norm = fold_in
             if h.shape == x.shape and not any(isinstance(p, DTensor) for p in norm.parameters()):
                 fold = (h.reshape(b * s, d), norm)  # [T, dim] rows of the residual, token order as flat
+        sums = RouterSums(counts=torch.bincount(expert_ids, minlength=e), prob_sum=probs.sum(0),
+                          z_sum=torch.logsumexp(logits, dim=-1).pow(2).sum(),
+                          tokens=torch.tensor(t, dtype=torch.int64, device=x.device))
+        # a communicating reducer starts now and is waited for after the experts (RouterStatsReducer)
+        reduced = self.stats_reducer.start(sums) if isinstance(self.stats_reducer, AsyncStatsReducer) else None
         # folded, the shared expert runs on the expert side, on each token's first choice (see below)
         shared = self.shared_output(flat) if fold is None else None  # [T, dim] or None
         if places:
@@ -622,10 +641,7 @@ class MoELayer(nn.Module):
                 out = out + shared
         out = out.view(b, s, d)
 
-        sums = RouterSums(counts=torch.bincount(expert_ids, minlength=e), prob_sum=probs.sum(0),
-                          z_sum=torch.logsumexp(logits, dim=-1).pow(2).sum(),
-                          tokens=torch.tensor(t, dtype=torch.int64, device=x.device))
-        aux, z = self.aux_losses(self.stats_reducer(sums))
+        aux, z = self.aux_losses(reduced() if reduced is not None else self.stats_reducer(sums))
         self.last_aux_loss, self.last_z_loss = aux.detach(), z.detach()
         if not _inside_backward():
             self._record(sums.counts, keep, expert_ids, result, capacity, t)

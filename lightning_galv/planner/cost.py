@@ -372,9 +372,11 @@ def ep_backward_comm(hw: HardwareProfile, a2a_bytes: float, ep: int, stride: int
 
 
 def router_stats_time(hw: HardwareProfile, num_experts: int, d: int, stride: int) -> float:
-    """Per MoE forward, with or without ep: all-reduces of E+1 int64 counts and E+1 fp32 probability / z sums over the data group, so the balancing loss is the global batch's (Switch, Fedus et al. JMLR'22, eq. 4; parallel/expert.py GlobalRouterStats) -- latency-bound."""
-    return hw.collective_time("allreduce", 8.0 * (num_experts + 1), d, stride) + \
-        hw.collective_time("allreduce", 4.0 * (num_experts + 1), d, stride)
+    """Per MoE forward, with or without ep: one all-reduce of 2(E+1) float64 (counts, token count, probability
+    and z sums) over the data group, so the balancing loss is the global batch's (Switch, Fedus et al. JMLR'22,
+    eq. 4; parallel/expert.py GlobalRouterStats) -- latency-bound. It starts after routing and is waited for
+    after the experts, so it mostly hides; priced whole, as if exposed (a fraction of a millisecond)."""
+    return hw.collective_time("allreduce", 16.0 * (num_experts + 1), d, stride)
 
 
 def moe_layer_comm(hw: HardwareProfile, lt: LayerTypeProfile, s: LayerStrategy, b: float, seq: int, el: int,
