@@ -101,6 +101,14 @@ class ScaledCostModel(CostModel):
     def transition_time(self, a: LayerStrategy, b: LayerStrategy, ctx: StageContext) -> float:
         return self.factor * self.inner.transition_time(a, b, ctx)
 
+    def boundary_time(self, entry: LayerStrategy, first: LayerStrategy, last: LayerStrategy, exit_: LayerStrategy,
+                      ctx: StageContext) -> float:
+        return self.factor * self.inner.boundary_time(entry, first, last, exit_, ctx)
+
+    @property
+    def prices_boundaries(self) -> bool:
+        return self.inner.prices_boundaries
+
     def context_key(self, ctx: StageContext) -> tuple:
         return self.inner.context_key(ctx)  # a wrapper's costs vary with the context as the wrapped model's do
 

@@ -290,6 +290,52 @@ def test_dtensor_optimizer_overhead_charged_once_per_step_to_dtensor_layers() ->
                   LayerStrategy(dp=1, zero=3)):
         assert delta(plain, mb=8) == 0.0, plain
     assert delta(LayerStrategy(tp=2, dp=1), mb=8, runtime="ideal") == 0.0
+    # an MoE block whose experts (3/4 of its tensors) stay plain at ep = data group: only the rest pays
+    from lightning_galv.planner.profiles import MoELayerFacts
+
+    moe = MoELayerFacts(num_experts=2, top_k=1, expert_params=1000, dim=H, expert_tensor_share=0.75)
+    moe_prof = profile().with_(layer_types=(LayerTypeProfile(lt.name, lt.forward, lt.backward, lt.params,
+                                                             lt.activation_bytes, lt.hidden, moe=moe,
+                                                             optimizer_overhead={"zero": 4 * MS}),))
+    cm = GalvatronCostModel(moe_prof, hw, runtime="native")
+    from lightning_galv.planner.cost import dtensor_step_overhead
+
+    layer = cm.model.layer(0)
+    assert dtensor_step_overhead(layer, LayerStrategy(dp=2, zero=3), 2) == pytest.approx(4 * MS)
+    assert dtensor_step_overhead(layer, LayerStrategy(dp=2, ep=2, zero=3), 2) == pytest.approx(1 * MS)
+    assert dtensor_step_overhead(layer, LayerStrategy(dp=4, ep=2, zero=3), 4) == pytest.approx(4 * MS)
+    with pytest.raises(ValueError, match="expert_tensor_share.*HINT"):
+        MoELayerFacts(num_experts=2, top_k=1, expert_params=1000, dim=H, expert_tensor_share=1.5)
+
+
+def test_native_transitions_follow_the_runtime_relayout() -> None:
+    """parallel/redistribute.py: forward all-gathers every rank's shard over the stage unless the next
+    layer's shard lies inside the one held, backward likewise the other way round; both ways a local slice
+    when nested. Golden at 1 GB/s, no latency, 4 ranks, micro-batch 8, 2000 B per sample (bf16, 100 x 10)."""
+    from lightning_galv.planner.cost import native_transition_time, shards_nested
+
+    dp4, tp4, tp2dp2 = LayerStrategy(dp=4), LayerStrategy(tp=4), LayerStrategy(tp=2, dp=2)
+    strided = LayerStrategy(tp=2, dp=2, tp_consecutive=False)  # shards 0, 1, 0, 1 over ranks 0..3
+    assert shards_nested(tp4, dp4) and shards_nested(tp2dp2, dp4) and not shards_nested(dp4, tp4)
+    assert not shards_nested(strided, dp4) and shards_nested(tp4, strided)
+    hw, sb = hardware(), 2000.0
+    gather = 0.75 * 4 * 8 / 4 * sb / 1e9  # all-gather over 4 ranks of 4 quarter-batch shards
+    assert native_transition_time(hw, dp4, tp4, sb, 8) == pytest.approx(gather)  # forward only
+    assert native_transition_time(hw, tp4, dp4, sb, 8) == pytest.approx(gather)  # backward only
+    # tp2 dp2 -> strided tp2 dp2: neither contains the other; the backward gathers 4 half-batch replicas
+    both = 0.75 * 4 * 8 / 2 * sb / 1e9
+    assert native_transition_time(hw, tp2dp2, strided, sb, 8) == pytest.approx(2 * both)
+    cm = GalvatronCostModel(profile(), hw, runtime="native")
+    ctx = StageContext(4, 8, 1)
+    assert cm.transition_time(dp4, tp4, ctx) == pytest.approx(gather)
+    assert cm.transition_time(dp4, LayerStrategy(dp=4, zero=3), ctx) == 0.0
+    # the ends: a tp4 model with data-parallel embedding and head pays one gather in and one out
+    plan = ParallelPlan.uniform(4, 4, tp4, global_batch=8).with_(embed=dp4, head=dp4)
+    assert cm.chunk_boundary_time(plan, 0, ctx) == pytest.approx(2 * gather)
+    assert cm.evaluate(plan).breakdown["transitions"] == pytest.approx(2 * gather)
+    assert cm.evaluate(plan.with_(embed=tp4, head=tp4)).breakdown["transitions"] == 0.0
+    # Galvatron's (ideal) model keeps its one gather between blocks and free ends
+    assert GalvatronCostModel(profile(), hw).evaluate(plan).breakdown["transitions"] == 0.0
 
 
 def test_recompute_peak_counts_after_the_head_is_freed() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -145,7 +146,9 @@ def test_moe_model_profiles_one_layer_type_per_block_kind(tmp_path) -> None:
     parts = find_parts(model)
     type_of, first, names = block_types(parts.blocks)
     assert type_of == [0, 1, 0, 1] and first == [0, 1] and names[0] == "LlamaBlock#0" and names[1].startswith("MoEBlock[")
-    facts = MoELayerFacts.swiglu(32, 4, 2, 48, shared_hidden=16)
+    # the routed experts' share of the block's parameter tensors: 4 experts x 3 SwiGLU weights
+    share = 12 / len(list(parts.blocks[1].parameters()))
+    facts = replace(MoELayerFacts.swiglu(32, 4, 2, 48, shared_hidden=16), expert_tensor_share=share)
     assert moe_facts(parts.blocks[1]) == facts and moe_facts(parts.blocks[0]) is None
     prof = profile_model(model, parts, ProfileCache(tmp_path))
     assert prof.layer_type_of == (0, 1, 0, 1) and prof.num_experts == (4,)

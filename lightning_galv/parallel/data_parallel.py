@@ -433,8 +433,25 @@ class OptimizerStateSharding:
 
     @torch.no_grad()
     def broadcast(self) -> None:
-        for p, (owner, group) in self.owner.items():
-            dist.broadcast(local(p.data), src=owner, group=group)
+        """Owners send their updated parameters: one broadcast per (group, owner, dtype) of the parameters
+        flattened together. One per parameter paid a collective's latency, and the wait for the slowest rank,
+        dozens of times per step (2 CPU ranks: ZeRO-1's step took 8 ms longer than ZeRO-0's for 39 tensors)."""
+        runs: dict[tuple[int, int, torch.dtype, torch.device], tuple[Any, list[torch.Tensor]]] = {}
+        for p, (owner, group) in self.owner.items():  # the same order on every rank: registration order
+            t = local(p.data)
+            runs.setdefault((id(group), owner, t.dtype, t.device), (group, []))[1].append(t)
+        me = dist.get_rank()
+        for (_, owner, dtype, device), (group, tensors) in runs.items():
+            if len(tensors) == 1:
+                dist.broadcast(tensors[0], src=owner, group=group)
+                continue
+            sizes = [t.numel() for t in tensors]
+            flat = (torch.cat([t.reshape(-1) for t in tensors]) if owner == me
+                    else torch.empty(sum(sizes), dtype=dtype, device=device))  # [sum of numels]
+            dist.broadcast(flat, src=owner, group=group)
+            if owner != me:
+                for t, piece in zip(tensors, flat.split(sizes)):
+                    t.copy_(piece.view_as(t))
 
     def consolidate(self, optimizer: torch.optim.Optimizer) -> None:
         """Give every rank the optimizer state of every parameter (before saving a checkpoint).

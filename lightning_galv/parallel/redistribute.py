@@ -10,7 +10,9 @@ the wanted shard lies inside the one already held, this is a local slice with no
 Backward: every rank holds the *full* gradient of its shard (the boundary contract of
 ``parallel.tensor``), so replicas are identical: gather the gradient shards, take one replica of each
 and slice out the shard this rank fed forward. Taking one replica (rather than summing) is what keeps
-a tp group's identical copies from being counted tp times.
+a tp group's identical copies from being counted tp times. When the shard this rank fed forward lies
+inside the one whose gradient it holds (the layout got coarser: dp4 -> tp4, the loader's dp4 -> tp2 dp2),
+that is again a local slice: gathering would only bring copies of what every rank already has.
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ class _Redistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if _nested(ctx.dst, ctx.src):  # this rank's src shard lies inside the dst shard it has the gradient of
+            k = ctx.src.shards // ctx.dst.shards
+            return _take(grad, ctx.src.owner[ctx.me] % k, k).clone(), None, None, None, None
         full = _gather_full(grad.contiguous(), ctx.dst, ctx.group)  # [B, ...] one replica per shard
         return _take(full, ctx.src.owner[ctx.me], ctx.src.shards).contiguous(), None, None, None, None
 

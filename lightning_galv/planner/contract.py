@@ -442,6 +442,7 @@ def _stage_sums(p: Probe, plan: ParallelPlan) -> tuple[list[float], list[float],
         t, e, mem = p.cost.stage_fixed(plan.embed, plan.head, ctx, plan.vocab_parallel_loss)
         transient = 0.0
         for chunk in range(st, plan.pp * v, plan.pp):
+            t += p.cost.chunk_boundary_time(plan, chunk, ctx)
             prev = None
             for i in plan.stage_layers(chunk):
                 c = p.cost.layer_cost(i, plan.layers[i], ctx)

@@ -172,6 +172,33 @@ class CostModel(ABC):
         model, for one, is defined only where its micro-batches split evenly over its min_tp-wide groups."""
         return True
 
+    def chunk_boundary_time(self, plan: ParallelPlan, chunk: int, ctx: StageContext) -> float:
+        """Seconds per micro-batch (fwd + bwd) to re-lay-out activations at the edges of pipeline chunk
+        ``chunk``: into its first block from the embedding (later chunks: from the data loader's layout,
+        in which activations cross stages) and out of its last block into the head (earlier chunks: back
+        to that layout) -- :meth:`boundary_time` of those four strategies."""
+        layers = plan.stage_layers(chunk)
+        if not len(layers):
+            return 0.0
+        assert plan.embed is not None and plan.head is not None
+        data = data_strategy(plan.stage_size, plan.data_parallel_size)
+        entry = plan.embed if chunk == 0 else data
+        exit_ = plan.head if chunk == plan.pp * plan.virtual_stages - 1 else data
+        return self.boundary_time(entry, plan.layers[layers[0]], plan.layers[layers[-1]], exit_, ctx)
+
+    def boundary_time(self, entry: LayerStrategy, first: LayerStrategy, last: LayerStrategy, exit_: LayerStrategy,
+                      ctx: StageContext) -> float:
+        """Seconds per micro-batch to re-lay-out from ``entry`` into a chunk whose blocks start at ``first``
+        and end at ``last``, and from there to ``exit_``. Default: free, as in Galvatron, whose transitions
+        are only between blocks."""
+        return 0.0
+
+    @property
+    def prices_boundaries(self) -> bool:
+        """Whether :meth:`boundary_time` can be non-zero (the search then also weighs uniform plans priced
+        with it, which its layer DP cannot see)."""
+        return False
+
     def backward_freed(self, plan_head: LayerStrategy, ctx: StageContext, vocab_parallel_loss: bool = False) -> float:
         """Bytes of the head's activations (logits, loss) of one micro-batch, freed before any block runs
         its backward -- so a checkpointed block's recompute peak does not stack on top of them."""
@@ -201,6 +228,9 @@ class CostModel(ABC):
             breakdown["other"] += t
             transient = 0.0
             for chunk in range(st, plan.pp * v, plan.pp):  # this stage's chunks, layers in model order
+                edges = self.chunk_boundary_time(plan, chunk, ctx)
+                t += edges
+                breakdown["transitions"] += edges
                 prev: LayerStrategy | None = None
                 for i in plan.stage_layers(chunk):
                     s = plan.layers[i]
@@ -255,7 +285,11 @@ def dtensor_step_overhead(lt: LayerTypeProfile, s: LayerStrategy, d: int) -> flo
     parameters as DTensors (tensor parallel, or FSDP2 for ZeRO-2/3 over more than one rank): measured per
     layer type (``LayerTypeProfile.optimizer_overhead``); both at once are charged once, at the larger."""
     keys = (["tp"] if s.tensor_parallel > 1 else []) + (["zero"] if s.zero >= 2 and d > 1 else [])
-    return max((lt.optimizer_overhead.get(k, 0.0) for k in keys), default=0.0)
+    over = {k: lt.optimizer_overhead.get(k, 0.0) for k in keys}
+    if lt.moe is not None and "zero" in over and d // s.ep == 1:
+        # the routed experts stay plain tensors: FSDP2 does not shard over a one-rank expert-data group
+        over["zero"] *= 1.0 - lt.moe.expert_tensor_share
+    return max(over.values(), default=0.0)
 
 
 def inflight_microbatches(pp: int, stage: int, m: int, schedule: str, v: int = 1) -> float:
@@ -474,6 +508,39 @@ def batch_layout(s: LayerStrategy) -> tuple[int, bool]:
     """Which batch shard each rank holds: its dp degree and whether the shards are arranged as with
     consecutive tp groups (lightning_galv.layout.RankLayout). Activations move only when it changes."""
     return s.dp, (s.tp_consecutive or s.tp == 1 or s.dp == 1)
+
+
+def data_strategy(stage_size: int, data_parallel_size: int) -> LayerStrategy:
+    """The layout the data loader serves and activations cross pipeline stages in (layout.RankLayout.data_strategy)."""
+    return LayerStrategy(tp=stage_size // data_parallel_size, dp=data_parallel_size)
+
+
+def _shard_of(s: LayerStrategy, rank: int) -> int:
+    """The batch shard stage-local ``rank`` holds under ``s`` (lightning_galv.layout.RankLayout.coords)."""
+    return rank // s.tp if s.tp_consecutive else rank % s.dp
+
+
+def shards_nested(outer: LayerStrategy, inner: LayerStrategy) -> bool:
+    """Whether on every rank of the stage the batch shard under ``inner`` lies inside the one under ``outer``
+    (parallel/redistribute.py ``_nested``): re-laying out from ``outer`` to ``inner`` is then a local slice."""
+    if inner.dp % outer.dp:
+        return False
+    k = inner.dp // outer.dp
+    return all(_shard_of(inner, r) // k == _shard_of(outer, r) for r in range(outer.width))
+
+
+def native_transition_time(hw: HardwareProfile, a: LayerStrategy, b: LayerStrategy, sample_bytes: float,
+                           mb: int) -> float:
+    """What parallel/redistribute.py does per micro-batch when the batch layout changes from ``a`` to ``b``:
+    forward, unless ``b``'s shard lies inside ``a``'s on every rank, an all-gather over the stage of every
+    rank's ``a`` shard; backward, unless ``a``'s shard lies inside ``b``'s, one of every rank's ``b``-shard
+    gradient (replicas included: a tp group's ranks all send theirs)."""
+    if batch_layout(a) == batch_layout(b):
+        return 0.0
+    w = a.width
+    fwd = 0.0 if shards_nested(a, b) else hw.collective_time("allgather", w * mb / a.dp * sample_bytes, w, 1)
+    bwd = 0.0 if shards_nested(b, a) else hw.collective_time("allgather", w * mb / b.dp * sample_bytes, w, 1)
+    return fwd + bwd
 
 
 def transition_bytes_time(hw: HardwareProfile, a: LayerStrategy, b: LayerStrategy, sample_bytes: float,
@@ -708,8 +775,23 @@ class GalvatronCostModel(CostModel):
         return OPTIMIZER_TRAFFIC_BYTES * shard / self.hw.memory_bandwidth
 
     def transition_time(self, a: LayerStrategy, b: LayerStrategy, ctx: StageContext) -> float:
+        """Galvatron's one all-gather (ideal), or what the native runtime's re-layout does (both directions)."""
         sample_bytes = self.model.seq_len * self.model.shape.hidden * self.model.act_dtype_bytes
+        if self.runtime == "native":
+            return native_transition_time(self.hw, a, b, sample_bytes, ctx.micro_batch)
         return transition_bytes_time(self.hw, a, b, sample_bytes, ctx.micro_batch)
+
+    def boundary_time(self, entry: LayerStrategy, first: LayerStrategy, last: LayerStrategy, exit_: LayerStrategy,
+                      ctx: StageContext) -> float:
+        """Native runtime: parallel/parallelize.py step 4 re-lays out the embedding's (or the loader's) layout
+        into a chunk's first block and its last block into the head's (or back) like any neighbours."""
+        if self.runtime != "native":
+            return 0.0
+        return self.transition_time(entry, first, ctx) + self.transition_time(last, exit_, ctx)
+
+    @property
+    def prices_boundaries(self) -> bool:
+        return self.runtime == "native"
 
     # -- embedding + head ----------------------------------------------------------------------------
     def end_cost(self, s: LayerStrategy, ctx: StageContext, first: bool, last: bool,

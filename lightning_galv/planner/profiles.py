@@ -347,8 +347,15 @@ class MoELayerFacts:
     shared_params: int = 0  # always-on shared expert and its gate (replicated like the dense parameters)
     router_params: int = 0
     capacity_factor: float | None = None  # None: dropless (every routed copy is dispatched)
+    # share of the block's parameter *tensors* that belong to routed experts: the optimizer's per-tensor
+    # DTensor overhead (LayerTypeProfile.optimizer_overhead) splits by it, since expert parallelism leaves
+    # the experts plain tensors where their expert-data group is one rank (0: unknown, charged whole)
+    expert_tensor_share: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.expert_tensor_share, (int, float)) and 0.0 <= self.expert_tensor_share < 1.0):
+            raise bad_value(f"expert_tensor_share={self.expert_tensor_share}", "must be a number in [0, 1)",
+                            "count the routed experts' parameter tensors over the block's (moe_facts does).")
         for attr in ("num_experts", "top_k", "expert_params", "dim"):
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

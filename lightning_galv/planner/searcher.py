@@ -21,12 +21,12 @@ closed-form (n identical layers), so that space needs no layer DP at all.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..plan import LayerStrategy, ParallelPlan, Prediction, even_division
-from .cost import CostModel, LayerCost, StageContext, batch_layout
+from .cost import CostModel, LayerCost, StageContext, batch_layout, data_strategy
 from .layer_dp import FrontsMemo, LayerFronts, layer_dp
 from .pareto import pareto_keep
 from .partition import place, stage_layer_ranges
@@ -446,7 +446,15 @@ class Searcher:
             sub = CostTable([tab.strategies[j]], tab.fb[:, [j]], tab.extra[:, [j]], tab.states[:, [j]],
                             tab.act[:, [j]], tab.transient[:, [j]], np.zeros(1, dtype=np.int64), np.zeros((1, 1)))
             return self._solve_with(cfg, sub, groups, uniform_key=j)
-        return self._solve_with(cfg, tab, groups)
+        plan = self._solve_with(cfg, tab, groups)
+        if self.cost.prices_boundaries and self.p.homogeneous:
+            # the layer DP does not see the re-layouts at the chunk edges (CostModel.boundary_time); the uniform
+            # plans, priced with them in closed form, compete with its answer
+            for j in range(len(tab.strategies)):
+                u = self._solve_uniform(replace(cfg, j=j), tab, groups)
+                if u is not None and (plan is None or u.prediction.step_time_s < plan.prediction.step_time_s):
+                    plan = u
+        return plan
 
     def _solve_uniform(self, cfg: Config, tab: CostTable, groups: list[list[list[Edge]]]) -> ParallelPlan | None:
         """One strategy for every (identical) layer: a stage's cost is n * c, so no layer DP is needed.
@@ -473,6 +481,7 @@ class Searcher:
                 u_best, which = np.full(n_hi + 1, np.inf), np.zeros(n_hi + 1, dtype=np.int64)
                 for idx, (e, h) in enumerate(group[i]):
                     ft, fe, fmem = self.fixed(e, h, ctx)
+                    ft += self._uniform_boundaries(tab.strategies[j], e, h, ctx, i)
                     freed = self.cost.backward_freed(h, ctx, self.space.vocab_parallel_loss)
                     capacity = int(math.floor((self.budget - fmem - max(0.0, tau - freed)) / self.grid + 1e-9))
                     if capacity < 0:
@@ -494,6 +503,21 @@ class Searcher:
         _, counts, edges = best
         div = tuple(counts) if per_stage is None else tuple(division)  # type: ignore[arg-type]
         return self._finish(cfg, (tab.strategies[j],) * L, div, edges[0][0], edges[-1][1])
+
+    def _uniform_boundaries(self, s: LayerStrategy, embed: LayerStrategy, head: LayerStrategy, ctx: StageContext,
+                            stage: int) -> float:
+        """Per micro-batch: the re-layouts at the edges of stage ``stage``'s chunks when every block runs ``s``
+        (``CostModel.chunk_boundary_time``), booked with the stage's fixed time -- a stage holding no block
+        books them too, a slight overestimate of a layout the partition avoids anyway. The general layer DP
+        does not see them (its plans are priced with them once found)."""
+        p, v = ctx.pp, ctx.virtual_stages
+        data = data_strategy(ctx.stage_size, max(embed.dp, s.dp, head.dp))
+        t = 0.0
+        for chunk in range(stage, p * v, p):
+            entry = embed if chunk == 0 else data
+            exit_ = head if chunk == p * v - 1 else data
+            t += self.cost.boundary_time(entry, s, s, exit_, ctx)
+        return t
 
     def _solve_with(self, cfg: Config, tab: CostTable, groups: list[list[list[Edge]]],
                     uniform_key: int = -1) -> ParallelPlan | None:

@@ -90,9 +90,10 @@ def moe_facts(block: nn.Module) -> MoELayerFacts | None:
     # a Hugging Face layer (models/hf_moe.py) keeps its experts fused: one row of each tensor per expert
     per_expert = layer.expert_numel() if hasattr(layer, "expert_numel") else count(layer.experts[0])
     dim = getattr(layer, "hidden_dim", None) or layer.router.in_features
+    expert_tensors = sum(1 for _ in layer.experts.parameters())
     return MoELayerFacts(layer.num_experts, layer.top_k, per_expert, dim,
                          count(layer.shared_expert) + count(layer.shared_gate), count(layer.router),
-                         layer.capacity_factor)
+                         layer.capacity_factor, expert_tensors / max(1, sum(1 for _ in block.parameters())))
 
 
 class ModelProfiler:
