@@ -106,6 +106,9 @@ class CostModel(ABC):
       framework bytes): what is left of the budget for the layers.
     * :meth:`backward_freed` -- memory released before the blocks' backward, which a recomputing
       block can reuse (default: the head's activations on the last stage).
+    * :meth:`boundary_time` -- re-layouts at a pipeline chunk's edges (embedding into the first block, the
+      last block into the head; default free, as in Galvatron). The layer DP cannot see them; a model that
+      prices them says so (:attr:`prices_boundaries`) and the search also weighs uniform plans priced with them.
     * :meth:`evaluate` -- the final price of a plan the search keeps; :meth:`predict` attaches it.
 
     An implementation that re-prices the parts (the tuner's calibrated model will wrap another model
