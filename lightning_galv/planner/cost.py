@@ -21,6 +21,7 @@ compute is that fit, which adds the dispatcher's own work.
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -184,9 +185,8 @@ class CostModel(ABC):
         if not len(layers):
             return 0.0
         assert plan.embed is not None and plan.head is not None
-        data = data_strategy(plan.stage_size, plan.data_parallel_size)
-        entry = plan.embed if chunk == 0 else data
-        exit_ = plan.head if chunk == plan.pp * plan.virtual_stages - 1 else data
+        entry, exit_ = chunk_ends(chunk, plan.pp * plan.virtual_stages, plan.embed, plan.head,
+                                  data_strategy(plan.stage_size, plan.data_parallel_size))
         return self.boundary_time(entry, plan.layers[layers[0]], plan.layers[layers[-1]], exit_, ctx)
 
     def boundary_time(self, entry: LayerStrategy, first: LayerStrategy, last: LayerStrategy, exit_: LayerStrategy,
@@ -518,11 +518,19 @@ def data_strategy(stage_size: int, data_parallel_size: int) -> LayerStrategy:
     return LayerStrategy(tp=stage_size // data_parallel_size, dp=data_parallel_size)
 
 
+def chunk_ends(chunk: int, chunks: int, embed: LayerStrategy, head: LayerStrategy,
+               data: LayerStrategy) -> tuple[LayerStrategy, LayerStrategy]:
+    """(layout into, layout out of) pipeline chunk ``chunk``'s blocks: the embedding's into the first chunk,
+    the head's out of the last, the data loader's ``data`` elsewhere (parallel/parallelize.py step 4)."""
+    return (embed if chunk == 0 else data), (head if chunk == chunks - 1 else data)
+
+
 def _shard_of(s: LayerStrategy, rank: int) -> int:
     """The batch shard stage-local ``rank`` holds under ``s`` (lightning_galv.layout.RankLayout.coords)."""
     return rank // s.tp if s.tp_consecutive else rank % s.dp
 
 
+@functools.lru_cache(maxsize=4096)
 def shards_nested(outer: LayerStrategy, inner: LayerStrategy) -> bool:
     """Whether on every rank of the stage the batch shard under ``inner`` lies inside the one under ``outer``
     (parallel/redistribute.py ``_nested``): re-laying out from ``outer`` to ``inner`` is then a local slice."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..plan import LayerStrategy, ParallelPlan, Prediction, even_division
-from .cost import CostModel, LayerCost, StageContext, batch_layout, data_strategy
+from .cost import CostModel, LayerCost, StageContext, batch_layout, chunk_ends, data_strategy
 from .layer_dp import FrontsMemo, LayerFronts, layer_dp
 from .pareto import pareto_keep
 from .partition import place, stage_layer_ranges
@@ -514,8 +514,7 @@ class Searcher:
         data = data_strategy(ctx.stage_size, max(embed.dp, s.dp, head.dp))
         t = 0.0
         for chunk in range(stage, p * v, p):
-            entry = embed if chunk == 0 else data
-            exit_ = head if chunk == p * v - 1 else data
+            entry, exit_ = chunk_ends(chunk, p * v, embed, head, data)
             t += self.cost.boundary_time(entry, s, s, exit_, ctx)
         return t
 
