@@ -110,12 +110,28 @@ def grad_errors(model: torch.nn.Module, ref: torch.nn.Module) -> dict[str, float
     return out
 
 
+#: name -> (params, lr, momentum) -> optimizer. Both runs use the same kernel: the parallel run's groups mix
+#: plain tensors and DTensors (which the multi-tensor ``foreach`` and ``fused`` kernels, CUDA's defaults, refuse
+#: unless the runtime steps them apart), the reference's hold plain tensors only. Adam's steps are ~lr per element
+#: whatever the gradient's size: its learning rate is 1/1000 of SGD's, and eps is 1e-4 -- with the default 1e-8 a
+#: gradient element near 0 turns its ~1e-6 relative difference between the runs into a step of either sign
+#: (tp2: weights 1.6e-5 apart after 10 steps; 1.7e-7 with eps 1e-4).
+OPTIMIZERS: dict[str, Any] = {
+    "sgd": lambda ps, lr, mom: torch.optim.SGD(ps, lr=lr, momentum=mom, foreach=False),
+    "sgd_foreach": lambda ps, lr, mom: torch.optim.SGD(ps, lr=lr, momentum=mom, foreach=True),
+    "adam_foreach": lambda ps, lr, mom: torch.optim.Adam(ps, lr=lr / 1000, eps=1e-4, foreach=True),
+    "adamw_fused": lambda ps, lr, mom: torch.optim.AdamW(ps, lr=lr / 1000, eps=1e-4, weight_decay=0.1,
+                                                            fused=True),
+}
+
+
 def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: int = 10,
                   global_batch: int = 8, seq: int = 16, clip: float | None = None, clip_algorithm: str = "norm",
                   norm_type: float = 2.0, accumulate: int = 1, dropout: float = 0.0, momentum: float = 0.9,
                   lr: float = 0.2, galv_loss: bool = False, label_smoothing: float = 0.0,
                   relayout: bool | int = False, placement: int | None = None,
-                  placement_shuffle: bool | str = False, grad_bucket_bytes: int | None = None) -> dict[str, Any]:
+                  placement_shuffle: bool | str = False, grad_bucket_bytes: int | None = None,
+                  optimizer: str = "sgd") -> dict[str, Any]:
     """Train under ``plan_dict`` and single-process side by side; compare losses, first-step gradients, weights.
 
     ``accumulate`` micro-steps (each of ``global_batch`` samples) make one optimizer step; gradient sync
@@ -136,12 +152,13 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     (on random tokens the solver rightly keeps most of them home) and every relocation path is exercised;
     ``"no_restore"`` also keeps the last layer of a run from sending samples home (a negative control).
     ``grad_bucket_bytes``: ZeRO-0/1 gradient bucket size (None: the runtime's default, 25 MiB).
+    ``optimizer``: one of :data:`OPTIMIZERS` (per-tensor loop, multi-tensor ``foreach`` or ``fused`` kernels).
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = _train_compare(plan_dict, kind, layers, steps, global_batch, seq, clip, clip_algorithm, norm_type,
                              accumulate, dropout, momentum, lr, galv_loss, label_smoothing, relayout,
-                             placement, placement_shuffle, grad_bucket_bytes)
+                             placement, placement_shuffle, grad_bucket_bytes, optimizer)
     res["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     return res
 
@@ -150,7 +167,10 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
                    clip: float | None, clip_algorithm: str, norm_type: float, accumulate: int, dropout: float,
                    momentum: float, lr: float, galv_loss: bool, label_smoothing: float,
                    relayout: bool | int = False, placement: int | None = None,
-                   placement_shuffle: bool | str = False, grad_bucket_bytes: int | None = None) -> dict[str, Any]:
+                   placement_shuffle: bool | str = False, grad_bucket_bytes: int | None = None,
+                   optimizer: str = "sgd") -> dict[str, Any]:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZERS)}. HINT: add it to OPTIMIZERS.")
     plan = ParallelPlan.from_dict(plan_dict)
     sharded_seen: list[bool] = []  # per loss call: did the loss get vocab-sharded logits?
     if galv_loss:
@@ -198,9 +218,9 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
             for d in placer.dispatchers:
                 d.restore = False
     placement_steps: list[dict] = []
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    opt = OPTIMIZERS[optimizer](model.parameters(), lr, momentum)
     rt.wrap_optimizer(opt)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
+    ref_opt = OPTIMIZERS[optimizer](ref.parameters(), lr, momentum)
     shard, nshards = rt.data_shard
     gen = torch.Generator().manual_seed(123)
     losses, ref_losses, norm_errs, clipped = [], [], [], []
@@ -306,7 +326,10 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     fsdp_prefetch = {n: t for n, t in fsdp_prefetch.items() if t}
     experts_held = [_experts_held(m) for m in moe_layers]
     all_to_all = [m.last_stats is not None and m.last_stats.send_splits is not None for m in moe_layers]
+    # the user's parameter groups survive the steps (split copies only live inside a step)
+    groups_kept = [[id(p) for p in g["params"]] for g in opt.param_groups] == [[id(p) for p in model.parameters()]]
     return {"loss_err": loss_err, "weight_err": weight_err, "losses": losses, "ref_losses": ref_losses,
+            "groups_kept": groups_kept,
             "experts_held": experts_held, "all_to_all": all_to_all, "routing": routing,
             "keys_equal": sorted(got) == sorted(want), "worst": worst, "grad_err": grad_err, "pp": plan.pp,
             "norm_err": max(norm_errs, default=0.0), "clipped": clipped, "sharded_seen": sharded_seen,

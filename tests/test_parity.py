@@ -18,6 +18,7 @@ from lightning_galv.testing import assert_matches_one_process, random_plan, run_
 
 CHECKS = str(Path(__file__).parent / "dist_runtime_checks.py") + "::run_many"
 TOL = 1e-5
+OPTIMIZERS = ("sgd", "sgd_foreach", "adam_foreach", "adamw_fused")  # dist_runtime_checks.OPTIMIZERS' names
 
 
 def _cases4() -> list[tuple[str, dict, dict]]:
@@ -75,6 +76,15 @@ def _cases4() -> list[tuple[str, dict, dict]]:
         ("pp2_zero_one_rank_data_group", ParallelPlan(4, (L(tp=2, zero=3), L(tp=2, zero=2), L(dp=2), L(tp=2, zero=3)),
                                                       pp=2, micro_batches=2, embed=L(tp=2, zero=2),
                                                       head=L(dp=2, zero=3)).to_dict(), {"layers": 4, "clip": 0.05}),
+        # multi-tensor / fused optimizer kernels (CUDA's defaults) over groups mixing plain tensors and DTensors
+        # on several meshes (tp, FSDP2 dp); the reference steps with the per-tensor loop
+        ("adam_foreach_hetero_clip", ParallelPlan(4, (L(tp=2, dp=2, zero=3), L(tp=4), L(dp=4, zero=1)),
+                                                  embed=L(dp=4), head=L(tp=2, dp=2)).to_dict(),
+         {"optimizer": "adam_foreach", "clip": 0.05}),
+        ("adamw_fused_tp2_zero2", u(4, 3, L(tp=2, dp=2, zero=2)).to_dict(), {"optimizer": "adamw_fused"}),
+        ("sgd_foreach_pp2_zero3", ParallelPlan(4, (L(tp=2), L(dp=2, zero=3), L(dp=2), L(tp=2, zero=2)), pp=2,
+                                               micro_batches=2, embed=L(dp=2), head=L(dp=2)).to_dict(),
+         {"optimizer": "sgd_foreach", "layers": 4}),
         # pipelines (issue 3): schedules, uneven stages, virtual stages, per-layer strategies inside stages
         ("pp2_gpipe", u(4, 4, L(dp=2), pp=2, micro_batches=2, pipeline_schedule="gpipe").to_dict(), {"layers": 4}),
         ("pp2_1f1b", u(4, 4, L(dp=2), pp=2, micro_batches=4).to_dict(), {"layers": 4}),
@@ -181,7 +191,8 @@ def random_cases(seed: int, world: int, n: int) -> list[tuple[str, dict, dict]]:
               "galv_loss": plan.vocab_parallel_loss or rng.random() < 0.3,
               # gradient buckets from 1 KiB (many per group, launched during backward) to the 25 MiB default;
               # drawn from a separate stream so the seeded plans stay the ones earlier runs checked
-              "grad_bucket_bytes": random.Random(seed * 1000 + i).choice((1024, 8192, 25 * 2**20))}
+              "grad_bucket_bytes": random.Random(seed * 1000 + i).choice((1024, 8192, 25 * 2**20)),
+              "optimizer": random.Random(seed * 1000 + i + 10**6).choice(OPTIMIZERS)}
         cases.append((f"random{world}_{seed}_{i}", plan.to_dict(), kw))
     return cases
 
@@ -193,6 +204,7 @@ def _check(results: list[dict]) -> None:
             assert_matches_one_process(rank, name, r, TOL)
             views = [w for w in r["warnings"] if "view tensor" in w]
             assert not views, (rank, name, views[0])
+            assert r["groups_kept"], (rank, name)
     for name, r in results[0].items():
         assert r["keys_equal"], name
         assert r["grad_err"] or r["pp"] > 1, name  # the gradient check ran

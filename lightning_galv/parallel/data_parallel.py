@@ -15,6 +15,7 @@ the layer's own ``dp``) therefore gives every layer the gradient of the global m
 
 from __future__ import annotations
 
+import types
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -398,7 +399,7 @@ class OptimizerStateSharding:
         inner_step = optimizer.step
         sharding = self
 
-        def step(closure: Any = None, **kwargs: Any) -> Any:
+        def step(self: torch.optim.Optimizer, closure: Any = None, **kwargs: Any) -> Any:
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -414,7 +415,8 @@ class OptimizerStateSharding:
             sharding.broadcast()
             return loss
 
-        optimizer.step = step  # type: ignore[method-assign]
+        # a bound method, as torch's LR schedulers expect when they wrap ``step`` (created after this, too)
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
         optimizer._galv_zero1 = True  # type: ignore[attr-defined]
         optimizer._galv_inner_step = inner_step  # type: ignore[attr-defined]
 

@@ -35,6 +35,7 @@ from ..layout import MeshFactory, RankLayout
 from ..plan import LayerStrategy, ParallelPlan
 from . import grads
 from .data_parallel import GradientSync, OptimizerStateSharding
+from .optim import step_mixed_groups_apart
 
 StepKind = Literal["train", "val", "test", "predict"]
 
@@ -176,7 +177,7 @@ class ParallelRuntime:
     def prepare(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, clip_val: float | None,
                 clip_algorithm: str | None, precision: str) -> nn.Module | None:
         for opt in optimizers:
-            self.zero1.wrap(opt)
+            self.wrap_optimizer(opt)
         return None
 
     def step(self, call: StepCall) -> Any:
@@ -215,6 +216,8 @@ class ParallelRuntime:
 
     # -- optimizers --------------------------------------------------------------------------------
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Mixed DTensor/plain groups step apart (multi-tensor kernels refuse the mix), then ZeRO-1 ownership."""
+        step_mixed_groups_apart(optimizer)
         self.zero1.wrap(optimizer)
 
     def optimizer_step(self, step: Callable[[Any], Any], optimizer: torch.optim.Optimizer) -> Any:
