@@ -8,9 +8,9 @@ What "memory" means here: the peak, over one training step (forward, backward, g
 optimizer step), of the bytes of all live tensor storages on the rank, as seen by torch's
 ``MemTracker`` (a TorchDispatchMode that follows every storage, resize included, so FSDP2's
 gathered parameters count): parameters + gradients + optimizer states + activations + temporaries
-(+ the RoPE buffers). Gradients are kept allocated between steps (``zero_grad(set_to_none=False)``,
-persistent gradient buffers as in Megatron/Galvatron), which is what the cost model's model-state
-term assumes. Process memory of the interpreter/libraries is not included (on a GPU it would be the
+(+ the RoPE buffers). In that step gradients are kept allocated between steps
+(``zero_grad(set_to_none=False)``, persistent gradient buffers as in Megatron/Galvatron), which is what the
+cost model's model-state term assumes; the timed steps free them as Lightning's ``zero_grad()`` does. Process memory of the interpreter/libraries is not included (on a GPU it would be the
 CUDA context; the profile's ``framework_bytes`` is 0 here).
 """
 
@@ -139,8 +139,11 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 3) -> float:
     return float(t) / dist.get_world_size()
 
 
-def _train_step(model, opt, rt, x, y, micro_batches: int, between=None, marks: list | None = None) -> torch.Tensor:
-    """One step; ``marks`` (if given) receives perf_counter() after fwd+bwd, after the gradient sync, after the optimizer."""
+def _train_step(model, opt, rt, x, y, micro_batches: int, between=None, marks: list | None = None,
+                keep_grads: bool = False) -> torch.Tensor:
+    """One step; ``marks`` (if given) receives perf_counter() after fwd+bwd, after the gradient sync, after the optimizer.
+    ``keep_grads``: zero the gradients in place (persistent buffers, the memory step) instead of freeing them as
+    Lightning's ``optimizer.zero_grad()`` does between training steps."""
     loss_sum = torch.zeros(())
     mb = x.shape[0] // micro_batches
     for i in range(micro_batches):
@@ -158,7 +161,7 @@ def _train_step(model, opt, rt, x, y, micro_batches: int, between=None, marks: l
     if marks is not None:
         marks.append(time.perf_counter())
     opt.step()
-    opt.zero_grad(set_to_none=False)  # persistent gradient buffers (see module docstring)
+    opt.zero_grad(set_to_none=not keep_grads)  # (see module docstring)
     if marks is not None:
         marks.append(time.perf_counter())
     return loss_sum
@@ -231,8 +234,9 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
     if track_memory:
         mt = MemTracker()
         mt.track_external(model, opt)
+        _train_step(model, opt, rt, x, y, plan.micro_batches, keep_grads=True)  # gradients allocated from here on
         with mt:
-            _train_step(model, opt, rt, x, y, plan.micro_batches, mt.reset_mod_stats)
+            _train_step(model, opt, rt, x, y, plan.micro_batches, mt.reset_mod_stats, keep_grads=True)
         peak = mt.get_tracker_snapshot("peak")
         cpu = next(iter(peak.values())) if peak else {}
         by_kind = {(k.name if hasattr(k, "name") else str(k)): float(v) for k, v in cpu.items()}

@@ -10,6 +10,7 @@ Both cache their result by a fingerprint of what was measured.
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import sys
@@ -137,8 +138,8 @@ class ModelProfiler:
     def key(self) -> str:
         # "v": bump when the profile gains fields, so older cache files are measured again instead of
         # loading with defaults (v2: optimizer_bandwidth; v3: buffers in framework_bytes; v4: median
-        # times, optimizer bandwidth on the whole model's parameter volume)
-        facts = {"v": 4, "buffers": self.buffer_bytes, "shape": self.shape.to_dict(), "b": self.batch_sizes,
+        # times, optimizer bandwidth on the whole model's parameter volume; v5: the step timed after a backward)
+        facts = {"v": 5, "buffers": self.buffer_bytes, "shape": self.shape.to_dict(), "b": self.batch_sizes,
                  "s": self.seq_lens, "dtype": str(self.dtype), "torch": torch.__version__,
                  "threads": torch.get_num_threads(), "head": self.make_head is not None, "device": self.device.type}
         if len(self.makes) > 1 or self.kinds is not None:  # one unnamed block type keeps its old key
@@ -167,12 +168,13 @@ class ModelProfiler:
             layers.append(lt)
         fixed = buffer_bytes(block) if self.buffer_bytes is None else float(self.buffer_bytes)
         el = torch.finfo(self.dtype).bits // 8
-        # Adam step on the block's parameters (grads present): memory bound, priced by the cost model as
+        # Adam step on the block's parameters after a backward: memory bound, priced by the cost model as
         # OPTIMIZER_TRAFFIC_BYTES per parameter / bandwidth, so report the bandwidth that reproduces it.
         from ..planner.cost import OPTIMIZER_TRAFFIC_BYTES
 
         self.optimizer_bandwidth = _optimizer_bandwidth(block, self.shape.num_layers, self.repeats,
-                                                        OPTIMIZER_TRAFFIC_BYTES)
+                                                        OPTIMIZER_TRAFFIC_BYTES, (1, self.shape.seq_len, h),
+                                                        self._sync)
         head_fit = TimeFit()
         head_act = float((4 + el) * self.shape.seq_len * self.shape.vocab_size)
         if self.make_head is not None:  # forward of norm + output projection + cross entropy
@@ -248,28 +250,49 @@ class ModelProfiler:
         return lt, block
 
 
+def _step_after_backward(blocks: Sequence[nn.Module], x_shape: tuple[int, ...], repeats: int,
+                         sync: Callable[[], None], together: bool = False) -> float:
+    """Median seconds of an Adam step over ``blocks``' parameters taken right after a forward and backward
+    through them, as a training step takes it (torch's default kernel for the device).
+
+    Why not step repeatedly on made-up gradients: the step that follows a backward meets gradients just
+    written and caches the backward has filled with activations, and runs slower (2 CPU ranks: a model's
+    in-training step 12-20 % longer than the same step repeated on the spot). Gradients are set to None
+    after each step, as Lightning's ``zero_grad`` does. ``together``: every rank starts each step at once.
+    """
+    ref = next(p for b in blocks for p in b.parameters())
+    params = [p for b in blocks for p in b.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=1e-6)
+    times = []
+    for _ in range(repeats + 1):  # the first step creates the moments
+        h = torch.randn(x_shape, dtype=ref.dtype, device=ref.device)
+        for b in blocks:
+            h = b(h)
+        h.backward(torch.ones_like(h))
+        sync()
+        if together:
+            dist.barrier()
+        t0 = time.perf_counter()
+        opt.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+        opt.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
 def _optimizer_bandwidth(block: nn.Module, num_layers: int, repeats: int, traffic_per_param: float,
-                         cap_params: int = 64 * 2**20) -> float:
+                         x_shape: tuple[int, ...], sync: Callable[[], None], cap_params: int = 64 * 2**20) -> float:
     """Bytes/s of an Adam step over the whole model's parameter volume (``num_layers`` blocks, capped).
 
     One block's parameters can sit in the CPU caches and update ~2x faster than a model's worth, so
-    the step is timed on as many copies of the block's tensors as the model has blocks (up to
-    ``cap_params`` parameters), each with a gradient, like the real step.
+    the step is timed on as many copies of the block as the model has blocks (up to ``cap_params``
+    parameters), right after a forward and backward through them (:func:`_step_after_backward`).
     """
-    shapes = [p.shape for p in block.parameters()]
-    per_block = sum(math.prod(sh) for sh in shapes)
+    per_block = sum(p.numel() for p in block.parameters())
     copies = max(1, min(num_layers, cap_params // max(1, per_block)))
-    ref = next(block.parameters())
-    tensors = [torch.zeros(sh, dtype=ref.dtype, device=ref.device, requires_grad=True) for _ in range(copies) for sh in shapes]
-    for t in tensors:
-        t.grad = torch.randn_like(t)
-    opt = torch.optim.Adam(tensors, lr=1e-6, foreach=False)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return traffic_per_param * per_block * copies / statistics.median(times[1:])
+    blocks = [copy.deepcopy(block) for _ in range(copies)]
+    seconds = _step_after_backward(blocks, x_shape, repeats, sync)
+    return traffic_per_param * per_block * copies / seconds
 
 
 class ShardedLayerProfiler:
@@ -373,7 +396,8 @@ class ShardedLayerProfiler:
         unsharded one, at half the bytes. Timed here on all ranks at once, as many blocks as the model has (up to
         ``cap_params`` parameters, so that the step runs from memory as the real one does), sharded like the
         widest tp variant with sp none and like ZeRO-3 over the world; the same blocks unsharded, timed beside
-        them and scaled to the sharded byte count, are subtracted, so contention and cache effects cancel.
+        them and scaled to the sharded byte count, are subtracted, so contention and cache effects cancel. Each
+        step is timed right after a forward and backward through its blocks (:func:`_step_after_backward`).
         """
         from ..layout import MeshFactory, RankLayout
         from ..parallel.block import apply_block
@@ -400,23 +424,13 @@ class ShardedLayerProfiler:
                 elif name == "zero":
                     apply_fsdp(block, factory.data_mesh(s), s, self.world)
                 blocks.append(block)
-            params = [p for b in blocks for p in b.parameters() if p.requires_grad]
-            for p in params:
-                p.grad = torch.randn_like(p)
-            opt = torch.optim.Adam(params, lr=1e-6)  # for-each or loop: whatever torch picks for this device
-            times = []
-            for _ in range(self.repeats + 1):  # the first step creates the moments
-                dist.barrier()
-                self._sync()
-                t0 = time.perf_counter()
-                opt.step()
-                self._sync()
-                times.append(time.perf_counter() - t0)
-            t = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
+            t = torch.tensor([_step_after_backward(blocks, (1, self.shape.seq_len, self.shape.hidden), self.repeats,
+                                                   self._sync, together=True)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            params = [p for b in blocks for p in b.parameters() if p.requires_grad]
             numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
             out[name] = (float(t), numel)
-            del opt, params, blocks
+            del params, blocks
         plain_s, plain_n = out.pop("plain")
         return {name: max(0.0, (sec - plain_s * n / plain_n) / copies) for name, (sec, n) in out.items()}
 
