@@ -307,6 +307,7 @@ def test_random_cases_are_valid_and_varied() -> None:
     assert {kw["kind"] for _, _, kw in cases} == {"llama", "gpt2", "moe"}
     assert {s.ep for s in strategies} >= {1, 2, 4}
     assert {kw["dropout"] for _, _, kw in cases} == {0.0, 0.1}
+    assert {kw["optimizer"] for _, _, kw in cases} == set(OPTIMIZERS)
     assert any(p.vocab_parallel_loss for p in plans) and any(p.head.tp > 1 and not p.vocab_parallel_loss for p in plans)
     assert len({n for n, _, _ in cases}) == len(cases)
 
