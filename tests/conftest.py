@@ -4,6 +4,8 @@ Every test runs with the environment it started with restored afterwards: Lightn
 MASTER_ADDR / MASTER_PORT / NODE_RANK / LOCAL_RANK into ``os.environ`` of the process that runs a Trainer, and a
 later test that starts ``galv fit`` in a subprocess with that environment would make its rank 0 believe an
 external launcher started it (``LOCAL_RANK`` set) and wait forever for ranks that never come.
+
+``one_rank_group``: a one-rank gloo process group for the test (DTensors on a one-rank mesh, in-process).
 """
 
 from __future__ import annotations
@@ -21,3 +23,16 @@ def _restore_environment() -> Iterator[None]:
     for key in set(os.environ) - set(saved):
         del os.environ[key]
     os.environ.update(saved)
+
+
+@pytest.fixture()
+def one_rank_group() -> Iterator[None]:
+    import torch.distributed as dist
+
+    from lightning_galv.testing import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -4,16 +4,12 @@ Several ranks are covered by tests/test_parity.py::test_vocab_parallel_loss_2_ra
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import lightning_galv
 from lightning_galv.loss import cross_entropy, full_logits, is_vocab_sharded
-from lightning_galv.testing import free_port
 
 OPTIONS = [dict(), dict(reduction="sum"), dict(reduction="none"), dict(ignore_index=3),
            dict(label_smoothing=0.1), dict(ignore_index=-100, label_smoothing=0.2, reduction="sum")]
@@ -70,15 +66,6 @@ def test_bad_inputs_name_value_rule_and_hint() -> None:
         cross_entropy(targets, targets)
     with pytest.raises(ValueError, match=r"logits of shape \(11,\).*HINT:"):
         cross_entropy(logits[0, 0], targets[0, 0])
-
-
-@pytest.fixture()
-def one_rank_group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _sharded(logits: torch.Tensor) -> torch.Tensor:

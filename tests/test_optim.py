@@ -8,23 +8,13 @@ an optimizer without multi-tensor kernels (L-BFGS) is left alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from lightning_galv.parallel.optim import _split, step_mixed_groups_apart
-from lightning_galv.testing import free_port
-
-
-@pytest.fixture()
-def one_rank_group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _params() -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
