@@ -165,7 +165,9 @@ def _resolve(target: str) -> Callable[..., Any]:
     if "::" in target:
         path, name = target.split("::")
         spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-        assert spec is not None and spec.loader is not None
+        if spec is None or spec.loader is None:
+            raise ValueError(f"target={target!r}: {path!r} is not a Python file that can be loaded. HINT: give "
+                             "'/path/to/file.py::function' (a file path) or 'package.module:function'.")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         sys.path.insert(0, str(Path(path).parent))

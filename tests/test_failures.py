@@ -70,3 +70,11 @@ def test_timeout_argument_is_validated_and_backend_timeouts_are_recognized() -> 
     assert not is_collective_timeout(ValueError("Timed out waiting 3000ms"))  # only backend RuntimeErrors
     named = CollectiveTimeoutError("x", rank=0, group="mesh_tp", group_ranks=[0, 1], silent_ranks=[1])
     assert not is_collective_timeout(named)  # never diagnosed twice when entry points nest
+
+
+def test_a_target_that_is_not_a_loadable_file_is_a_value_error_with_a_hint() -> None:
+    """The launcher's ``path::function`` target must name a file (a module name there once failed a bare assert)."""
+    from lightning_galv.testing import _resolve
+
+    with pytest.raises(ValueError, match=r"target='perstep::run'.*HINT: give '/path/to/file.py::function'"):
+        _resolve("perstep::run")
