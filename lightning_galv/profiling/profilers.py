@@ -11,7 +11,6 @@ Both cache their result by a fingerprint of what was measured.
 from __future__ import annotations
 
 import copy
-import math
 import statistics
 import sys
 import time
