@@ -10,7 +10,8 @@ optimizer step), of the bytes of all live tensor storages on the rank, as seen b
 gathered parameters count): parameters + gradients + optimizer states + activations + temporaries
 (+ the RoPE buffers). In that step gradients are kept allocated between steps
 (``zero_grad(set_to_none=False)``, persistent gradient buffers as in Megatron/Galvatron), which is what the
-cost model's model-state term assumes; the timed steps free them as Lightning's ``zero_grad()`` does. Process memory of the interpreter/libraries is not included (on a GPU it would be the
+cost model's model-state term assumes; the timed steps free them as Lightning's ``zero_grad()`` does.
+Process memory of the interpreter/libraries is not included (on a GPU it would be the
 CUDA context; the profile's ``framework_bytes`` is 0 here).
 """
 
