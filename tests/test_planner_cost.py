@@ -246,6 +246,25 @@ def test_native_zero_gradient_memory_follows_fsdp2() -> None:
         pytest.approx(cm.layer_cost(0, LayerStrategy(dp=g, zero=1), one).states)
 
 
+def test_native_zero3_reduce_scatters_once_per_step_under_accumulation() -> None:
+    """Gradient accumulation without a pipeline turns gradient sync off for all but the last micro-batch: a ZeRO-3
+    unit gathers in every micro-batch's forward and backward but reduce-scatters only in the last backward
+    (FSDP2 ``set_requires_gradient_sync``), so the reduce-scatter is priced once per step, not per micro-batch."""
+    hw = hardware(bw=1e8)  # bf16 grads of 1 M params over 2 ranks: 10 ms per all-gather or reduce-scatter
+    cm = GalvatronCostModel(profile(), hw, runtime="native")
+    z3 = LayerStrategy(dp=2, zero=3)
+    one, accum = StageContext(2, 8, 1), StageContext(2, 8, 4)
+    bwd, comm = 8 * MS, 10 * MS  # 2 ms per sample, b = 4
+    assert cm.layer_cost(0, z3, one).bwd == pytest.approx(overlapped(bwd, 2 * comm, 1.0))  # gather + reduce-scatter
+    acc = cm.layer_cost(0, z3, accum)
+    assert acc.fwd == pytest.approx(cm.layer_cost(0, z3, one).fwd)
+    assert acc.bwd == pytest.approx(overlapped(bwd, comm, 1.0))  # gather only
+    assert acc.step_extra - cm.layer_cost(0, z3, one).step_extra == \
+        pytest.approx(overlapped(bwd, 2 * comm, 1.0) - overlapped(bwd, comm, 1.0))  # the last backward's scatter
+    piped = cm.layer_cost(0, z3, StageContext(2, 8, 4, pp=2))  # a stage scatters after every micro-batch
+    assert piped.bwd == pytest.approx(cm.layer_cost(0, z3, one).bwd)
+
+
 def test_fsdp_overhead_scaled_by_the_ranks_parameter_share() -> None:
     lt = profile().layer(0)
     over = {"zero3": {"forward": TimeFit(2 * MS, 0.0), "backward": TimeFit(4 * MS, 0.0)},

@@ -696,7 +696,7 @@ class GalvatronCostModel(CostModel):
         local_params = groups[0][0] if len(groups) == 1 else groups[0][0] + groups[1][0]
         grad_el = 4.0 if m.precision == "fp32" else 2.0
         precision = "fp32" if m.precision == "fp32" else "mixed"
-        fwd_t, bwd_t, extra = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t, overlap_sync)
+        fwd_t, bwd_t, extra = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t, overlap_sync, accumulates)
         native = self.runtime == "native"
         over = lt.zero_overhead.get(f"zero{s.zero}") if native and d > 1 else None
         if over is not None:  # FSDP2's own work around its collectives, on this rank's share of the layer
@@ -731,12 +731,16 @@ class GalvatronCostModel(CostModel):
         return self._data_parallel_groups([(local_params, d, stride, 1)], zero, fwd, bwd, overlap_sync)
 
     def _data_parallel_groups(self, groups: list[tuple[float, int, int, int]], zero: int, fwd: float,
-                              bwd: float, overlap_sync: bool = False) -> tuple[float, float, float]:
+                              bwd: float, overlap_sync: bool = False,
+                              accumulates: bool = False) -> tuple[float, float, float]:
         """(fwd, bwd, per-step extra) of parameter groups each data parallel over its own ranks, given as
         (parameters, ranks, stride, separate collectives): the collectives of all groups share one overlap
         with the compute (they queue on the same link), each pays its own latency. ``overlap_sync``: the
         native runtime's ZeRO-0/1 all-reduces run beside the last backward (no pipeline, see
-        ``parallel.data_parallel.GradientSync``)."""
+        ``parallel.data_parallel.GradientSync``). ``accumulates``: gradient accumulation without a pipeline,
+        where the runtime turns gradient sync off for all but the last micro-batch -- ZeRO-3 units then
+        gather in every micro-batch but reduce-scatter only in the last one's backward (FSDP2's
+        ``set_requires_gradient_sync``), so that reduce-scatter is a per-step cost, not a per-micro-batch one."""
         hw = self.hw
         native = self.runtime == "native"
         el = 4.0 if self.model.precision == "fp32" else 2.0
@@ -744,6 +748,7 @@ class GalvatronCostModel(CostModel):
         fwd_comm = bwd_comm = last_comm = 0.0
         gathered = overlapped_last = False
         sync_comm = 0.0  # native ZeRO-0/1 all-reduces launched asynchronously during the last backward
+        last_rs = 0.0  # ZeRO-3 reduce-scatters that only the last micro-batch's backward runs (``accumulates``)
         for params, d, stride, pieces in groups:
             extra += self._optimizer_time(params, zero, d)
             if d == 1 or params == 0:
@@ -755,7 +760,9 @@ class GalvatronCostModel(CostModel):
             if zero == 3:
                 gather = pieces * zero3_gather_time(hw, nb, d, stride)
                 fwd_comm += gather
-                bwd_comm += gather + pieces * hw.collective_time("reducescatter", nb, d, stride)
+                scatter = pieces * hw.collective_time("reducescatter", nb, d, stride)
+                bwd_comm += gather + (0.0 if accumulates else scatter)
+                last_rs += scatter if accumulates else 0.0
                 gathered = True
             elif native and zero <= 1:  # data.GradientSync: bucketed all-reduces, during or after the last backward
                 extra += bucket_copy_time(grad_bytes, hw.memory_bandwidth)
@@ -773,7 +780,10 @@ class GalvatronCostModel(CostModel):
         if sync_comm > 0:  # async on every backend (gloo too): priced by the profiled overlap slowdown
             extra += overlapped(bwd, sync_comm, hw.overlap_slowdown) - bwd
         if gathered:
-            return self._overlap(fwd, fwd_comm), self._overlap(bwd, bwd_comm), extra
+            bwd_mb = self._overlap(bwd, bwd_comm)
+            if last_rs > 0:  # the last micro-batch's backward also reduce-scatters: its increment, once per step
+                extra += self._overlap(bwd, bwd_comm + last_rs) - bwd_mb
+            return self._overlap(fwd, fwd_comm), bwd_mb, extra
         if overlapped_last:
             return fwd, bwd, extra + self._overlap(bwd, last_comm) - bwd
         return fwd, bwd, extra
