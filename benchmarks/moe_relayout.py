@@ -7,7 +7,9 @@ over the step's samples (what the callback gets from globally reduced RoutingSta
 expert parallelism (``ExpertLayout.static``: one expert per rank here), "after" is ``plan_relayout`` with
 ``slots_per_rank`` expert slots per rank. Imbalance = max / mean of the expected tokens per rank. Traces:
 the recorded corpus trace (8 experts on 8 ranks; steps 0-49 labelled as the early-training slice, where
-routing is most skewed), and the scaled 64- and 1024-device traces (benchmarks/traces.py). Also: how many
+routing is most skewed), and the scaled 64- and 1024-device traces (benchmarks/traces.py); with as many experts
+as ranks the planner takes the exact alias construction, so the traces are also scaled to twice as many experts
+as ranks (two per rank, the callback's default E/ep + 1 = 3 slots), where the greedy runs. Also: how many
 (rank, expert) materializations the layout adds relative to the previous step's (what a re-layout must
 all-gather), and the planner's wall time (median per problem, 95 % t-interval over repeats).
 """
@@ -36,12 +38,13 @@ def run_case(loads: list[np.ndarray], ranks: int, slots: int, repeats: int, per_
     """loads: per problem [E], in (step, layer) order with ``per_layer`` layers per step."""
     e = loads[0].size
     static = ExpertLayout.static(e, ranks)
-    before, after, added = [], [], []
+    before, after, added, used = [], [], [], []
     prev: dict[int, ExpertLayout] = {}
     for i, load in enumerate(loads):
         lay = plan_relayout(load.tolist(), ranks, slots)
         before.append(static.with_load(load.tolist()).imbalance)
         after.append(lay.imbalance)
+        used.append(sum(len(sl) for sl in lay.slots) / ranks)
         j = i % per_layer
         if j in prev:
             added.append(len(new_materializations(prev[j], lay)))
@@ -62,7 +65,7 @@ def run_case(loads: list[np.ndarray], ranks: int, slots: int, repeats: int, per_
                 skewed=int(skewed.sum()), skewed_after_max=float(a[skewed].max()) if skewed.any() else float("nan"),
                 skewed_ok=float((a[skewed] <= 1.10).mean()) if skewed.any() else float("nan"),
                 added=float(np.mean(added)) if added else 0.0, time=interval(reps), time_med=statistics.median(reps),
-                time_max=max(every),
+                time_max=max(every), used=float(np.mean(used)),
                 slots_total=ranks * slots)
 
 
@@ -82,19 +85,25 @@ def main(argv: list[str] | None = None) -> str:
     cases.append(("scaled, 64 devices x 4 samples, 64 experts (30 steps)",
                   [sc[i, l] for i in range(len(steps64)) for l in range(nl)], 64, 2))
     cases.append(("scaled, 64 devices x 4 samples, 64 experts (30 steps)", cases[-1][1], 64, 3))
+    sc16 = scale_trace(trace, 8, 4, 16, seed=2).expert_load()
+    cases.append(("scaled, 8 devices x 4 samples, 16 experts (2 per rank), all 300 steps",
+                  [sc16[i, l] for i in range(trace.steps) for l in range(nl)], 8, 3))
+    sc128 = scale_trace(trace, 64, 4, 128, steps=steps64, seed=3).expert_load()
+    cases.append(("scaled, 64 devices x 4 samples, 128 experts (2 per rank, 30 steps)",
+                  [sc128[i, l] for i in range(len(steps64)) for l in range(nl)], 64, 3))
     big = []
     for i, step in enumerate(range(0, trace.steps, 30)):  # 10 steps x 4 layers, one scaled (step, layer) at a time
         for l in range(nl):
             big.append(scale_trace(trace, 1024, 4, 1024, steps=[step], layers=[l], seed=100 + i).expert_load()[0, 0])
     cases.append(("scaled, 1024 devices x 4 samples, 1024 experts (10 steps)", big, 1024, 2))
 
-    rows = ["| trace | ranks | slots per rank | problems | max/mean before: mean (max) | after: mean (max) | "
+    rows = ["| trace | ranks | slots per rank (used, mean) | problems | max/mean before: mean (max) | after: mean (max) | "
             "problems with before >= 1.5: count, after <= 1.10 share, worst after | added materializations "
             "per step vs previous step | planner time median [95 % CI], slowest problem |", "|---|---|---|---|---|---|---|---|---|"]
     for label, loads, ranks, slots in cases:
         r = run_case(loads, ranks, slots, args.repeats, nl)
         m, lo, hi = (x * 1e3 for x in r["time"])
-        rows.append(f"| {label} | {ranks} | {slots} | {r['n']} | {r['before']:.2f} ({r['before_max']:.2f}) | "
+        rows.append(f"| {label} | {ranks} | {slots} ({r['used']:.2f}) | {r['n']} | {r['before']:.2f} ({r['before_max']:.2f}) | "
                     f"{r['after']:.3f} ({r['after_max']:.3f}) | {r['skewed']}, {100 * r['skewed_ok']:.0f} %, "
                     f"{r['skewed_after_max']:.3f} | {r['added']:.1f} of {r['slots_total']} | "
                     f"{r['time_med'] * 1e3:.2f} ms [{lo:.2f}, {hi:.2f}], {r['time_max'] * 1e3:.2f} ms |")
@@ -102,13 +111,16 @@ def main(argv: list[str] | None = None) -> str:
     table = "\n".join(rows)
     body = (f"## P7: LAER-MoE expert re-layout (benchmarks/moe_relayout.py)\n\n"
             f"Per (step, MoE layer) of the routing traces (P6's: recorded on the shipped corpus, and scaled), the "
-            f"tokens per expert are planned by `plan_relayout` (replicas in proportion to load, least-loaded "
-            f"placement, water-filled shares). Before = plain EP (one expert per rank); imbalance = max / mean "
-            f"expected tokens per rank. Planner time: median per problem, 95 % t-interval over {args.repeats} "
-            f"repeats, 2 shared CPU cores. \"Added materializations\": (rank, expert) pairs a step's layout holds "
-            f"that the previous step's layout of the same layer did not: the planner starts from scratch every "
-            f"step. With fully sharded experts every materialized expert is all-gathered each step anyway, so "
-            f"this is only what a runtime caching last step's experts would have to fetch anew.\n\n{table}\n")
+            f"tokens per expert are planned by `plan_relayout`: with no more experts than ranks and two slots or "
+            f"more, Walker's alias construction (exact: every rank at the mean, its own plain-EP expert plus at "
+            f"most one piece of a hot one); otherwise the greedy (replicas in proportion to load, least-loaded "
+            f"placement, water-filled shares, swap search), which fills every slot. Before = plain EP; "
+            f"imbalance = max / mean expected tokens per rank. Planner time: median per problem, 95 % t-interval "
+            f"over {args.repeats} repeats, 2 shared CPU cores. \"Added materializations\": (rank, expert) pairs "
+            f"a step's layout holds that the previous step's layout of the same layer did not -- the planner "
+            f"starts from scratch every step; our runtime keeps each expert whole on its plain-EP owner and sends "
+            f"a copy to every other rank that materializes it, each forward (bytes logged by the callback), so "
+            f"this counts what a runtime caching last step's copies would have to fetch anew.\n\n{table}\n")
     print(body)
     if not args.no_write:
         from _results import write_section

@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from lightning_galv.plan import LayerStrategy as L, ParallelPlan
+from lightning_galv.plan import LayerStrategy as L, ModelShape, ParallelPlan
 
 CHECKS = str(Path(__file__).parent / "dist_runtime_checks.py") + "::run_many"
 TOL = 1e-5
+RANDOM4 = 11  # seeded random plans with callbacks, in the 4-rank launch
 
 
 def _plan(world: int, s: L, dense: L, layers: int = 3, **kw: Any) -> dict:
@@ -80,6 +81,66 @@ def _cases8() -> list[tuple[str, dict, dict]]:
     ]
 
 
+def random_callback_cases(seed: int, world: int, n: int) -> list[tuple[str, dict, dict]]:
+    """``n`` seeded random valid MoE plans, each with the re-layout, the (shuffled) placement or both.
+
+    The hand-picked cases above cover the plans we thought of; these draw the rest: per-layer tp / dp / sp / ZeRO
+    / checkpointing / grouping and ep, pipelines, embedding and head layouts, accumulation, dropout, clipping and
+    the optimizer kernel. Half of the plans give every block one batch layout (random ZeRO and checkpointing
+    kept) so that placement runs of two or more MoE blocks exist; the others mostly have none, and then only
+    the re-layout acts (a plan whose MoE layers all have ep = 1 is redrawn: both callbacks refuse it).
+    """
+    import random
+    from dataclasses import replace
+
+    from lightning_galv.testing import random_plan
+
+    optimizers = ("sgd", "sgd_foreach", "adam_foreach", "adamw_fused")  # dist_runtime_checks.OPTIMIZERS' names
+    rng = random.Random(seed)
+    cases: list[tuple[str, dict, dict]] = []
+    while len(cases) < n:
+        layers = rng.choice((3, 4, 5))
+        moe = tuple(range(0, layers, 2))
+        shape = ModelShape(layers, 32, 8, 4, 64, 64, 16)  # dist_runtime_checks.make_model("moe", layers)
+        plan = random_plan(rng, world, shape, moe_layers=moe, pp_choices=(1, 2))
+        if rng.random() < 0.5:  # one batch layout for all blocks: placement runs exist
+            first = plan.layers[0]
+            ep = max(d for d in (1, 2, 4) if first.data_group % d == 0)  # 4 experts
+            try:
+                same = tuple(replace(s, tp=first.tp, dp=first.dp, sp=first.sp, tp_consecutive=first.tp_consecutive,
+                                     ep=ep if i in moe else 1) for i, s in enumerate(plan.layers))
+                plan = plan.with_(layers=same)
+                plan.check_model(shape)
+            except ValueError:
+                continue
+        if all(plan.layers[i].ep == 1 for i in moe):
+            continue
+        callbacks = rng.choice(({"relayout": True}, {"relayout": 3}, {"placement": 2, "placement_shuffle": True},
+                                {"relayout": True, "placement": 2, "placement_shuffle": True}))
+        i = len(cases)
+        kw = {"kind": "moe", "layers": layers, "steps": 4, "global_batch": plan.global_batch,
+              "accumulate": rng.choice((1, 2)), "dropout": 0.0 if plan.pp > 1 else rng.choice((0.0, 0.1)),
+              **rng.choice(({}, {"clip": 0.05}, {"clip": 0.01, "clip_algorithm": "value"})),
+              "galv_loss": plan.vocab_parallel_loss or rng.random() < 0.3,
+              "grad_bucket_bytes": rng.choice((1024, 25 * 2**20)), "optimizer": rng.choice(optimizers), **callbacks}
+        cases.append((f"random_callbacks{world}_{seed}_{i}", plan.to_dict(), kw))
+    return cases
+
+
+def _check_random(results: list[dict[str, Any]], cases: list[tuple[str, dict, dict]]) -> None:
+    """Random cases: exact; samples moved where the plan has a placement run; some replica where it re-lays out."""
+    from lightning_galv.parallel.sample_placement import placement_runs
+
+    for name, plan, kw in cases:
+        _exact(results, name)
+        if kw.get("placement") and placement_runs(ParallelPlan.from_dict(plan), set(range(0, kw["layers"], 2))):
+            steps = [st for out in results for st in out[name]["placement"]]
+            assert sum(st["moved_samples"] for st in steps) > 0, (name, steps[:3])
+        if kw.get("relayout"):
+            recs = [rec for out in results for rec in out[name]["relayout"]]
+            assert any(rec["replicas"] > 0 for rec in recs), (name, recs[:4])
+
+
 def _exact(results: list[dict[str, Any]], name: str) -> None:
     for rank, out in enumerate(results):
         r = out[name]
@@ -114,7 +175,9 @@ def _check_launch(results: list[dict[str, Any]], cases: list[tuple[str, dict, di
 def results4() -> list[dict[str, Any]]:
     from lightning_galv.testing import run_distributed
 
-    return run_distributed(CHECKS, 4, (_cases4(),), timeout=1200)
+    # the random cases run after the negative control on purpose: its samples never go home, and the next forward
+    # must start from the loader's placement all the same (a stale placement once crashed keyed dropout there)
+    return run_distributed(CHECKS, 4, (_cases4() + random_callback_cases(0, 4, RANDOM4),), timeout=1200)
 
 
 @pytest.mark.slow
@@ -122,6 +185,23 @@ def results4() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("name", [n for n, _, _ in _cases4() if not n.startswith("negative/")])
 def test_callback_runtimes_exact_4_ranks(results4: list[dict[str, Any]], name: str) -> None:
     _check_launch(results4, [c for c in _cases4() if c[0] == name])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_callback_runtimes_random_plans_4_ranks(results4: list[dict[str, Any]]) -> None:
+    """Seeded random MoE plans with the callbacks on train like one process; where a plan has a placement run,
+    samples moved, and where it re-lays out, some rank materialized a replica."""
+    from lightning_galv.parallel.sample_placement import placement_runs
+
+    cases = random_callback_cases(0, 4, RANDOM4)
+    _check_random(results4, cases)
+    # the draw covers what it is for: pipelines, a placement run, both callbacks at once, ZeRO-3 on an MoE layer
+    plans = [(ParallelPlan.from_dict(p), kw) for _, p, kw in cases]
+    assert any(p.pp > 1 for p, _ in plans)
+    assert any(kw.get("placement") and placement_runs(p, set(range(0, kw["layers"], 2))) for p, kw in plans)
+    assert any(kw.get("placement") and kw.get("relayout") for _, kw in plans)
+    assert any(p.layers[i].zero == 3 and p.layers[i].ep > 1 for p, kw in plans for i in range(0, kw["layers"], 2))
 
 
 @pytest.mark.slow
@@ -150,11 +230,13 @@ def test_placement_solver_is_deterministic_and_logs_bytes(results4: list[dict[st
 @pytest.mark.distributed
 def test_callback_runtimes_exact_8_ranks() -> None:
     """Two EP groups of 4 ranks, each spanning two simulated nodes of 2 ranks (the model has 4 experts, so ep
-    cannot reach 8), and re-layout with expert-data parallelism 2."""
+    cannot reach 8), and re-layout with expert-data parallelism 2; then three seeded random plans."""
     from lightning_galv.testing import run_distributed
 
-    cases = _cases8()
-    _check_launch(run_distributed(CHECKS, 8, (cases,), timeout=900), cases)
+    cases, rand = _cases8(), random_callback_cases(1, 8, 3)
+    results = run_distributed(CHECKS, 8, (cases + rand,), timeout=900)
+    _check_launch(results, cases)
+    _check_random(results, rand)
 
 
 # -- pure: refusals and run boundaries ---------------------------------------------------------------------

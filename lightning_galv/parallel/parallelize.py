@@ -48,11 +48,16 @@ from .runtime import ParallelRuntime, Runtime, Unit
 from .tensor import apply_tp_embedding, apply_tp_head
 
 
-def _dropout_rows_hook(shard: int, shards: int) -> Any:
+def _dropout_rows_hook(shard: int, shards: int, first: bool = False) -> Any:
     """Record which batch shard this unit holds, for the keyed dropout inside it (and after it, e.g. GPT-2's
-    embedding dropout runs after the token embedding's forward)."""
+    embedding dropout runs after the token embedding's forward). ``first``: the unit starts a pipeline chunk's
+    forward, where samples are where the loader put them -- a sample placement left over from a forward that
+    did not reach its run's last MoE layer (an error, an interrupted forward) must not outlive it."""
     def hook(module: nn.Module, args: tuple) -> None:
-        set_coords(shard=shard, shards=shards)
+        if first:
+            set_coords(shard=shard, shards=shards, placement=None, row_source=None)
+        else:
+            set_coords(shard=shard, shards=shards)
     return hook
 
 
@@ -226,10 +231,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
     for chunk in sorted({u.chunk for u in units}):
         chunk_units = [u for u in units if u.chunk == chunk and u.modules]  # loose-only units have no input
         prev = data_layout
-        for unit in chunk_units:
+        for i, unit in enumerate(chunk_units):
             cur = BatchLayout.of(layout, unit.strategy, stage)
             add_input_redistribution(unit.modules[0], prev, cur, stage_rank, group)
-            unit.modules[0].register_forward_pre_hook(_dropout_rows_hook(*layout.batch_shard(unit.strategy, rank)))
+            unit.modules[0].register_forward_pre_hook(_dropout_rows_hook(*layout.batch_shard(unit.strategy, rank),
+                                                                         first=i == 0))
             prev = cur
         last = chunk_units[-1]
         exit_mod = parts.head if (last.name == "head" and parts.head is not None) else last.modules[-1]

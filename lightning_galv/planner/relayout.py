@@ -22,6 +22,14 @@ The planner (our greedy, following the issue's recipe; the paper's own planner i
    relieve; exchanging a replica of the most loaded rank with one of a least-loaded rank joins the groups,
    and the swap is kept when the max load drops after re-filling the experts involved.
 
+With no more experts than ranks and two slots or more per rank, an exact construction replaces 1-4:
+**Walker's alias method** (Walker 1977; Vose 1991, "A linear algorithm for generating random numbers with a
+given distribution") splits ``k`` loads into ``k`` bins of exactly the mean with at most two items per bin:
+each bin takes one expert below the mean whole (its *own*; bins without one take nothing) and tops up with a
+piece of one expert above it, which then counts as below the mean once it has given enough. The bin of
+expert ``e`` is its home rank under plain EP, so every rank keeps its own expert and materializes at most one
+other; max/mean is 1 up to float rounding, where 1-4 left up to 1.26 on skewed 64-rank steps (two slots).
+
 Every rank computes the same layout from the same (globally reduced) counts: the planner is deterministic.
 """
 
@@ -357,9 +365,57 @@ def _water_level(other: list[float], total: float) -> float:
     return best
 
 
+def _alias(load: np.ndarray, ranks: int) -> list[dict[int, float]]:
+    """Walker / Vose alias construction (module docstring), ``load.size <= ranks``: tokens per (rank, expert)
+    as one dict per rank -- expert ``e``'s own bin is rank ``e`` (its plain-EP home when experts == ranks),
+    ranks ``>= load.size`` start empty. Deterministic: below- and above-mean experts are taken in id order."""
+    e = load.size
+    mean = float(load.sum()) / ranks
+    left = load.astype(np.float64).tolist() + [0.0] * (ranks - e)  # [ranks] tokens still to place, per bin owner
+    bins: list[dict[int, float]] = [{} for _ in range(ranks)]
+    small = [x for x in range(ranks) if left[x] < mean]
+    large = [x for x in range(e) if left[x] >= mean]
+    small.reverse()  # pop() takes the lowest id first
+    large.reverse()
+    while small and large:
+        x, y = small.pop(), large[-1]
+        if x < e and left[x] > 0:
+            bins[x][x] = left[x]
+        give = mean - left[x]
+        if give > 0:
+            bins[x][y] = bins[x].get(y, 0.0) + give
+        left[y] -= give
+        if left[y] < mean:
+            large.pop()
+            small.append(y)
+    for x in small + large:  # within float rounding of the mean (or nothing left to give): the bin keeps it
+        if x < e and left[x] > 0:
+            bins[x][x] = bins[x].get(x, 0.0) + left[x]
+    return bins
+
+
+def _alias_layout(arr: np.ndarray, k: int) -> ExpertLayout:
+    bins = _alias(arr, k)
+    e = arr.size
+    placed = {x for b in bins for x in b}
+    for x in range(e):  # an expert with no tokens still needs a replica: its home bin (no own piece, so room)
+        if x not in placed:
+            bins[x][x] = 0.0
+    shares: list[list[tuple[int, float]]] = [[] for _ in range(e)]
+    for r, b in enumerate(bins):
+        for x, v in b.items():
+            shares[x].append((r, v))
+    frac = tuple(tuple((r, (v / arr[x]) if arr[x] > 0 else 1.0 / len(sh)) for r, v in sh)
+                 for x, sh in enumerate(shares))
+    loads = tuple(float(sum(b.values())) for b in bins)
+    return ExpertLayout(tuple(tuple(sorted(b)) for b in bins), frac, loads)
+
+
 def plan_relayout(load: Sequence[int], ranks: int, slots_per_rank: int) -> ExpertLayout:
     """The re-layout for one step: ``load[e]`` tokens routed to expert ``e`` (summed over the expert group),
-    ``ranks`` ranks each materializing ``slots_per_rank`` experts. See the module docstring."""
+    ``ranks`` ranks each materializing at most ``slots_per_rank`` experts. See the module docstring: the alias
+    construction where it applies (``experts <= ranks``, two slots or more), else the greedy, which fills
+    every slot."""
     arr = _load_array(load)
     k, spr = _pos_int("ranks", ranks), _pos_int("slots_per_rank", slots_per_rank)
     e = arr.size
@@ -370,6 +426,14 @@ def plan_relayout(load: Sequence[int], ranks: int, slots_per_rank: int) -> Exper
     if spr > e:
         raise bad_value(f"slots_per_rank={spr}", f"must be <= the number of experts ({e}): a rank holds an expert "
                         "at most once", f"use slots_per_rank <= {e}.")
+    if arr.sum() > 0 and spr >= 2 and e <= k:
+        return _alias_layout(arr, k)
+    return _greedy_layout(arr, k, spr)
+
+
+def _greedy_layout(arr: np.ndarray, k: int, spr: int) -> ExpertLayout:
+    """Steps 1-4 of the module docstring."""
+    e = arr.size
     n = _replica_counts(arr, k, k * spr)
     held = _place(arr, n, k, spr)
     state = _Shares(arr, held)
