@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from lightning_galv.plan import LayerStrategy as L, ModelShape, ParallelPlan
 
@@ -289,23 +288,6 @@ def test_placement_runs_follow_layout_changes() -> None:
     plan = ParallelPlan(4, (L(dp=2, ep=2), L(dp=2), L(dp=2, ep=2), L(dp=2, ep=2)), pp=2, pp_division=(3, 1),
                         micro_batches=2)
     assert placement_runs(plan, {0, 2, 3}) == [[0, 2]]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_keys_ride_in_the_rows_bit_exact(dtype: torch.dtype) -> None:
-    """The placement's int64 keys travel as extra columns of the token rows (one all-to-all, not two): whatever
-    bit patterns they make in the rows' dtype (denormals, NaNs), they come back exactly, also from one row of a
-    view at an odd offset."""
-    from lightning_galv.parallel.sample_placement import _keys, _with_keys
-
-    keys = torch.tensor([0, 1, 7, 2**31 + 5, 2**53 + 3, -1, 0x7FF0000000000001, 123456789], dtype=torch.int64)
-    rows = torch.randn(8, 5).to(dtype)
-    packed = _with_keys(rows, keys)  # [8, 5 + 8 / itemsize]
-    assert packed.shape == (8, 5 + 8 // rows.element_size()) and torch.equal(packed[:, :5], rows)
-    assert torch.equal(_keys(packed, 5), keys)
-    moved = packed.index_select(0, torch.tensor([3, 1]))  # what an exchange does: copy rows
-    assert torch.equal(_keys(moved, 5), keys[[3, 1]])
-    assert torch.equal(_keys(packed[0:1], 5), keys[0:1])  # key columns start at element 5: odd
 
 
 def test_group_topology_needs_even_nodes() -> None:

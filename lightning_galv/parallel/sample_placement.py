@@ -10,9 +10,8 @@ across layers, which is what makes this pay).
 What travels, all in the all-to-alls the layer makes anyway:
 
 * **dispatch**: the routed tokens as in plain EP, plus one column with each assignment's routing weight
-  (the expert side applies it, so the receiver only sums), and an int64 key per assignment telling the expert
-  side where the output goes (destination rank, token slot there, k-slot), its 8 bytes carried as extra
-  columns of the same rows (:func:`_with_keys`: no collective of its own);
+  (the expert side applies it, so the receiver only sums), and an int64 all-to-all of one key per
+  assignment telling the expert side where the output goes (destination rank, token slot there, k-slot);
 * **combine**: expert outputs sorted by destination, and the keys again (the receiver cannot derive which
   row is which token otherwise; key bytes are logged separately, 8 bytes per row). The block's residual
   must reach the sample's new rank too. Where it can (no shared expert, no dropout on the MoE output, the
@@ -58,19 +57,10 @@ from .expert import AllToAllDispatcher, _AllToAll
 from .expert_relayout import RelayoutDispatcher
 
 
-def _with_keys(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``[n, c]`` rows + ``[n]`` int64 keys -> ``[n, c + 8 / itemsize]``: each key's 8 bytes reinterpreted as
-    extra columns of the rows' dtype, so keys and rows travel in one all-to-all (a collective fewer per exchange:
-    on 4 CPU ranks each one cost ~2-3 ms of waiting). Exact: the exchange copies bytes, and nothing computes on
-    the key columns before :func:`_keys` reads them back."""
-    width = 8 // rows.element_size()  # fp32: 2 columns, bf16 / fp16: 4
-    return torch.cat([rows, keys.contiguous().view(rows.dtype).reshape(-1, width)], dim=1)
-
-
-def _keys(rows: torch.Tensor, cols: int) -> torch.Tensor:
-    """The int64 keys :func:`_with_keys` appended after the first ``cols`` columns -> ``[n]``."""
-    # a fresh copy: a view at an odd element offset (one row of fp32) cannot be reinterpreted as int64
-    return rows[:, cols:].detach().clone(memory_format=torch.contiguous_format).view(torch.int64).reshape(-1)
+def _a2a_ints(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    out = x.new_empty(sum(recv))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
 
 
 @dataclass
@@ -215,11 +205,11 @@ class PlacingDispatcher(RelayoutDispatcher):
         rows = torch.cat([src.index_select(0, token_ids.index_select(0, idx)),
                           w.index_select(0, idx).unsqueeze(1)], dim=1)  # [A, d + 1]
         copies, rows = self.materialize_before(rows)
-        rows = _with_keys(rows, key.index_select(0, idx))  # [A, d + 1 + key columns], after all arithmetic
-        got = _AllToAll.apply(rows, plan.send, plan.recv, self.group)  # [N, d + 1 + key columns] source-major
+        got = _AllToAll.apply(rows, plan.send, plan.recv, self.group)  # [N, d + 1] source-major
+        keys_got = _a2a_ints(key.index_select(0, idx), plan.send, plan.recv, self.group)  # [N]
         regroup = torch.from_numpy(plan.regroup).to(dev)  # slot-expert-major
-        got = got.index_select(0, regroup)
-        x_in, k_in = got[:, :d + 1], _keys(got, d + 1)  # [N, d + 1], [N]
+        x_in = got.index_select(0, regroup)  # [N, d + 1]
+        k_in = keys_got.index_select(0, regroup)
         if fold is not None:
             xn = fold[1](x_in[:, :d])  # [N, d] the block's norm, applied here: the experts' usual input
             y = self.run_slots(layer, xn, plan.splits, copies)  # [N, d]
@@ -247,25 +237,22 @@ class PlacingDispatcher(RelayoutDispatcher):
         carry_recv = [sum(1 for j in arriving if here[j] == q) * carry_rows for q in range(k)]
         pieces = []
         starts = np.concatenate([[0], np.cumsum(csend)])
-        keyed = _with_keys(out_rows, out_keys)  # [rows, d + key columns]
-        blank = keyed.new_zeros(carry_rows, keyed.shape[1] - d)  # carry rows have no key
         for r in range(k):
-            pieces.append(keyed[starts[r]:starts[r + 1]])
+            pieces.append(out_rows[starts[r]:starts[r + 1]])
             if pack is not None:
-                pieces += [torch.cat([pack[j - me * b].to(out_rows.dtype), blank], dim=1)
-                           for j in leaving if dest_pos[j] == r]
+                pieces += [pack[j - me * b].to(out_rows.dtype) for j in leaving if dest_pos[j] == r]
         buf = torch.cat(pieces)
         back = _AllToAll.apply(buf, [a + c_ for a, c_ in zip(csend, carry_send)],
                                [a + c_ for a, c_ in zip(crecv, carry_recv)], self.group)
+        keys_back = _a2a_ints(out_keys, csend, crecv, self.group)
         parts = back.split([v for q in range(k) for v in (crecv[q], carry_recv[q])])
-        got_back = torch.cat(parts[0::2])  # source-major
-        expert_rows, keys_back = got_back[:, :d], _keys(got_back, d)
+        expert_rows = torch.cat(parts[0::2])  # source-major, the order of keys_back
         token_new = (keys_back % span) // big_k  # [rows] token slot on this rank
         out = flat.new_zeros(b * s, d).index_add(0, token_new, expert_rows)  # sum of the k weighted outputs
         moved: list[torch.Tensor] | None = None
         came = {}
         for q in range(k if pack is not None else 0):
-            chunk = parts[2 * q + 1][:, :d].reshape(-1, carry_rows, d)  # [samples from q, carry_rows, d]
+            chunk = parts[2 * q + 1].view(-1, carry_rows, d)  # [samples from q, carry_rows, d]
             for i, j in enumerate(j for j in arriving if here[j] == q):
                 came[j] = chunk[i]
         if pack is not None:
