@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lightning_galv.plan import LayerStrategy as L
-from lightning_galv.plan import ParallelPlan
+from lightning_galv.plan import ModelShape, ParallelPlan
 from lightning_galv.testing import run_distributed
 
 CHECKS = str(Path(__file__).parent / "dist_lightning_checks.py") + "::run_many"
@@ -58,8 +58,8 @@ VPL_PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=
 @pytest.fixture(scope="module")
 def vpl_results() -> dict:
     cases = [
-        ("vpl_fit", "fit_compare", dict(plan=VPL, accumulate=2)),  # clip: see the note in test_fit_parity_vocab_parallel_loss
-        ("vpl_off", "fit_compare", dict(plan=VPL, strategy_kwargs={"vocab_parallel_loss": False})),
+        ("vpl_fit", "fit_compare", dict(plan=VPL, accumulate=2, clip=0.05)),
+        ("vpl_off", "fit_compare", dict(plan=VPL, clip=0.05, strategy_kwargs={"vocab_parallel_loss": False})),
         ("vpl_pp2", "fit_compare", dict(plan=VPL_PP2, accumulate=2)),
         ("vpl_eval", "fit_then_eval", dict(plan=VPL)),
         ("vpl_pp2_eval", "fit_then_eval", dict(plan=VPL_PP2)),
@@ -73,11 +73,8 @@ def vpl_results() -> dict:
 def test_fit_parity_vocab_parallel_loss(vpl_results: dict) -> None:
     """Trainer.fit with a tp=2 head: the module's declaration turns the vocab-parallel loss on (the loss then
     sees vocab-sharded logits in every training step) and the run equals one process; the strategy
-    argument turns it off (plain gathered logits), equally exact. Evaluation/predict after fit gather.
-
-    Not clipped: gradient clipping under this plan (tp=2 layer, ZeRO-2 tp=2 head) is off by ~1e-4 with the
-    vocab-parallel loss on *and off* (a clipping issue of its own, left for a separate fix); clipping
-    with a vocab-parallel loss is covered by test_parity.py (vpl_head_tp4_smooth)."""
+    argument turns it off (plain gathered logits), equally exact, both with gradient-norm clipping (tp=2 layer,
+    ZeRO-2 tp=2 head: FSDP2 re-sharding TP-sharded weights). Evaluation/predict after fit gather."""
     for name in ("vpl_fit", "vpl_off", "vpl_pp2"):
         r = vpl_results[name]
         assert r["keys_equal"] and r["loss_err"] < TOL and r["weight_err"] < TOL, (name, r)
@@ -92,6 +89,47 @@ def test_fit_parity_vocab_parallel_loss(vpl_results: dict) -> None:
         assert {(grad, sh) for grad, sh in r["sharded_seen"]} == {(True, True), (False, False)}, (name, r)
     r = vpl_results["vpl_bf16_mixed"]
     assert r["loss_err"] < 2e-2 and all(sh for _, sh in r["sharded_seen"]) and r["sharded_seen"], r
+
+
+# the CausalLM models of dist_lightning_checks.make_module (SMALL: 3 layers, dim 32, 8 heads, vocab 64, seq 16)
+TRAINER_SHAPES = {"llama": ModelShape(3, 32, 8, 4, 64, 64, 16), "gpt2": ModelShape(3, 32, 8, 8, 128, 64, 16),
+                  "moe": ModelShape(3, 32, 8, 4, 64, 64, 16)}
+
+
+def random_fit_cases(seed: int, n: int) -> list[tuple[str, str, dict]]:
+    """``n`` seeded random valid plans run through ``Trainer.fit`` with random accumulation, clipping (norm or
+    value), dropout and, on MoE plans with expert parallelism, the MoE callbacks -- each compared with one
+    process. The runtime-level random plans (test_parity.py) bypass Lightning: these go through its loop,
+    sampler, clipping hooks and accumulation."""
+    import random
+
+    from lightning_galv.testing import random_plan
+
+    rng = random.Random(seed)
+    cases = []
+    for i in range(n):
+        kind = rng.choice(sorted(TRAINER_SHAPES))
+        moe = (0, 2) if kind == "moe" else ()
+        plan = random_plan(rng, 4, TRAINER_SHAPES[kind], moe_layers=moe, pp_choices=(1,) if moe else (1, 2))
+        clip = rng.choice(((None, "norm"), (0.05, "norm"), (0.01, "value")))
+        kw = dict(plan=plan.to_dict(), kind=kind, steps=4, accumulate=rng.choice((1, 2)), clip=clip[0],
+                  clip_algorithm=clip[1], dropout=rng.choice((0.0, 0.1)),
+                  moe_callbacks=bool(moe) and any(plan.layers[j].ep > 1 for j in moe) and rng.random() < 0.5)
+        cases.append((f"random_fit_{seed}_{i}", "fit_compare", kw))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fit_parity_random_plans_4_ranks() -> None:
+    """Seeded random plans through Trainer.fit equal one process (losses, weights)."""
+    cases = random_fit_cases(0, 10)
+    res = run_distributed(CHECKS, 4, (cases,), init_process_group=False, timeout=1200)[0]
+    for name, _, kw in cases:
+        r = res[name]
+        assert r["keys_equal"] and r["loss_err"] < TOL and r["weight_err"] < TOL, (name, kw, r["loss_err"],
+                                                                                    r["weight_err"])
+        assert r["n_losses"] == kw["steps"], (name, r["n_losses"])
 
 
 @pytest.fixture(scope="module")
