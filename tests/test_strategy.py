@@ -96,7 +96,7 @@ TRAINER_SHAPES = {"llama": ModelShape(3, 32, 8, 4, 64, 64, 16), "gpt2": ModelSha
                   "moe": ModelShape(3, 32, 8, 4, 64, 64, 16)}
 
 
-def random_fit_cases(seed: int, n: int) -> list[tuple[str, str, dict]]:
+def random_fit_cases(seed: int, n: int, world: int = 4) -> list[tuple[str, str, dict]]:
     """``n`` seeded random valid plans run through ``Trainer.fit`` with random accumulation, clipping (norm or
     value), dropout and, on MoE plans with expert parallelism, the MoE callbacks -- each compared with one
     process. The runtime-level random plans (test_parity.py) bypass Lightning: these go through its loop,
@@ -110,21 +110,23 @@ def random_fit_cases(seed: int, n: int) -> list[tuple[str, str, dict]]:
     for i in range(n):
         kind = rng.choice(sorted(TRAINER_SHAPES))
         moe = (0, 2) if kind == "moe" else ()
-        plan = random_plan(rng, 4, TRAINER_SHAPES[kind], moe_layers=moe, pp_choices=(1,) if moe else (1, 2))
+        plan = random_plan(rng, world, TRAINER_SHAPES[kind], moe_layers=moe, pp_choices=(1,) if moe else (1, 2))
         clip = rng.choice(((None, "norm"), (0.05, "norm"), (0.01, "value")))
-        kw = dict(plan=plan.to_dict(), kind=kind, steps=4, accumulate=rng.choice((1, 2)), clip=clip[0],
+        kw = dict(plan=plan.to_dict(), kind=kind, steps=4, global_batch=plan.global_batch,
+                  accumulate=rng.choice((1, 2)), clip=clip[0],
                   clip_algorithm=clip[1], dropout=rng.choice((0.0, 0.1)),
                   moe_callbacks=bool(moe) and any(plan.layers[j].ep > 1 for j in moe) and rng.random() < 0.5)
-        cases.append((f"random_fit_{seed}_{i}", "fit_compare", kw))
+        cases.append((f"random_fit{world}_{seed}_{i}", "fit_compare", kw))
     return cases
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_fit_parity_random_plans_4_ranks() -> None:
+@pytest.mark.parametrize("world,n", [(4, 10), (8, 3)])
+def test_fit_parity_random_plans(world: int, n: int) -> None:
     """Seeded random plans through Trainer.fit equal one process (losses, weights)."""
-    cases = random_fit_cases(0, 10)
-    res = run_distributed(CHECKS, 4, (cases,), init_process_group=False, timeout=1200)[0]
+    cases = random_fit_cases(world, n, world)
+    res = run_distributed(CHECKS, world, (cases,), init_process_group=False, timeout=1200)[0]
     for name, _, kw in cases:
         r = res[name]
         assert r["keys_equal"] and r["loss_err"] < TOL and r["weight_err"] < TOL, (name, kw, r["loss_err"],
