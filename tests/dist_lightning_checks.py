@@ -15,6 +15,7 @@ import lightning.pytorch as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import lightning_galv  # noqa: F401  (registers the strategy)
@@ -169,13 +170,14 @@ def trainer_kwargs(**kw: Any) -> dict[str, Any]:
 
 def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_batch: int = 8,
                 accumulate: int = 1, clip: float | None = None, clip_algorithm: str = "norm", dropout: float = 0.0,
-                strategy_kwargs: dict | None = None, moe_callbacks: bool = False,
+                strategy_kwargs: dict | None = None, moe_callbacks: bool | str = False,
                 switches: tuple[tuple[int, dict], ...] = (), scheduled: bool = False,
                 profile_pipeline: bool = False) -> dict[str, Any]:
     """Trainer.fit under ``plan`` vs the single-process loop: losses and final weights.
 
     ``moe_callbacks`` adds ExpertRelayout and SamplePlacement (2 ranks per simulated node, a seeded random
-    placement policy so that samples really move) and returns what they logged. ``switches``: (step, plan)
+    placement policy so that samples really move) and returns what they logged; ``"fsep"``: the re-layout
+    with fully sharded experts (``ExpertRelayout(expert_sharding="full")``). ``switches``: (step, plan)
     pairs -- the fit moves to ``plan`` once ``step`` optimizer steps are done (``strategy.switch_plan``).
     ``scheduled``: a module with a per-step LR schedule (the switch must carry the scheduler over).
     ``profile_pipeline``: an OnlineProfiler samples steps 1, 5, 9 (training must stay exact) and the measured
@@ -199,7 +201,8 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
         from dist_runtime_checks import _shuffle_solver
         from lightning_galv.callbacks import ExpertRelayout, SamplePlacement
 
-        extra = [ExpertRelayout(), SamplePlacement(gpus_per_node=2, intra_bw=100e9, inter_bw=25e9,
+        sharding = "full" if moe_callbacks == "fsep" else None  # "fsep": the callback shards the experts (FSEP)
+        extra = [ExpertRelayout(expert_sharding=sharding), SamplePlacement(gpus_per_node=2, intra_bw=100e9, inter_bw=25e9,
                                                    policy=_shuffle_solver())]
     switcher = _SwitchAt(switches) if switches else None
     if switcher is not None:
@@ -228,6 +231,7 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
         "sampler": strategy.distributed_sampler_kwargs, "losses": rec.losses, "ref_losses": ref_losses,
         "vocab_parallel_loss": strategy.plan.vocab_parallel_loss, "sharded_seen": seen,
         "relayout": [r.__dict__ for r in extra[0].records] if moe_callbacks else [],
+        "experts_dtensor": any(isinstance(p, DTensor) for n, p in module.named_parameters() if ".experts." in n),
         "placement": [st.__dict__ for st in extra[1].steps] if moe_callbacks else [],
         "switched": switcher.done if switcher is not None else [], "final_plan": strategy.plan.to_dict(),
         "logged": sorted(k for k in trainer.callback_metrics if "/" in k),
@@ -602,11 +606,12 @@ def unseeded_init(plan: dict) -> dict[str, Any]:
 
 
 def save_under(plan: dict, tmpdir: str, full: bool, steps: int = 2, global_batch: int = 8, kind: str = "llama",
-               name: str = "") -> dict[str, Any]:
+               name: str = "", expert_sharding: str = "owner") -> dict[str, Any]:
     """Train a little under plan A and save (sharded or full); return full weights + optimizer state."""
     module = _sched_module(0, kind=kind)
     shards = ParallelPlan.from_dict(plan).data_parallel_size
-    trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan, save_distributed_checkpoint=not full), max_steps=steps,
+    trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan, save_distributed_checkpoint=not full,
+                                                   expert_sharding=expert_sharding), max_steps=steps,
                         **trainer_kwargs())
     trainer.fit(module, DataLoader(Windows(steps * global_batch), batch_size=global_batch // shards))
     path = os.path.join(tmpdir, f"ckpt{name}_full.ckpt" if full else f"ckpt{name}_sharded")
@@ -614,11 +619,13 @@ def save_under(plan: dict, tmpdir: str, full: bool, steps: int = 2, global_batch
     return _gathered_state(trainer)
 
 
-def load_under(plan: dict, tmpdir: str, full: bool, kind: str = "llama", name: str = "") -> dict[str, Any]:
-    """Load the checkpoint written under another plan (other pp/tp/dp/ZeRO/ep/world size)."""
+def load_under(plan: dict, tmpdir: str, full: bool, kind: str = "llama", name: str = "",
+               expert_sharding: str = "owner") -> dict[str, Any]:
+    """Load the checkpoint written under another plan (other pp/tp/dp/ZeRO/ep/world size/expert sharding)."""
     module = _sched_module(1, kind=kind)
     shards = ParallelPlan.from_dict(plan).data_parallel_size
-    trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan), max_steps=0, **trainer_kwargs())
+    trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan, expert_sharding=expert_sharding), max_steps=0,
+                        **trainer_kwargs())
     path = os.path.join(tmpdir, f"ckpt{name}_full.ckpt" if full else f"ckpt{name}_sharded")
     # max_steps=0 restores and stops: weights and optimizer state are then those of the checkpoint
     trainer.fit(module, DataLoader(Windows(8), batch_size=max(1, 8 // shards)), ckpt_path=path)

@@ -131,7 +131,7 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
                   lr: float = 0.2, galv_loss: bool = False, label_smoothing: float = 0.0,
                   relayout: bool | int = False, placement: int | None = None,
                   placement_shuffle: bool | str = False, grad_bucket_bytes: int | None = None,
-                  optimizer: str = "sgd") -> dict[str, Any]:
+                  optimizer: str = "sgd", expert_sharding: str = "owner") -> dict[str, Any]:
     """Train under ``plan_dict`` and single-process side by side; compare losses, first-step gradients, weights.
 
     ``accumulate`` micro-steps (each of ``global_batch`` samples) make one optimizer step; gradient sync
@@ -153,12 +153,14 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     ``"no_restore"`` also keeps the last layer of a run from sending samples home (a negative control).
     ``grad_bucket_bytes``: ZeRO-0/1 gradient bucket size (None: the runtime's default, 25 MiB).
     ``optimizer``: one of :data:`OPTIMIZERS` (per-tensor loop, multi-tensor ``foreach`` or ``fused`` kernels).
+    ``expert_sharding``: ``"full"`` shards every expert over its EP group (LAER-MoE's FSEP) instead of keeping
+    it whole on its owner.
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = _train_compare(plan_dict, kind, layers, steps, global_batch, seq, clip, clip_algorithm, norm_type,
                              accumulate, dropout, momentum, lr, galv_loss, label_smoothing, relayout,
-                             placement, placement_shuffle, grad_bucket_bytes, optimizer)
+                             placement, placement_shuffle, grad_bucket_bytes, optimizer, expert_sharding)
     res["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     return res
 
@@ -168,7 +170,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
                    momentum: float, lr: float, galv_loss: bool, label_smoothing: float,
                    relayout: bool | int = False, placement: int | None = None,
                    placement_shuffle: bool | str = False, grad_bucket_bytes: int | None = None,
-                   optimizer: str = "sgd") -> dict[str, Any]:
+                   optimizer: str = "sgd", expert_sharding: str = "owner") -> dict[str, Any]:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZERS)}. HINT: add it to OPTIMIZERS.")
     plan = ParallelPlan.from_dict(plan_dict)
@@ -198,7 +200,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     factory = MeshFactory(RankLayout(plan.world_size, plan.pp), "cpu", rank)
     from lightning_galv.parallel.parallelize import parallelize
 
-    rt = parallelize(model, plan, factory,
+    rt = parallelize(model, plan, factory, expert_sharding=expert_sharding,
                      **({} if grad_bucket_bytes is None else {"grad_bucket_bytes": grad_bucket_bytes}))
     controller = None
     if relayout:

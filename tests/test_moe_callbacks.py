@@ -33,6 +33,8 @@ def _cases4() -> list[tuple[str, dict, dict]]:
     shuffle = {**moe, "placement": 2, "placement_shuffle": True}
     pp6 = ParallelPlan(4, tuple(L(dp=2, ep=2) if i % 2 == 0 else L(dp=2) for i in range(6)), pp=2, micro_batches=2,
                        embed=L(dp=2), head=L(dp=2)).to_dict()
+    pp6_zero3 = ParallelPlan(4, tuple(L(dp=2, ep=2, zero=3) if i % 2 == 0 else L(dp=2) for i in range(6)), pp=2,
+                             micro_batches=2, embed=L(dp=2), head=L(dp=2)).to_dict()
     return [
         # LAER-MoE: replicas of hot experts, tokens split over them
         ("relayout_ep4", _plan(4, L(dp=4, ep=4), L(dp=4), embed=L(dp=4), head=L(dp=4)), {**moe, "relayout": True}),
@@ -66,6 +68,13 @@ def _cases4() -> list[tuple[str, dict, dict]]:
         ("both_ep2_zero3_ckpt", _plan(4, L(dp=4, ep=2, zero=3, checkpoint=True), L(dp=4, zero=3), layers=5,
                                       embed=L(dp=4), head=L(dp=4)), {**shuffle, "layers": 5, "relayout": True,
                                                                      "steps": 5}),
+        # LAER-MoE's fully sharded experts (FSEP): every expert's rows on every EP rank, layouts materialized from
+        # all ranks; ZeRO-3 over the expert-data group on top (FSDP2 over edp of DTensors sharded over ep)
+        ("fsep_ep4_accum_clip", _plan(4, L(dp=4, ep=4), L(dp=4), embed=L(dp=4), head=L(dp=4)),
+         {**moe, "relayout": True, "accumulate": 2, "clip": 0.05, "expert_sharding": "full"}),
+        ("fsep_ep2_zero3_both", _plan(4, L(dp=4, ep=2, zero=3), L(dp=4), layers=5, embed=L(dp=4), head=L(dp=4)),
+         {**shuffle, "layers": 5, "relayout": True, "steps": 5, "expert_sharding": "full"}),
+        ("fsep_pp2_zero3", pp6_zero3, {**moe, "layers": 6, "relayout": True, "steps": 5, "expert_sharding": "full"}),
         ("negative/place_no_restore", _plan(4, L(dp=4, ep=4), L(dp=4), embed=L(dp=4), head=L(dp=4)),
          {**moe, "placement": 2, "placement_shuffle": "no_restore"}),
     ]
@@ -123,6 +132,8 @@ def random_callback_cases(seed: int, world: int, n: int) -> list[tuple[str, dict
               **rng.choice(({}, {"clip": 0.05}, {"clip": 0.01, "clip_algorithm": "value"})),
               "galv_loss": plan.vocab_parallel_loss or rng.random() < 0.3,
               "grad_bucket_bytes": rng.choice((1024, 25 * 2**20)), "optimizer": rng.choice(optimizers), **callbacks}
+        if kw.get("relayout") and random.Random(seed * 1000 + i).random() < 0.5:  # own stream: plans unchanged
+            kw["expert_sharding"] = "full"  # LAER-MoE's fully sharded experts (FSEP)
         cases.append((f"random_callbacks{world}_{seed}_{i}", plan.to_dict(), kw))
     return cases
 
@@ -148,7 +159,7 @@ def _exact(results: list[dict[str, Any]], name: str) -> None:
 
 
 def _check_launch(results: list[dict[str, Any]], cases: list[tuple[str, dict, dict]]) -> None:
-    for name, _, kw in cases:
+    for name, plan, kw in cases:
         if name.startswith("negative/"):
             continue
         _exact(results, name)
@@ -157,6 +168,14 @@ def _check_launch(results: list[dict[str, Any]], cases: list[tuple[str, dict, di
             recs = [rec for out in results for rec in out[name]["relayout"]]
             assert any(rec["replicas"] > 0 and rec["moved_bytes"] > 0 for rec in recs), (name, recs[:4])
             assert all(rec["replicas"] == 0 for rec in recs if rec["step"] == 0)  # first step: plain EP
+        if kw.get("expert_sharding") == "full":
+            # every rank holds rows of every expert, every step gathers (plain EP's layout too), and the bytes are
+            # spread over the group: no rank sends more than 1.5x its share (an owner sends whole copies)
+            k = ParallelPlan.from_dict(plan).layers[0].ep
+            recs = [rec for out in results for rec in out[name]["relayout"]]
+            assert all(out[name]["experts_held"] == [4] * len(out[name]["experts_held"]) for out in results), name
+            assert all(rec["moved_bytes"] > 0 and rec["max_rank_bytes"] * k <= 1.5 * rec["moved_bytes"]
+                       for rec in recs), (name, recs[:4])
         if kw.get("placement_shuffle"):
             steps = [st for out in results for st in out[name]["placement"]]
             assert sum(st["moved_samples"] for st in steps) > 0, (name, steps[:3])
@@ -264,6 +283,12 @@ def test_callback_arguments_are_validated() -> None:
 
     with pytest.raises(ValueError, match="slots_per_rank=0.*HINT"):
         ExpertRelayout(slots_per_rank=0)
+    with pytest.raises(ValueError, match="expert_sharding='fsdp'.*HINT"):
+        ExpertRelayout(expert_sharding="fsdp")
+    from lightning_galv import GalvatronStrategy
+
+    with pytest.raises(ValueError, match="expert_sharding='sharded'.*HINT"):
+        GalvatronStrategy(expert_sharding="sharded")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="gpus_per_node=-1.*HINT"):
         SamplePlacement(gpus_per_node=-1)
     with pytest.raises(ValueError, match="inter_bw=0.*HINT"):

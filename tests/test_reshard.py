@@ -1,4 +1,5 @@
-"""Checkpoints written under one plan load under another (pp / tp / dp / ZeRO / partition / world size).
+"""Checkpoints written under one plan load under another (pp / tp / dp / ZeRO / partition / world size / ep /
+expert sharding).
 
 Users change plans between runs and the tuner does too. Launch 1 (4 ranks) trains and saves under plans
 A and C, and loads them under 4-rank plans B and D; launch 2 (2 ranks) loads them under 2-rank plans.
@@ -35,7 +36,11 @@ K = ParallelPlan(4, (L(dp=4, ep=4), L(dp=4, zero=2), L(dp=4, ep=4)))            
 M = ParallelPlan.uniform(2, SMALL_LAYERS, L(dp=2, zero=2))                                         # 2 ranks, dense DP
 N = ParallelPlan(2, (L(dp=2, ep=2), L(dp=2), L(dp=2, ep=2)))                                         # 2 ranks, ep2
 P = ParallelPlan.uniform(1, SMALL_LAYERS, L(dp=1))                                                 # one process
+# pipeline whose second stage has no expert-parallel layer: a full save must still pick one collective on all
+# ranks (it hung on a per-stage answer, found by a random-plan hunt)
+Q = ParallelPlan(4, (L(dp=2, ep=2), L(dp=2), L(dp=2, zero=1)), pp=2, micro_batches=2, pp_division=(1, 2))
 MOE = {"kind": "moe", "name": "_moe"}
+FSEP = {"expert_sharding": "full"}  # LAER-MoE's fully sharded experts: every expert's rows on every EP rank
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +56,26 @@ def states(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("save_J", "save_under", dict(plan=J.to_dict(), tmpdir=full, full=True, **MOE)),
         ("G_to_H", "load_under", dict(plan=H.to_dict(), tmpdir=sharded, full=False, **MOE)),
         ("J_to_K", "load_under", dict(plan=K.to_dict(), tmpdir=full, full=True, **MOE)),
+        ("save_Q", "save_under", dict(plan=Q.to_dict(), tmpdir=full, full=True,
+                                      **{**MOE, "name": "_q"})),
+        ("Q_to_H", "load_under", dict(plan=H.to_dict(), tmpdir=full, full=True, **{**MOE, "name": "_q"})),
+        # fully sharded experts: saved, and loaded from plain EP's checkpoints (sharded and full)
+        ("save_R", "save_under", dict(plan=K.to_dict(), tmpdir=sharded, full=False, **{**MOE, "name": "_r"}, **FSEP)),
+        ("R_to_H", "load_under", dict(plan=H.to_dict(), tmpdir=sharded, full=False, **{**MOE, "name": "_r"})),
+        ("G_to_Kf", "load_under", dict(plan=K.to_dict(), tmpdir=sharded, full=False, **MOE, **FSEP)),
     ],), init_process_group=False, timeout=900)[0]
     two = run_distributed(CHECKS, 2, ([
         ("A_to_E", "load_under", dict(plan=E.to_dict(), tmpdir=sharded, full=False)),
         ("C_to_F", "load_under", dict(plan=F.to_dict(), tmpdir=full, full=True)),
         ("G_to_M", "load_under", dict(plan=M.to_dict(), tmpdir=sharded, full=False, **MOE)),
         ("J_to_N", "load_under", dict(plan=N.to_dict(), tmpdir=full, full=True, **MOE)),
+        ("J_to_Nf", "load_under", dict(plan=N.to_dict(), tmpdir=full, full=True, **MOE, **FSEP)),
     ],), init_process_group=False, timeout=900)[0]
     one = run_distributed(CHECKS, 1, ([
         ("G_to_P", "load_under", dict(plan=P.to_dict(), tmpdir=sharded, full=False, **MOE)),
         ("J_to_P", "load_under", dict(plan=P.to_dict(), tmpdir=full, full=True, **MOE)),
+        ("Q_to_P", "load_under", dict(plan=P.to_dict(), tmpdir=full, full=True, **{**MOE, "name": "_q"})),
+        ("R_to_P", "load_under", dict(plan=P.to_dict(), tmpdir=sharded, full=False, **{**MOE, "name": "_r"})),
     ],), init_process_group=False, timeout=900)[0]
     return {**four, **two, **one}
 
@@ -68,7 +83,8 @@ def states(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("pair", ["A_to_B", "A_to_E", "C_to_D", "C_to_F", "G_to_H", "G_to_M", "G_to_P", "J_to_K",
-                                  "J_to_N", "J_to_P"])
+                                  "J_to_N", "J_to_P", "Q_to_H", "Q_to_P", "R_to_H", "R_to_P", "G_to_Kf",
+                                  "J_to_Nf"])
 def test_reshard_on_load(states: dict, pair: str) -> None:
     saved, loaded = states[f"save_{pair[0]}"], states[pair]
     assert saved["weights"].keys() == loaded["weights"].keys()
@@ -78,6 +94,6 @@ def test_reshard_on_load(states: dict, pair: str) -> None:
     for k, v in saved["momentum"].items():
         assert torch.equal(v, loaded["momentum"][k]), k
     assert loaded["step"] == saved["step"] == 2
-    if pair[0] in "GJ":  # every expert of both MoE blocks was saved and came back
+    if pair[0] in "GJQR":  # every expert of both MoE blocks was saved and came back
         assert sum(".experts." in k and k.endswith("w1.weight") for k in saved["weights"]) == 8
     assert loaded["lr"] == saved["lr"]

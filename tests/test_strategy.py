@@ -116,6 +116,8 @@ def random_fit_cases(seed: int, n: int, world: int = 4) -> list[tuple[str, str, 
                   accumulate=rng.choice((1, 2)), clip=clip[0],
                   clip_algorithm=clip[1], dropout=rng.choice((0.0, 0.1)),
                   moe_callbacks=bool(moe) and any(plan.layers[j].ep > 1 for j in moe) and rng.random() < 0.5)
+        if kw["moe_callbacks"] and random.Random(seed * 1000 + i).random() < 0.5:  # own stream: plans unchanged
+            kw["moe_callbacks"] = "fsep"  # the re-layout with fully sharded experts
         cases.append((f"random_fit{world}_{seed}_{i}", "fit_compare", kw))
     return cases
 
@@ -169,7 +171,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("switch_pp2", "fit_compare", dict(plan=PP2, steps=4, accumulate=2, switches=((2, PP2_B),))),
         ("switch_shared_root", "fit_compare", dict(plan=ZERO3_HET, steps=6, accumulate=2, clip=0.05,
                                                    switches=((2, MIXED), (4, ZERO3)))),
-        ("switch_moe_callbacks", "fit_compare", dict(plan=MOE_CB, kind="moe", steps=4, moe_callbacks=True,
+        # with fully sharded experts (ExpertRelayout(expert_sharding="full")): they reshard across the switch too
+        ("switch_moe_callbacks", "fit_compare", dict(plan=MOE_CB, kind="moe", steps=4, moe_callbacks="fsep",
                                                      switches=((2, MOE_CB_B),))),
         ("pp2_eval_reuse", "fit_then_eval", dict(plan=PP2)),
         ("pp2_partial_batch", "pp_partial_batch", dict(plan=PP2)),
@@ -240,6 +243,9 @@ def test_switching_plans_mid_fit_is_exact(results: dict, name: str) -> None:
     if name == "switch_moe_callbacks":
         # one record per EP layer (2) per step and one placement step per step, across the switch
         assert len(r["relayout"]) == 8 and len(r["placement"]) == 4, (len(r["relayout"]), len(r["placement"]))
+        # the callback's expert_sharding="full" reached the strategy: experts are DTensors over their EP group,
+        # and every step gathered them (FSEP materializes plain EP's layout too)
+        assert r["experts_dtensor"] and all(rec["moved_bytes"] > 0 for rec in r["relayout"]), r["relayout"]
 
 
 @pytest.mark.slow
@@ -264,6 +270,7 @@ def test_moe_callbacks_under_the_trainer(results: dict) -> None:
     """ExpertRelayout + SamplePlacement as ordinary callbacks: exact (test_fit_parity), acting at optimizer-step
     boundaries under accumulation (one record per step, layouts from step 2 on), and logging their metrics."""
     r = results["moe_callbacks"]
+    assert not r["experts_dtensor"]  # default: each expert whole on its owner
     assert len(r["placement"]) == 10 and sum(st["moved_samples"] for st in r["placement"]) > 0
     assert all(st["time_saved_s"] is not None for st in r["placement"])
     steps = sorted({rec["step"] for rec in r["relayout"]})

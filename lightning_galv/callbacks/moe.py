@@ -73,11 +73,23 @@ class ExpertRelayout(_StepHooks):
         slots_per_rank: experts one rank may materialize per layer (default ``E/ep + 1``).
         log: log ``relayout/*`` metrics (rank 0) each step: max/mean load per rank before (plain EP) and
             after, planner milliseconds, parameter bytes moved.
+        expert_sharding: ``"full"`` shards every expert over its EP group, as LAER-MoE's FSEP does (sets the
+            strategy's ``expert_sharding`` before it parallelizes the model): each rank materializes its
+            layout's experts from the rows all ranks hold, so the bytes a step moves are spread evenly over the
+            group instead of falling on the owners of hot experts; ``"owner"``: each expert stays whole on its
+            owner, which sends copies to its replicas; ``None`` (default): what the strategy says (``"owner"``
+            unless set there).
 
     ``records`` keeps every :class:`~lightning_galv.parallel.expert_relayout.RelayoutRecord` of this rank.
     """
 
-    def __init__(self, slots_per_rank: int | None = None, log: bool = True) -> None:
+    def __init__(self, slots_per_rank: int | None = None, log: bool = True,
+                 expert_sharding: str | None = None) -> None:
+        if expert_sharding is not None:
+            from ..parallel.expert import check_expert_sharding
+
+            check_expert_sharding(expert_sharding)
+        self.expert_sharding = expert_sharding
         if slots_per_rank is not None and (isinstance(slots_per_rank, bool) or not isinstance(slots_per_rank, int)
                                            or slots_per_rank < 1):
             raise bad_value(f"slots_per_rank={slots_per_rank!r}", "must be a positive int or None",
@@ -87,6 +99,14 @@ class ExpertRelayout(_StepHooks):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         _plan_of(trainer, "ExpertRelayout", resolved=False)
+        strategy = trainer.strategy
+        if self.expert_sharding is None or self.expert_sharding == getattr(strategy, "expert_sharding", None):
+            return
+        if getattr(strategy, "runtime", None) is not None:
+            raise ValueError(f"ExpertRelayout(expert_sharding={self.expert_sharding!r}): the strategy already "
+                             f"parallelized the model with expert_sharding={strategy.expert_sharding!r}. HINT: set "
+                             "it on the strategy instead, GalvatronStrategy(expert_sharding=...).")
+        strategy.expert_sharding = self.expert_sharding  # read when the strategy parallelizes, after this hook
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from ..parallel.expert_relayout import RelayoutController
@@ -103,7 +123,8 @@ class ExpertRelayout(_StepHooks):
             metrics = {"relayout/max_mean_before": sum(r.max_mean_before for r in recs) / n,
                        "relayout/max_mean_after": sum(r.max_mean_after for r in recs) / n,
                        "relayout/planner_ms": sum(r.planner_ms for r in recs),
-                       "relayout/moved_MB": sum(r.moved_bytes for r in recs) / 2**20}
+                       "relayout/moved_MB": sum(r.moved_bytes for r in recs) / 2**20,
+                       "relayout/max_rank_MB": sum(r.max_rank_bytes for r in recs) / 2**20}
             for k, v in metrics.items():
                 pl_module.log(k, v, rank_zero_only=True, on_step=True, on_epoch=False)
 

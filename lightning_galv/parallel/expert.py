@@ -189,16 +189,36 @@ def check_ep(block: nn.Module, strategy: LayerStrategy, name: str) -> list[MoELa
     return layers
 
 
-def apply_ep(block: nn.Module, mesh: Any, strategy: LayerStrategy, name: str) -> list[nn.Module]:
+EXPERT_SHARDINGS = ("owner", "full")
+
+
+def check_expert_sharding(value: object) -> str:
+    if value not in EXPERT_SHARDINGS:
+        raise ValueError(f"expert_sharding={value!r}: must be one of {EXPERT_SHARDINGS}. HINT: 'owner' keeps each "
+                         "expert whole on one EP rank (plain EP); 'full' shards every expert over the EP group "
+                         "(LAER-MoE's FSEP, for ExpertRelayout).")
+    return str(value)
+
+
+def apply_ep(block: nn.Module, mesh: Any, strategy: LayerStrategy, name: str,
+             expert_sharding: str = "owner") -> list[nn.Module]:
     """Keep this rank's experts of every MoE layer in ``block`` and dispatch through the EP group.
 
     ``mesh`` is this rank's ``("edp", "ep")`` mesh (:meth:`~lightning_galv.layout.MeshFactory.expert_mesh`).
     Returns the local expert modules (the runtime reduces their gradients over ``mesh["edp"]``).
+    ``expert_sharding="full"``: every expert is kept, each parameter a DTensor ``Shard(0)`` over the EP group
+    (LAER-MoE's fully sharded experts; ``parallel/expert_relayout.py`` materializes them per step).
     """
     layers = check_ep(block, strategy, name)
     ep_mesh = mesh["ep"]
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     local: list[nn.Module] = []
+    if check_expert_sharding(expert_sharding) == "full":
+        from .expert_relayout import shard_experts_fully
+
+        for layer in layers:
+            local += shard_experts_fully(layer, ep_mesh, name)
+        return local
     for layer in layers:
         dispatcher = AllToAllDispatcher(ep_mesh.get_group(), size, rank)
         shard = getattr(layer, "shard_experts", None)

@@ -103,10 +103,21 @@ class RelayoutDispatcher(AllToAllDispatcher):
         self.layer = layer  # whose owned experts this dispatcher copies to other ranks
         self.fsdp_experts = False  # set by attach_relayout when the owned experts are FSDP2 modules
         self.num_experts = layer.num_experts
-        self.layout: ExpertLayout | None = None
+        # experts fully sharded over the group (shard_experts_fully): every layout, plain EP's too, is materialized
+        self.sharded = False
+        self._layout: ExpertLayout | None = None
         self._table = np.zeros((size, layer.num_experts), dtype=np.int64)
         self._rank_tokens = np.zeros(size, dtype=np.int64)
         self._moved_bytes = 0
+        self._rank_bytes = np.zeros(size, dtype=np.int64)  # expert-parameter bytes each rank sent this step
+
+    @property
+    def layout(self) -> ExpertLayout | None:
+        """The layout of the current step (``None``: plain EP; with fully sharded experts plain EP is the
+        static layout, which is materialized like any other)."""
+        if self._layout is None and self.sharded:
+            return ExpertLayout.static(self.num_experts, self.size)
+        return self._layout
 
     def owner(self, expert: int) -> int:
         return expert // (self.num_experts // self.size)
@@ -128,15 +139,17 @@ class RelayoutDispatcher(AllToAllDispatcher):
                         raise ValueError(f"layout gives expert {e} a share on rank {r}, which does not "
                                          f"materialize it (slots {layout.slots[r]}). HINT: shares must name ranks "
                                          "whose slots hold the expert.")
-        self.layout = layout
+        self._layout = layout
 
     def take_step(self) -> tuple[np.ndarray, np.ndarray, int]:
         """(table ``[k, E]``, assignments computed per rank ``[k]``, parameter bytes this group moved) of the
-        step's forwards, then reset."""
+        step's forwards, then reset (the bytes each rank sent: :attr:`last_rank_bytes`)."""
         out = (self._table.copy(), self._rank_tokens.copy(), self._moved_bytes)
+        self.last_rank_bytes = self._rank_bytes.copy()
         self._table[:] = 0
         self._rank_tokens[:] = 0
         self._moved_bytes = 0
+        self._rank_bytes[:] = 0
         return out
 
     # -- tokens ------------------------------------------------------------------------------------
@@ -227,6 +240,8 @@ class RelayoutDispatcher(AllToAllDispatcher):
         method, so FSDP2 gathers them for it and reduces their gradients once the whole backward is done (the
         copies' gradients arrive through the exchange's transpose, later than the owner's own use); their owners
         compute them from that flat copy too, never through the module's ``forward``."""
+        if self.sharded:
+            return self._materialize_sharded(layer)
         k, me, slots = self.size, self.rank, self.layout.slots  # type: ignore[union-attr]
         need = [[e for e in slots[r] if self.owner(e) != r] for r in range(k)]
         owned = list(AllToAllDispatcher.local_experts(self, self.num_experts))
@@ -250,10 +265,47 @@ class RelayoutDispatcher(AllToAllDispatcher):
         copies = _AllToAll.apply(buf, send, recv, self.group)  # [len(need[me]), P], ascending expert order
         if not _inside_backward():
             self._moved_bytes += sum(len(n) for n in need) * buf.shape[1] * buf.element_size()
+            for r in range(k):
+                for e in need[r]:
+                    self._rank_bytes[self.owner(e)] += buf.shape[1] * buf.element_size()
         out = {e: copies[i] for i, e in enumerate(need[me])}
         if self.fsdp_experts:
             out.update({e: flats[e] for e in slots[me] if self.owner(e) == me})
         return out, copies
+
+    def _materialize_sharded(self, layer: MoELayer) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Fully sharded experts (LAER-MoE's FSEP): rank ``q`` holds rows ``q`` (``Shard(0)``) of every parameter
+        of every expert; each rank receives, in one uneven all-to-all, every other rank's rows of the experts its
+        slots hold and assembles them, so every rank sends about the same bytes whatever the layout. The
+        transposed exchange in backward returns each copy's gradient rows to their shard (summed over copies).
+        Returns ``{expert: flat parameters [P]}`` for this rank's slots and the received ``[n]`` buffer."""
+        k, me, slots = self.size, self.rank, self.layout.slots  # type: ignore[union-attr]
+        shapes = [p.shape for p in layer.expert_template().parameters()]
+        rows = [shard_rows(s[0], k) for s in shapes]  # [param][rank] rows of dim 0 each rank holds
+        inner = [int(np.prod(s[1:])) for s in shapes]
+        piece = [sum(r[q] * n for r, n in zip(rows, inner)) for q in range(k)]  # one expert's elements on rank q
+        if self.fsdp_experts:  # every expert in the same order on every rank: FSDP2 gathers over the edp group
+            wanted: Sequence[int] = range(self.num_experts)
+        else:
+            wanted = sorted({e for s in slots for e in s})
+        local = {e: _local_flat(layer.experts[e]) for e in wanted}  # [piece[me]] this rank's rows of expert e
+        buf = torch.cat([local[e] for r in range(k) for e in slots[r]])  # [sum(send)] destination-major
+        send = [piece[me] * len(slots[r]) for r in range(k)]
+        recv = [piece[q] * len(slots[me]) for q in range(k)]
+        got = _AllToAll.apply(buf, send, recv, self.group)  # [sum(recv)] source-major, then slot order
+        if not _inside_backward():
+            for q in range(k):
+                self._rank_bytes[q] += piece[q] * sum(len(slots[r]) for r in range(k) if r != q) * buf.element_size()
+            self._moved_bytes += sum(piece[q] * len(slots[r]) for r in range(k) for q in range(k) if q != r) \
+                * buf.element_size()
+        # got: per source q, per slot expert, per parameter: rows[i][q] x inner[i] elements
+        parts = [list(chunk.split([piece[q]] * len(slots[me]))) for q, chunk in enumerate(got.split(recv))]
+        out: dict[int, torch.Tensor] = {}
+        for j, e in enumerate(slots[me]):
+            by_param = [parts[q][j].split([r[q] * n for r, n in zip(rows, inner)]) for q in range(k)]
+            full = [torch.cat([by_param[q][i] for q in range(k)]) for i in range(len(shapes))]  # [rows*inner] each
+            out[e] = torch.cat(full)  # [P], the parameters in template order (dim 0 concatenated = row-major)
+        return out, got
 
     def run_experts(self, layer: MoELayer, result: DispatchResult) -> torch.Tensor:
         if not isinstance(result.state, _RelayoutState):
@@ -283,8 +335,58 @@ class RelayoutDispatcher(AllToAllDispatcher):
 
 
 def _flat_params(module: nn.Module) -> torch.Tensor:
-    """All of ``module``'s parameters as one flat tensor ``[P]`` (called as an FSDP2 forward method)."""
-    return torch.cat([p.reshape(-1) for p in module.parameters()])
+    """All of ``module``'s parameters as one flat tensor ``[P]`` (called as an FSDP2 forward method); of a fully
+    sharded expert, this rank's rows of each."""
+    return torch.cat([_local(p).reshape(-1) for p in module.parameters()])
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _local_flat(module: nn.Module) -> torch.Tensor:
+    """This rank's rows of every parameter of a fully sharded expert, flat (through FSDP2 if it shards them)."""
+    flat = getattr(module, "galv_flat", None)
+    return flat() if flat is not None else _flat_params(module)
+
+
+def shard_rows(n: int, k: int) -> list[int]:
+    """Rows of a dim of ``n`` that each of ``k`` ranks holds under DTensor ``Shard`` (``torch.chunk``: pieces of
+    ``ceil(n/k)``, the last ones shorter or empty)."""
+    c = -(-n // k)
+    return [max(0, min(c, n - q * c)) for q in range(k)]
+
+
+def shard_experts_fully(layer: MoELayer, ep_mesh: Any, name: str) -> list[nn.Module]:
+    """LAER-MoE's fully sharded expert parallelism (FSEP) for one MoE layer: keep *every* expert, each parameter
+    a DTensor ``Shard(0)`` over the EP group (rows ``q`` on rank ``q``), so parameters, gradients and optimizer
+    state take 1/ep of the experts' bytes per rank as under plain EP, but any rank can materialize any expert
+    from all ranks alike. Installs the per-step dispatcher (``parallel/sample_placement.py``), which materializes
+    every layout -- plain EP's static one too -- before the experts run. Returns the expert modules (their
+    gradients are reduced over the expert-data group like plain EP's)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from .moe_step import _require_expert_modules
+    from .sample_placement import PlacingDispatcher
+
+    _require_expert_modules(layer)
+    group, size, rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
+    for e, m in enumerate(layer.experts):
+        for path, p in list(m.named_parameters()):
+            if p.dim() == 0:
+                raise ValueError(f"block {name}: expert {e} parameter {path!r} is a scalar: fully sharded experts "
+                                 "cut every parameter on its first dim. HINT: expert_sharding='owner'.")
+            owner_path, _, leaf = path.rpartition(".")
+            holder = m.get_submodule(owner_path) if owner_path else m
+            d = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None)  # replicated in: no comm
+            holder.register_parameter(leaf, nn.Parameter(d, requires_grad=p.requires_grad))
+        m._galv_ep_in_placements = True  # read by parallel/expert.py mark_expert_params
+    d = PlacingDispatcher(group, size, rank, layer)
+    d.sharded = True
+    layer.dispatcher = d
+    return list(layer.experts)
 
 
 def _register_flat(module: nn.Module) -> None:
@@ -312,6 +414,7 @@ class RelayoutRecord:
     planner_ms: float  # time to plan the layout this step used (0 for the first, static step)
     moved_bytes: int  # expert-parameter bytes the EP group sent to replicas, summed over the step's forwards
     replicas: int  # materialized experts beyond one per expert
+    max_rank_bytes: int = 0  # of moved_bytes, what the rank that sent most sent (owners of hot experts; FSEP spreads it)
 
 
 def _max_mean(load: np.ndarray) -> float:
@@ -373,6 +476,7 @@ class RelayoutController:
             static = load.reshape(d.size, per).sum(1)
             replicas = 0 if d.layout is None else sum(len(s) for s in d.layout.slots) - layer.num_experts
             records.append(RelayoutRecord(self.step, layer.layer_idx, _max_mean(static), _max_mean(rank_tokens),
-                                          self._planner_ms.get(id(layer), 0.0), int(moved), replicas))
+                                          self._planner_ms.get(id(layer), 0.0), int(moved), replicas,
+                                          int(d.last_rank_bytes.max())))
         self.step += 1
         return records

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.moe import MoELayer
-from .expert import AllToAllDispatcher
+from .expert import AllToAllDispatcher, moe_layers
 from .expert_relayout import RelayoutDispatcher, _register_flat
 from .sample_placement import PlacingDispatcher, group_topology, placement_runs
 
@@ -89,8 +89,6 @@ def attach_relayout(model: nn.Module, plan: Any = None) -> list[tuple[MoELayer, 
     Refuses, with a ValueError naming the reason and a HINT, a dense model and a ``plan`` (when given) in which
     no layer has expert parallelism (nothing to re-lay-out); the plan decides so that every rank, whatever its
     pipeline stage, answers the same."""
-    from torch.distributed.fsdp import FSDPModule
-
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     is_moe = bool(layers) or any(callable(getattr(m, "galv_moe_shape", None)) for m in model.modules())
     if not is_moe:
@@ -105,11 +103,27 @@ def attach_relayout(model: nn.Module, plan: Any = None) -> list[tuple[MoELayer, 
         if not isinstance(layer.dispatcher, AllToAllDispatcher):
             continue  # ep = 1 here: every expert local
         _require_expert_modules(layer)
-        experts = [m for m in layer.experts if any(True for _ in m.parameters())]
         d = step_dispatcher(layer)
-        if any(isinstance(m, FSDPModule) for m in experts):
-            for m in experts:
-                _register_flat(m)
-            d.fsdp_experts = True
+        _fsdp_flat(layer, d)
         out.append((layer, d))
     return out
+
+
+def _fsdp_flat(layer: MoELayer, d: RelayoutDispatcher) -> None:
+    """Experts sharded by FSDP2 (ZeRO-2/3): give each a ``galv_flat`` forward method, which the dispatcher
+    reads them through (``parallel/expert_relayout.py``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    experts = [m for m in layer.experts if any(True for _ in m.parameters())]
+    if any(isinstance(m, FSDPModule) for m in experts):
+        for m in experts:
+            _register_flat(m)
+        d.fsdp_experts = True
+
+
+def read_experts_through_fsdp(block: nn.Module) -> None:
+    """After FSDP2 sharded the fully sharded experts of ``block`` over their expert-data group: the dispatchers
+    read them through FSDP2 (``parallel/parallelize.py``, ``expert_sharding="full"``)."""
+    for layer in moe_layers(block):
+        if isinstance(layer.dispatcher, RelayoutDispatcher):
+            _fsdp_flat(layer, layer.dispatcher)

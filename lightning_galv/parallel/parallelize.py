@@ -163,10 +163,13 @@ def broadcast_module(module: nn.Module, src: int = 0) -> None:
 
 def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
                 mp_policy: Any | None = None, sync_init: bool = True,
-                grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Runtime:
+                grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES, expert_sharding: str = "owner") -> Runtime:
     """Apply ``plan`` to ``model`` in place (order in the module docstring) and return its runtime.
 
-    ``grad_bucket_bytes``: size of the ZeRO-0/1 gradient all-reduce buckets (DDP's ``bucket_cap_mb``)."""
+    ``grad_bucket_bytes``: size of the ZeRO-0/1 gradient all-reduce buckets (DDP's ``bucket_cap_mb``).
+    ``expert_sharding``: how ep > 1 layers hold their experts -- ``"owner"`` (plain EP: each expert whole on
+    one rank of the EP group) or ``"full"`` (every expert sharded over the EP group, LAER-MoE's FSEP;
+    ``parallel/expert_relayout.py``)."""
     layout, rank = factory.layout, factory.rank
     if plan.backend == "deepspeed":  # the engine shards the model itself, once the optimizer exists
         from .deepspeed import DeepSpeedRuntime
@@ -214,7 +217,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
         for layer in moe_layers(unit.modules[0]):
             layer.stats_reducer = GlobalRouterStats(data_mesh.get_group(), data_mesh.size(), plan.data_parallel_size)
         if s.ep > 1:
-            unit.experts = apply_ep(unit.modules[0], factory.expert_mesh(s), s, unit.name)
+            unit.experts = apply_ep(unit.modules[0], factory.expert_mesh(s), s, unit.name, expert_sharding)
 
     # 3. activation checkpointing
     for unit in units:
@@ -259,6 +262,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
         params = unit.parameters()
         if unit.experts:  # expert parameters: their own (expert-data) group, sharded there first under ZeRO-2/3
             params = _apply_expert_data_parallel(unit, factory, runtime, plan, mp_policy)
+            if expert_sharding == "full" and s.zero >= 2:  # FSEP dispatchers read the shards through FSDP2
+                from .moe_step import read_experts_through_fsdp
+
+                read_experts_through_fsdp(unit.modules[0])
         fsdp_mods = _sharded_modules(unit)
         if fsdp_mods:
             if root is not None and len(fsdp_mods) > 1:

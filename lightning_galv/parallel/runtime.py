@@ -226,8 +226,11 @@ class ParallelRuntime:
     # -- checkpoints -------------------------------------------------------------------------------
     @property
     def expert_parallel(self) -> bool:
-        """Whether ranks of one stage hold different experts (full checkpoints must then gather them)."""
-        return any(u.experts for u in self.units)
+        """Whether ranks of one stage hold different experts (full checkpoints must then gather them).
+
+        Read from the plan, not from this rank's units: the answer picks a collective, so every rank must give
+        the same one -- under a pipeline, a stage without expert-parallel layers too."""
+        return any(s.ep > 1 for s in self.plan.layers)
 
     def module_state(self, model: nn.Module, full: bool) -> dict[str, Any]:
         return ckpt.model_state(model, full=full, pipeline=self.pipeline, experts=self.expert_parallel)

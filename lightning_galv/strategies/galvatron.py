@@ -91,6 +91,10 @@ class GalvatronStrategy(ParallelStrategy):
             (gathered) logits. The flag lives in the plan because the cost model prices it.
         grad_bucket_mb: bucket size of the ZeRO-0/1 gradient all-reduce, which starts bucket by bucket during
             backward (without pipeline stages), like DDP's ``bucket_cap_mb``.
+        expert_sharding: how expert-parallel MoE layers hold their experts: ``"owner"`` (plain EP, each
+            expert whole on one rank of its EP group) or ``"full"`` (every expert sharded over the EP group, as
+            LAER-MoE's FSEP; any rank can then materialize any expert from all ranks alike, which
+            :class:`~lightning_galv.callbacks.ExpertRelayout` uses). Checkpoints load across both.
     """
 
     strategy_name = "galvatron"
@@ -112,6 +116,7 @@ class GalvatronStrategy(ParallelStrategy):
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         vocab_parallel_loss: bool | None = None,
         grad_bucket_mb: float = 25.0,
+        expert_sharding: Literal["owner", "full"] = "owner",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -152,6 +157,9 @@ class GalvatronStrategy(ParallelStrategy):
             raise ValueError(f"grad_bucket_mb={grad_bucket_mb!r}: must be a positive number of MiB. HINT: 25 (DDP's "
                              "bucket_cap_mb default); smaller buckets start reducing earlier in backward.")
         self._grad_bucket_bytes = max(1, int(grad_bucket_mb * 2**20))
+        from ..parallel.expert import check_expert_sharding
+
+        self.expert_sharding = check_expert_sharding(expert_sharding)  # may be set until setup (ExpertRelayout)
         self._process_group_backend = process_group_backend
         self._timeout = None if timeout is None else check_timeout(timeout)
         self._num_nodes = 1
@@ -311,12 +319,14 @@ class GalvatronStrategy(ParallelStrategy):
                 from .switch import PristineCopy
 
                 self.pristine = PristineCopy(self.model)
+            from ..parallel.expert import check_expert_sharding
             from ..parallel.parallelize import parallelize
             from .precision import clip_across_meshes
 
             assert self.mesh_factory is not None
             self.runtime = parallelize(self.model, self.plan, self.mesh_factory,
-                                       grad_bucket_bytes=self._grad_bucket_bytes)
+                                       grad_bucket_bytes=self._grad_bucket_bytes,
+                                       expert_sharding=check_expert_sharding(self.expert_sharding))
             self.precision_plugin = clip_across_meshes(self.precision_plugin, self.runtime)
             if self.auto is None:  # automatic mode printed the plan it chose, with its prediction, already
                 rank_zero_info(self.plan.describe())

@@ -119,7 +119,8 @@ def switch_plan(strategy: Any, trainer: "pl.Trainer", plan: ParallelPlan,
     # 2. fresh submodules, the new plan applied (weights come from the checkpoint: no broadcast needed)
     strategy.pristine.restore_into(strategy.model, strategy.root_device)
     strategy.runtime = parallelize(strategy.model, plan, strategy.mesh_factory, sync_init=False,
-                                   grad_bucket_bytes=strategy._grad_bucket_bytes)
+                                   grad_bucket_bytes=strategy._grad_bucket_bytes,
+                                   expert_sharding=strategy.expert_sharding)
     strategy.plan = plan
     strategy.precision_plugin = clip_across_meshes(strategy.precision_plugin, strategy.runtime)
     # 3. new optimizers and schedulers, then the checkpoint into model and optimizers
