@@ -55,7 +55,8 @@ def run_all(plan_dict: dict, cfg: dict, variants: list[str], gpus_per_node: int,
     built = {}
     for name in variants:
         model = copy.deepcopy(base)
-        rt = parallelize(model, plan, MeshFactory(RankLayout(world, plan.pp), "cpu", rank))
+        rt = parallelize(model, plan, MeshFactory(RankLayout(world, plan.pp), "cpu", rank),
+                         expert_sharding="full" if "fsep" in name else "owner")  # fully sharded experts
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         rt.wrap_optimizer(opt)
         relayout = placement = None

@@ -6,8 +6,8 @@
 One gloo launch per world size (rank side: ``benchmarks/_moe_callbacks_runs.py``). The MoE decoder (dim 128,
 4 MoE blocks of 8 SwiGLU experts, top-2, dropless) is first trained in one process on the shipped corpus so that
 its router has a trained router's skew and per-sample locality; then every rank trains it under
-``LayerStrategy(dp=world, ep=4)`` with: plain EP, ExpertRelayout (LAER-MoE), SamplePlacement (NetMoE, 2 ranks per
-simulated node) and both. Reported per variant: step time (median over repeats of each repeat's median step,
+``LayerStrategy(dp=world, ep=4)`` with: plain EP, ExpertRelayout (LAER-MoE; experts whole on their owners, and
+``relayout-fsep`` with fully sharded experts), SamplePlacement (NetMoE, 2 ranks per simulated node) and both. Reported per variant: step time (median over repeats of each repeat's median step,
 95 % t-interval over repeats), the paired ratio to plain EP, and what the callbacks measured on the same steps:
 max/mean assignments per rank (before = plain EP's placement of the same routing, after = the layout used)
 and inter-node all-to-all bytes of the whole EP group's dispatch + combine in the forward (before = plain EP
@@ -35,7 +35,7 @@ from lightning_galv.plan import ParallelPlan  # noqa: E402
 from lightning_galv.testing import run_distributed  # noqa: E402
 
 RUNS = str(HERE / "_moe_callbacks_runs.py") + "::run_all"
-VARIANTS = ["plain", "relayout", "placement", "relayout+placement"]
+VARIANTS = ["plain", "relayout", "relayout-fsep", "placement", "relayout+placement"]
 
 
 def _table(world: int, res: dict) -> list[str]:
@@ -45,13 +45,15 @@ def _table(world: int, res: dict) -> list[str]:
         rep = [statistics.median(r) for r in res["times"][name]]
         _, lo, hi = interval(rep)
         rm, rlo, rhi = interval([a / b for a, b in zip(rep, base)])
-        load = inter = "-"
+        load = inter = moved = "-"
         recs = res["relayout"][name]
         if recs:
             before = statistics.fmean(r["max_mean_before"] for r in recs)
             after = statistics.fmean(r["max_mean_after"] for r in recs)
             ms = statistics.median(r["planner_ms"] for r in recs)
             load = f"{before:.2f} -> {after:.2f} (planner {ms:.2f} ms)"
+            moved = (f"{statistics.fmean(r['moved_bytes'] for r in recs) / 1e6:.2f} / "
+                     f"{statistics.fmean(r['max_rank_bytes'] for r in recs) / 1e6:.2f} MB")
         steps = res["placement"][name]
         if steps:
             b = sum(s["inter_before"] for s in steps)
@@ -59,7 +61,7 @@ def _table(world: int, res: dict) -> list[str]:
             ms = statistics.median(s["solve_ms"] for s in steps)
             inter = f"{b / len(steps) / 1e6:.2f} -> {a / len(steps) / 1e6:.2f} MB ({100 * (a / b - 1):+.0f} %; solver {ms:.2f} ms)"
         rows.append(f"| {world} | {name} | {statistics.median(rep):.3f} [{lo:.3f}, {hi:.3f}] | "
-                    f"{rm:.2f} [{rlo:.2f}, {rhi:.2f}] | {load} | {inter} |")
+                    f"{rm:.2f} [{rlo:.2f}, {rhi:.2f}] | {load} | {moved} | {inter} |")
     return rows
 
 
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> str:
     cfg = dict(vocab_size=256, dim=128, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_hidden=256, max_seq_len=seq,
                num_experts=8, top_k=2, expert_hidden=256, moe_every=1)
     rows = ["| ranks | variant | step time (s), median [95 % CI] | ratio to plain [95 % CI] | max/mean load per "
-            "rank, plain EP -> used | inter-node a2a bytes per rank-step, plain -> sent |", "|---|---|---|---|---|---|"]
+            "rank, plain EP -> used | expert parameters sent per layer-step: EP group / largest sender | "
+            "inter-node a2a bytes per rank-step, plain -> sent |", "|---|---|---|---|---|---|---|"]
     for world in args.worlds:
         plan = ParallelPlan(world, (L(dp=world, ep=4),) * layers).to_dict()
         res = run_distributed(RUNS, world, (plan, cfg, VARIANTS, 2, per_rank, seq, args.steps, 2, args.repeats,

@@ -34,17 +34,34 @@ from traces import load_trace, scale_trace  # noqa: E402
 from lightning_galv.planner.relayout import ExpertLayout, new_materializations, plan_relayout  # noqa: E402
 
 
+def expert_bytes(lay: ExpertLayout, num_experts: int) -> tuple[float, float, float, float]:
+    """Expert parameters a layout makes the EP group send per forward, in whole experts: (group total, largest
+    sender) with experts whole on their plain-EP owners, then the same with fully sharded experts (FSEP: every
+    rank holds 1/k of each; each rank gathers the other (k-1)/k of every expert its slots hold)."""
+    k = len(lay.slots)
+    per = num_experts // k
+    sent = np.zeros(k)
+    for r, slots in enumerate(lay.slots):
+        for e in slots:
+            if e // per != r:
+                sent[e // per] += 1
+    held = np.array([len(s) for s in lay.slots], dtype=float)
+    fsep = (held.sum() - held) / k  # rank q sends its 1/k of every expert held by the other ranks
+    return float(sent.sum()), float(sent.max()), float(fsep.sum()), float(fsep.max())
+
+
 def run_case(loads: list[np.ndarray], ranks: int, slots: int, repeats: int, per_layer: int) -> dict:
     """loads: per problem [E], in (step, layer) order with ``per_layer`` layers per step."""
     e = loads[0].size
     static = ExpertLayout.static(e, ranks)
-    before, after, added, used = [], [], [], []
+    before, after, added, used, moved = [], [], [], [], []
     prev: dict[int, ExpertLayout] = {}
     for i, load in enumerate(loads):
         lay = plan_relayout(load.tolist(), ranks, slots)
         before.append(static.with_load(load.tolist()).imbalance)
         after.append(lay.imbalance)
         used.append(sum(len(sl) for sl in lay.slots) / ranks)
+        moved.append(expert_bytes(lay, e))
         j = i % per_layer
         if j in prev:
             added.append(len(new_materializations(prev[j], lay)))
@@ -66,7 +83,7 @@ def run_case(loads: list[np.ndarray], ranks: int, slots: int, repeats: int, per_
                 skewed_ok=float((a[skewed] <= 1.10).mean()) if skewed.any() else float("nan"),
                 added=float(np.mean(added)) if added else 0.0, time=interval(reps), time_med=statistics.median(reps),
                 time_max=max(every), used=float(np.mean(used)),
-                slots_total=ranks * slots)
+                slots_total=ranks * slots, moved=np.mean(np.array(moved), axis=0))
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -99,13 +116,15 @@ def main(argv: list[str] | None = None) -> str:
 
     rows = ["| trace | ranks | slots per rank (used, mean) | problems | max/mean before: mean (max) | after: mean (max) | "
             "problems with before >= 1.5: count, after <= 1.10 share, worst after | added materializations "
-            "per step vs previous step | planner time median [95 % CI], slowest problem |", "|---|---|---|---|---|---|---|---|---|"]
+            "per step vs previous step | expert copies sent per forward, owner mode: group / largest sender | FSEP: group / "
+            "largest sender | planner time median [95 % CI], slowest problem |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, loads, ranks, slots in cases:
         r = run_case(loads, ranks, slots, args.repeats, nl)
         m, lo, hi = (x * 1e3 for x in r["time"])
         rows.append(f"| {label} | {ranks} | {slots} ({r['used']:.2f}) | {r['n']} | {r['before']:.2f} ({r['before_max']:.2f}) | "
                     f"{r['after']:.3f} ({r['after_max']:.3f}) | {r['skewed']}, {100 * r['skewed_ok']:.0f} %, "
                     f"{r['skewed_after_max']:.3f} | {r['added']:.1f} of {r['slots_total']} | "
+                    f"{r['moved'][0]:.1f} / {r['moved'][1]:.2f} | {r['moved'][2]:.1f} / {r['moved'][3]:.2f} | "
                     f"{r['time_med'] * 1e3:.2f} ms [{lo:.2f}, {hi:.2f}], {r['time_max'] * 1e3:.2f} ms |")
         print(rows[-1], flush=True)
     table = "\n".join(rows)
@@ -118,9 +137,12 @@ def main(argv: list[str] | None = None) -> str:
             f"imbalance = max / mean expected tokens per rank. Planner time: median per problem, 95 % t-interval "
             f"over {args.repeats} repeats, 2 shared CPU cores. \"Added materializations\": (rank, expert) pairs "
             f"a step's layout holds that the previous step's layout of the same layer did not -- the planner "
-            f"starts from scratch every step; our runtime keeps each expert whole on its plain-EP owner and sends "
-            f"a copy to every other rank that materializes it, each forward (bytes logged by the callback), so "
-            f"this counts what a runtime caching last step's copies would have to fetch anew.\n\n{table}\n")
+            f"starts from scratch every step; neither runtime mode caches last step's copies, so this counts what a "
+            f"runtime that did would have to fetch anew. \"Expert copies sent\" (mean over problems, in whole "
+            f"experts' parameters, from the layouts): the default runtime keeps each expert whole on its plain-EP "
+            f"owner, which sends a copy to every other rank that materializes it; with fully sharded experts "
+            f"(`expert_sharding=\"full\"`, LAER-MoE's FSEP) every rank holds 1/k of each expert and sends it to every "
+            f"other rank holding that expert, plain EP's own experts included.\n\n{table}\n")
     print(body)
     if not args.no_write:
         from _results import write_section

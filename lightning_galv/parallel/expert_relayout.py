@@ -7,18 +7,28 @@ which experts each rank *materializes* -- hot experts on several ranks -- and sp
 expert's tokens over its replicas. The planner is pure (``planner/relayout.py``,
 :class:`~lightning_galv.planner.relayout.ExpertLayout`); this module executes a layout exactly:
 
-* **Ownership stays as in EP.** Each expert's parameters and optimizer state live whole on its *owner*
-  (the EP rank that holds it under plain EP); every other rank that materializes it receives a copy of the
-  owner's parameters in one uneven ``all_to_all_single`` per layer and forward, and the gradients of all
-  copies flow back through the transposed exchange and add up on the owner (autograd of the exchange
-  does this: a parameter row sent to two ranks receives the sum of both gradients). So state-dict keys,
-  checkpoints, gradient sync over the expert-data group, ZeRO-1 and clipping are those of plain EP.
+* **Where parameters live: two modes** (``parallelize(expert_sharding=...)``, ``GalvatronStrategy`` /
+  ``ExpertRelayout(expert_sharding=...)``).
 
-  Where this differs from the paper, and why: LAER-MoE's FSEP shards *every* expert across all ranks of
-  the group, so materializing any layout moves the same bytes from every rank; we keep experts whole on
-  their owners so that everything downstream of the parameters (checkpoint resharding, ZeRO on the
-  expert-data group, the state-dict layout Hugging Face Mixtral uses) is unchanged. The price is that an
-  owner of a hot expert sends it to each replica: the callback logs the bytes each step.
+  ``"owner"`` (default): each expert's parameters and optimizer state live whole on its *owner* (the EP
+  rank that holds it under plain EP); every other rank that materializes it receives a copy of the owner's
+  parameters in one uneven ``all_to_all_single`` per layer and forward, and the gradients of all copies
+  flow back through the transposed exchange and add up on the owner (autograd of the exchange does this:
+  a parameter row sent to two ranks receives the sum of both gradients). State-dict keys, gradient sync
+  over the expert-data group, ZeRO and clipping are those of plain EP; plain EP's layout moves nothing.
+  But the owner of a hot expert sends a whole copy to each replica.
+
+  ``"full"`` -- LAER-MoE's fully sharded expert parallelism (FSEP): every expert is kept on every EP rank
+  as a DTensor ``Shard(0)`` over the EP group (:func:`shard_experts_fully`), so parameters, gradients and
+  optimizer state still take 1/ep of the experts' bytes per rank. Each forward, every rank sends its rows
+  of the experts each other rank's slots hold and assembles its own slot experts from all ranks' rows (one
+  uneven all-to-all, :meth:`RelayoutDispatcher._materialize_sharded`); backward returns each copy's
+  gradient rows to their shard. The bytes a layout costs are spread evenly over the group whatever the
+  loads, at the price of gathering even plain EP's layout ((ep-1)/ep of every materialized expert per
+  step, where ``"owner"`` moves only replicas). The callback logs both the group's bytes and the largest
+  sender's. DTensor placements make the rest general: clipping counts the shards, DCP reshards
+  checkpoints between the two modes and any plan, ZeRO-2/3 on experts is FSDP2 over the expert-data mesh
+  dim on top of the ep shard.
 * **Token split.** The (source rank x expert) count table that the dispatch all-gathers anyway (for its
   split sizes) fixes, for every expert, the global order of its assignments (source-major, token order
   inside). Replica ``j`` of expert ``e`` takes the ``j``-th contiguous run of that order, of the size
@@ -371,7 +381,11 @@ def shard_experts_fully(layer: MoELayer, ep_mesh: Any, name: str) -> list[nn.Mod
     from .moe_step import _require_expert_modules
     from .sample_placement import PlacingDispatcher
 
-    _require_expert_modules(layer)
+    try:
+        _require_expert_modules(layer)
+    except ValueError as exc:
+        raise ValueError(f"block {name}: expert_sharding='full' shards experts module by module. {exc} Or keep "
+                         "expert_sharding='owner'.") from None
     group, size, rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
     for e, m in enumerate(layer.experts):
         for path, p in list(m.named_parameters()):
