@@ -159,6 +159,12 @@ class MeshFactory:
             else:
                 ranks = grids.permute(0, 2, 1).reshape(pp, s.tp, s.dp // k, k)  # [pp, tp, edp, ep]
                 names = ("pp", "tpx", "edp", "ep")
+            # ascending inside each EP group: the ep dim's process group numbers its ranks in ascending order
+            # (that is what get_local_rank() and the dispatcher's all-to-alls use), while DTensor places shard c
+            # on mesh coordinate c; a strided Ulysses data group ([0, 2, 1, 3]) would otherwise give a rank the
+            # rows of another rank's experts (fully sharded and fused expert tensors). Which ranks form an EP
+            # group is unchanged, and any order within it is valid.
+            ranks = torch.sort(ranks, dim=-1).values
             built = DeviceMesh(self.device_type, ranks, mesh_dim_names=names)
             if self.timeout is not None:
                 from .parallel.timeouts import set_mesh_timeout

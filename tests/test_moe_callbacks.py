@@ -74,6 +74,11 @@ def _cases4() -> list[tuple[str, dict, dict]]:
          {**moe, "relayout": True, "accumulate": 2, "clip": 0.05, "expert_sharding": "full"}),
         ("fsep_ep2_zero3_both", _plan(4, L(dp=4, ep=2, zero=3), L(dp=4), layers=5, embed=L(dp=4), head=L(dp=4)),
          {**shuffle, "layers": 5, "relayout": True, "steps": 5, "expert_sharding": "full"}),
+        # a strided Ulysses data group ([0, 2, 1, 3]) as EP group: DTensor's shard order must be the group's
+        # (found by a random plan: a rank assembled another rank's rows before expert_mesh sorted the groups)
+        ("fsep_ulysses_strided", _plan(4, L(tp=2, dp=2, sp="ulysses", ep=4, tp_consecutive=False), L(tp=2, dp=2),
+                                       embed=L(dp=4), head=L(dp=4)),
+         {**moe, "relayout": True, "steps": 4, "expert_sharding": "full"}),
         ("fsep_pp2_zero3", pp6_zero3, {**moe, "layers": 6, "relayout": True, "steps": 5, "expert_sharding": "full"}),
         ("negative/place_no_restore", _plan(4, L(dp=4, ep=4), L(dp=4), embed=L(dp=4), head=L(dp=4)),
          {**moe, "placement": 2, "placement_shuffle": "no_restore"}),
