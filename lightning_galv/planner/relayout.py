@@ -66,11 +66,13 @@ class ExpertLayout:
     rank_load: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        slots = tuple(tuple(int(e) for e in s) for s in self.slots)
-        shares = tuple(tuple((int(r), float(f)) for r, f in sh) for sh in self.shares)
+        # written for speed (the planner builds one layout per MoE layer and step: at 64 ranks validation was
+        # most of its time), checking the same rules
+        slots = tuple(tuple(map(int, s)) for s in self.slots)
+        shares = tuple(tuple([(int(r), float(f)) for r, f in sh]) for sh in self.shares)
         object.__setattr__(self, "slots", slots)
         object.__setattr__(self, "shares", shares)
-        object.__setattr__(self, "rank_load", tuple(float(x) for x in self.rank_load))
+        object.__setattr__(self, "rank_load", tuple(map(float, self.rank_load)))
         k, e = len(slots), len(shares)
         if k < 1 or e < 1:
             raise bad_value(f"{k} ranks, {e} experts", "a layout needs at least one rank and one expert",
@@ -80,21 +82,20 @@ class ExpertLayout:
                             "give the expected tokens of every rank.")
         holders: list[list[int]] = [[] for _ in range(e)]
         for r, s in enumerate(slots):
-            if list(s) != sorted(set(s)) or any(not 0 <= x < e for x in s):
+            if s and (s[0] < 0 or s[-1] >= e or any(a >= b for a, b in zip(s, s[1:]))):  # strictly increasing
                 raise bad_value(f"slots[{r}]={s}", f"must be sorted, distinct expert ids in 0..{e - 1}",
                                 "a rank materializes each expert at most once.")
             for x in s:
                 holders[x].append(r)
         for x, sh in enumerate(shares):
-            ranks = [r for r, _ in sh]
             if not sh:
                 raise bad_value(f"shares[{x}]=()", "every expert needs at least one replica",
                                 "give each expert >= 1 (rank, fraction) entry.")
-            if ranks != holders[x]:
-                raise bad_value(f"shares[{x}] ranks {ranks}", f"must be the ranks whose slots hold expert {x}, "
-                                f"ascending ({holders[x]})", "keep slots and shares consistent.")
+            if [r for r, _ in sh] != holders[x]:
+                raise bad_value(f"shares[{x}] ranks {[r for r, _ in sh]}", f"must be the ranks whose slots hold "
+                                f"expert {x}, ascending ({holders[x]})", "keep slots and shares consistent.")
             fr = [f for _, f in sh]
-            if any(not (math.isfinite(f) and f >= 0) for f in fr) or abs(sum(fr) - 1.0) > 1e-6:
+            if not all(0.0 <= f < math.inf for f in fr) or abs(sum(fr) - 1.0) > 1e-6:  # NaN fails 0 <= f
                 raise bad_value(f"shares[{x}] fractions {fr}", "must be >= 0 and sum to 1",
                                 "normalize each expert's fractions.")
 
