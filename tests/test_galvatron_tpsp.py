@@ -257,22 +257,47 @@ def test_gpipe_keeps_the_cost_model_contract(S: int, min_tp: int) -> None:
 GPIPE_SEARCHES = GOLDEN["gpipe_searches"]
 
 
+def _up_to_layer_order(plan: dict) -> tuple:
+    """A Galvatron plan with each pipeline stage's per-layer strategies sorted. These models' layers are identical,
+    so strategies swapped between layers of one stage price the same (time and memory); which of those exact ties
+    the DP's path reconstruction returns turns on float rounding (it changed with a numpy upgrade: 2.4.6 put a
+    ZeRO-3 layer of stage 1 one position later). Everything else must match as it is."""
+    stages = [int(x) for x in str(plan["pp_division"]).split(",")]
+    n = sum(stages)
+    per_layer = sorted(k for k, v in plan.items() if isinstance(v, str) and v.count(",") == n - 1 and k != "pp_division")
+    rest = tuple(sorted((k, str(v)) for k, v in plan.items() if k not in per_layer))
+    cols = list(zip(*(str(plan[k]).split(",") for k in per_layer)))  # [layer] -> tuple over per_layer fields
+    starts = [sum(stages[:i]) for i in range(len(stages))]
+    return rest, tuple(tuple(sorted(cols[a:a + m])) for a, m in zip(starts, stages))
+
+
 @pytest.mark.parametrize("s", GPIPE_SEARCHES, ids=lambda s: f"{s['model']}-{s['nodes']}x8-{s['memory_gb']}G")
 def test_gpipe_search_fits_the_judges_budget(s: dict) -> None:
     """Our search with Galvatron's pipeline_type 'gpipe' returns the plan the judge scored (golden 'ours'; re-run
-    benchmarks/galvatron_judge_golden.py when the search changes on purpose): a pipeline, within Galvatron's
-    budget by the judge, and priced by us as by the judge."""
+    benchmarks/galvatron_judge_golden.py when the search changes on purpose), up to ties our model prices exactly
+    alike (identical layers of a stage in another order; another partition at the same step time): a pipeline,
+    within Galvatron's budget by the judge, and priced by us as by the judge."""
     name, nodes, mem, bsz = s["model"], s["nodes"], s["memory_gb"], s["global_batch"]
     sp = MODELS[name][2]
     hw = read_hardware_profile(DATA / "hardware", nodes, 8)
     res = galvatron_search(profile(name), hw, ghw(nodes), mem, bsz, sequence_parallel=sp, pipeline_type="gpipe")
     assert res.plan is not None and res.plan.prediction is not None and res.context is not None
     got = {k: v for k, v in write_plan(res.plan, side=True).items() if k != SIDE_FIELD}
-    assert {k: str(v) for k, v in got.items()} == {k: str(v) for k, v in s["ours"]["plan"].items()}
     j = s["ours"]["judge"]
     assert j is not None and j["within_budget"]
     assert max(j["mem_used_MB_per_stage"]) <= j["usable_MB"]
     assert rel(res.plan.prediction.step_time_s, j["time_per_iter_s"]) < TOL
+    if _up_to_layer_order(got) != _up_to_layer_order(s["ours"]["plan"]):
+        # another stage partition that our model prices *exactly* like the golden one: the search met an exact tie
+        # and float rounding of its partial sums broke it the other way (as with a numpy upgrade, 2.4.6: stages of
+        # 5,5,2 layers instead of 4,4,4 at the same step time). The judge never scored this plan, so: the golden
+        # plan must price exactly as ours in our model (a tie, not a worse pick), and ours fit Galvatron's budget
+        lo, hi = res.context[:2]
+        cost = Galvatron24CostModel(profile(name), ghw(nodes), mem, bsz, lo, hi, sp, "zero2", "tp", 1, "gpipe")
+        gold = read_plan(s["ours"]["plan"], 8 * nodes, sequence_parallel=sp)
+        assert cost.evaluate(gold).step_time_s == res.plan.prediction.step_time_s, (got, s["ours"]["plan"])
+        assert max(res.plan.prediction.stage_memory_bytes) / MB <= j["usable_MB"]
+        return
     assert max(rel(a / MB, b) for a, b in zip(res.plan.prediction.stage_memory_bytes, j["mem_used_MB_per_stage"])) < TOL
 
 
