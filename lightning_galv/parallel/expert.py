@@ -200,25 +200,17 @@ def check_expert_sharding(value: object) -> str:
     return str(value)
 
 
-def apply_ep(block: nn.Module, mesh: Any, strategy: LayerStrategy, name: str,
-             expert_sharding: str = "owner") -> list[nn.Module]:
+def apply_ep(block: nn.Module, mesh: Any, strategy: LayerStrategy, name: str) -> list[nn.Module]:
     """Keep this rank's experts of every MoE layer in ``block`` and dispatch through the EP group.
 
     ``mesh`` is this rank's ``("edp", "ep")`` mesh (:meth:`~lightning_galv.layout.MeshFactory.expert_mesh`).
-    Returns the local expert modules (the runtime reduces their gradients over ``mesh["edp"]``).
-    ``expert_sharding="full"``: every expert is kept, each parameter a DTensor ``Shard(0)`` over the EP group
-    (LAER-MoE's fully sharded experts; ``parallel/expert_relayout.py`` materializes them per step).
+    Returns the local expert modules (the runtime reduces their gradients over ``mesh["edp"]``). (Fully sharded
+    experts instead: ``parallel/moe_step.py`` ``apply_fsep``.)
     """
     layers = check_ep(block, strategy, name)
     ep_mesh = mesh["ep"]
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     local: list[nn.Module] = []
-    if check_expert_sharding(expert_sharding) == "full":
-        from .expert_relayout import shard_experts_fully
-
-        for layer in layers:
-            local += shard_experts_fully(layer, ep_mesh, name)
-        return local
     for layer in layers:
         dispatcher = AllToAllDispatcher(ep_mesh.get_group(), size, rank)
         shard = getattr(layer, "shard_experts", None)

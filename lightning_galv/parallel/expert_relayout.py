@@ -19,7 +19,7 @@ expert's tokens over its replicas. The planner is pure (``planner/relayout.py``,
   But the owner of a hot expert sends a whole copy to each replica.
 
   ``"full"`` -- LAER-MoE's fully sharded expert parallelism (FSEP): every expert is kept on every EP rank
-  as a DTensor ``Shard(0)`` over the EP group (:func:`shard_experts_fully`), so parameters, gradients and
+  as a DTensor ``Shard(0)`` over the EP group (``parallel/moe_step.py`` :func:`apply_fsep`), so parameters, gradients and
   optimizer state still take 1/ep of the experts' bytes per rank. Each forward, every rank sends its rows
   of the experts each other rank's slots hold and assembles its own slot experts from all ranks' rows (one
   uneven all-to-all, :meth:`RelayoutDispatcher._materialize_sharded`); backward returns each copy's
@@ -368,39 +368,6 @@ def shard_rows(n: int, k: int) -> list[int]:
     c = -(-n // k)
     return [max(0, min(c, n - q * c)) for q in range(k)]
 
-
-def shard_experts_fully(layer: MoELayer, ep_mesh: Any, name: str) -> list[nn.Module]:
-    """LAER-MoE's fully sharded expert parallelism (FSEP) for one MoE layer: keep *every* expert, each parameter
-    a DTensor ``Shard(0)`` over the EP group (rows ``q`` on rank ``q``), so parameters, gradients and optimizer
-    state take 1/ep of the experts' bytes per rank as under plain EP, but any rank can materialize any expert
-    from all ranks alike. Installs the per-step dispatcher (``parallel/sample_placement.py``), which materializes
-    every layout -- plain EP's static one too -- before the experts run. Returns the expert modules (their
-    gradients are reduced over the expert-data group like plain EP's)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from .moe_step import _require_expert_modules
-    from .sample_placement import PlacingDispatcher
-
-    try:
-        _require_expert_modules(layer)
-    except ValueError as exc:
-        raise ValueError(f"block {name}: expert_sharding='full' shards experts module by module. {exc} Or keep "
-                         "expert_sharding='owner'.") from None
-    group, size, rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
-    for e, m in enumerate(layer.experts):
-        for path, p in list(m.named_parameters()):
-            if p.dim() == 0:
-                raise ValueError(f"block {name}: expert {e} parameter {path!r} is a scalar: fully sharded experts "
-                                 "cut every parameter on its first dim. HINT: expert_sharding='owner'.")
-            owner_path, _, leaf = path.rpartition(".")
-            holder = m.get_submodule(owner_path) if owner_path else m
-            d = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None)  # replicated in: no comm
-            holder.register_parameter(leaf, nn.Parameter(d, requires_grad=p.requires_grad))
-        m._galv_ep_in_placements = True  # read by parallel/expert.py mark_expert_params
-    d = PlacingDispatcher(group, size, rank, layer)
-    d.sharded = True
-    layer.dispatcher = d
-    return list(layer.experts)
 
 
 def _register_flat(module: nn.Module) -> None:

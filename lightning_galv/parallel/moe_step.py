@@ -127,3 +127,46 @@ def read_experts_through_fsdp(block: nn.Module) -> None:
     for layer in moe_layers(block):
         if isinstance(layer.dispatcher, RelayoutDispatcher):
             _fsdp_flat(layer, layer.dispatcher)
+
+
+def apply_fsep(block: nn.Module, mesh: Any, strategy: Any, name: str) -> list[nn.Module]:
+    """:func:`~lightning_galv.parallel.expert.apply_ep` with LAER-MoE's fully sharded experts
+    (``parallelize(expert_sharding="full")``): every MoE layer of ``block`` keeps all experts, sharded over the
+    EP group of ``mesh`` (``("edp", "ep")``). Returns the expert modules (reduced over ``mesh["edp"]``)."""
+    from .expert import check_ep
+
+    local: list[nn.Module] = []
+    for layer in check_ep(block, strategy, name):
+        local += shard_experts_fully(layer, mesh["ep"], name)
+    return local
+
+
+def shard_experts_fully(layer: MoELayer, ep_mesh: Any, name: str) -> list[nn.Module]:
+    """LAER-MoE's fully sharded expert parallelism (FSEP) for one MoE layer: keep *every* expert, each parameter
+    a DTensor ``Shard(0)`` over the EP group (rows ``q`` on rank ``q``), so parameters, gradients and optimizer
+    state take 1/ep of the experts' bytes per rank as under plain EP, but any rank can materialize any expert
+    from all ranks alike. Installs the per-step dispatcher (``parallel/sample_placement.py``), which materializes
+    every layout -- plain EP's static one too -- before the experts run. Returns the expert modules (their
+    gradients are reduced over the expert-data group like plain EP's)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    try:
+        _require_expert_modules(layer)
+    except ValueError as exc:
+        raise ValueError(f"block {name}: expert_sharding='full' shards experts module by module. {exc} Or keep "
+                         "expert_sharding='owner'.") from None
+    group, size, rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
+    for e, m in enumerate(layer.experts):
+        for path, p in list(m.named_parameters()):
+            if p.dim() == 0:
+                raise ValueError(f"block {name}: expert {e} parameter {path!r} is a scalar: fully sharded experts "
+                                 "cut every parameter on its first dim. HINT: expert_sharding='owner'.")
+            owner_path, _, leaf = path.rpartition(".")
+            holder = m.get_submodule(owner_path) if owner_path else m
+            d = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None)  # replicated in: no comm
+            holder.register_parameter(leaf, nn.Parameter(d, requires_grad=p.requires_grad))
+        m._galv_ep_in_placements = True  # read by parallel/expert.py mark_expert_params
+    d = PlacingDispatcher(group, size, rank, layer)
+    d.sharded = True
+    layer.dispatcher = d
+    return list(layer.experts)

@@ -171,6 +171,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
     one rank of the EP group) or ``"full"`` (every expert sharded over the EP group, LAER-MoE's FSEP;
     ``parallel/expert_relayout.py``)."""
     layout, rank = factory.layout, factory.rank
+    from .expert import check_expert_sharding
+
+    check_expert_sharding(expert_sharding)
     if plan.backend == "deepspeed":  # the engine shards the model itself, once the optimizer exists
         from .deepspeed import DeepSpeedRuntime
 
@@ -217,7 +220,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
         for layer in moe_layers(unit.modules[0]):
             layer.stats_reducer = GlobalRouterStats(data_mesh.get_group(), data_mesh.size(), plan.data_parallel_size)
         if s.ep > 1:
-            unit.experts = apply_ep(unit.modules[0], factory.expert_mesh(s), s, unit.name, expert_sharding)
+            if expert_sharding == "full":  # LAER-MoE's FSEP: every expert sharded over the EP group
+                from .moe_step import apply_fsep
+
+                unit.experts = apply_fsep(unit.modules[0], factory.expert_mesh(s), s, unit.name)
+            else:
+                unit.experts = apply_ep(unit.modules[0], factory.expert_mesh(s), s, unit.name)
 
     # 3. activation checkpointing
     for unit in units:
