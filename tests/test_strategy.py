@@ -178,8 +178,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("pp2_partial_batch", "pp_partial_batch", dict(plan=PP2)),
         ("pp2_bf16_mixed", "fit_precision", dict(plan=PP2, precision="bf16-mixed")),
     ]
-    env = {"GALV_CACHE_DIR": str(tmp_path_factory.mktemp("profiles"))}
-    return run_distributed(CHECKS, 4, (cases,), init_process_group=False, timeout=1200, env=env)[0]
+    # the ranks' own temporary folder: the plan switches' scratch folders must not stay behind in it
+    scratch = tmp_path_factory.mktemp("rank_tmp")
+    env = {"GALV_CACHE_DIR": str(tmp_path_factory.mktemp("profiles")), "TMPDIR": str(scratch)}
+    out = run_distributed(CHECKS, 4, (cases,), init_process_group=False, timeout=1200, env=env)[0]
+    out["left_in_tmp"] = sorted(p.name for p in scratch.glob("galv_switch_*"))
+    return out
 
 
 @pytest.mark.slow
@@ -239,6 +243,8 @@ def test_switching_plans_mid_fit_is_exact(results: dict, name: str) -> None:
     final = {"switch_plans": ULY_MIX, "switch_pp2": PP2_B, "switch_moe_callbacks": MOE_CB_B,
              "switch_shared_root": ZERO3}[name]
     assert ParallelPlan.from_dict(r["final_plan"]).layers == ParallelPlan.from_dict(final).layers
+    # every rank used rank 0's scratch folder and it was removed (no rank made one of its own and left it)
+    assert results["left_in_tmp"] == [], results["left_in_tmp"]
     assert r["keys_equal"] and r["loss_err"] < TOL and r["weight_err"] < TOL, r
     if name == "switch_moe_callbacks":
         # one record per EP layer (2) per step and one placement step per step, across the switch

@@ -116,6 +116,7 @@ class RelayoutDispatcher(AllToAllDispatcher):
         # experts fully sharded over the group (shard_experts_fully): every layout, plain EP's too, is materialized
         self.sharded = False
         self._layout: ExpertLayout | None = None
+        self._static: ExpertLayout | None = None  # plain EP as a layout, built once (read several times a forward)
         self._table = np.zeros((size, layer.num_experts), dtype=np.int64)
         self._rank_tokens = np.zeros(size, dtype=np.int64)
         self._moved_bytes = 0
@@ -126,7 +127,9 @@ class RelayoutDispatcher(AllToAllDispatcher):
         """The layout of the current step (``None``: plain EP; with fully sharded experts plain EP is the
         static layout, which is materialized like any other)."""
         if self._layout is None and self.sharded:
-            return ExpertLayout.static(self.num_experts, self.size)
+            if self._static is None:
+                self._static = ExpertLayout.static(self.num_experts, self.size)
+            return self._static
         return self._layout
 
     def owner(self, expert: int) -> int:

@@ -105,7 +105,9 @@ def switch_plan(strategy: Any, trainer: "pl.Trainer", plan: ParallelPlan,
     check_switch(old, plan)
     module = strategy.lightning_module
     # 1. the live state as a sharded checkpoint (every rank writes its shards)
-    root = Path(strategy.broadcast(str(directory) if directory is not None else tempfile.mkdtemp(prefix="galv_switch_")))
+    # only rank 0 names a scratch folder (a folder made on every rank would be left behind on the others)
+    scratch = tempfile.mkdtemp(prefix="galv_switch_") if directory is None and strategy.is_global_zero else None
+    root = Path(strategy.broadcast(str(directory) if directory is not None else scratch))
     path = root / f"switch-step{trainer.global_step}"
     optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
     checkpoint = {"state_dict": strategy.runtime.module_state(strategy.model, full=False),
