@@ -35,7 +35,7 @@ from ..layout import MeshFactory, RankLayout
 from ..plan import LayerStrategy, ParallelPlan
 from . import grads
 from .data_parallel import GradientSync, OptimizerStateSharding
-from .optim import step_mixed_groups_apart
+from .optim import step_on_local_shards
 
 StepKind = Literal["train", "val", "test", "predict"]
 
@@ -216,8 +216,9 @@ class ParallelRuntime:
 
     # -- optimizers --------------------------------------------------------------------------------
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Mixed DTensor/plain groups step apart (multi-tensor kernels refuse the mix), then ZeRO-1 ownership."""
-        step_mixed_groups_apart(optimizer)
+        """DTensor parameters step on their local shards (elementwise optimizers), mixed DTensor/plain groups step
+        apart (multi-tensor kernels refuse the mix), then ZeRO-1 ownership."""
+        step_on_local_shards(optimizer)
         self.zero1.wrap(optimizer)
 
     def optimizer_step(self, step: Callable[[Any], Any], optimizer: torch.optim.Optimizer) -> Any:
