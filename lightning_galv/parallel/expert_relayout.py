@@ -350,13 +350,37 @@ class RelayoutDispatcher(AllToAllDispatcher):
 def _flat_params(module: nn.Module) -> torch.Tensor:
     """All of ``module``'s parameters as one flat tensor ``[P]`` (called as an FSDP2 forward method); of a fully
     sharded expert, this rank's rows of each."""
-    return torch.cat([_local(p).reshape(-1) for p in module.parameters()])
+    return _LocalFlat.apply(*module.parameters())
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+class _LocalFlat(torch.autograd.Function):
+    """Parameters (DTensors: their rank-local rows) concatenated flat, ``[P]``; in backward each parameter's
+    gradient is a view of the flat gradient, wrapped in the parameter's DTensor layout.
 
-    return p.to_local() if isinstance(p, DTensor) else p
+    Why not ``cat([p.to_local() ...])``: autograd through ``to_local`` re-wraps every gradient with
+    ``from_local`` and accumulates it through DTensor's dispatcher, per parameter per micro-batch -- 44 ms vs
+    5 ms per backward for 96 expert tensors on CPU (/tmp micro-benchmark), half of fully sharded experts'
+    extra backward time."""
+
+    @staticmethod
+    def forward(ctx: Any, *params: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        locs = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
+        ctx.likes = [p if isinstance(p, DTensor) else None for p in params]
+        ctx.shapes = [t.shape for t in locs]
+        return torch.cat([t.reshape(-1) for t in locs])  # [P]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from .data_parallel import wrap_like
+
+        parts = grad.contiguous().split([s.numel() for s in ctx.shapes])  # contiguous: a broadcast grad aliases
+        out: list[torch.Tensor | None] = []
+        for need, part, shape, like in zip(ctx.needs_input_grad, parts, ctx.shapes, ctx.likes):
+            g = part.view(shape)
+            out.append(None if not need else wrap_like(g, like) if like is not None else g)
+        return tuple(out)
 
 
 def _local_flat(module: nn.Module) -> torch.Tensor:
