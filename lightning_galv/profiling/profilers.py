@@ -259,9 +259,12 @@ def _step_after_backward(blocks: Sequence[nn.Module], x_shape: tuple[int, ...], 
     in-training step 12-20 % longer than the same step repeated on the spot). Gradients are set to None
     after each step, as Lightning's ``zero_grad`` does. ``together``: every rank starts each step at once.
     """
+    from ..parallel.optim import step_on_local_shards
+
     ref = next(p for b in blocks for p in b.parameters())
     params = [p for b in blocks for p in b.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=1e-6)
+    step_on_local_shards(opt)  # as the runtime steps them (DTensors on their local shards)
     times = []
     for _ in range(repeats + 1):  # the first step creates the moments
         h = torch.randn(x_shape, dtype=ref.dtype, device=ref.device)
@@ -390,9 +393,11 @@ class ShardedLayerProfiler:
         step over its parameters takes beyond its memory traffic when they are DTensors.
 
         Why: the cost model prices the update by bytes moved (``ModelProfiler``'s optimizer bandwidth), which
-        holds for plain tensors. Split by tp or sharded by FSDP2, every parameter is a DTensor and each of its
-        ~10 update ops dispatches through sharding propagation; on CPU a tp2 model's step took as long as the
-        unsharded one, at half the bytes. Timed here on all ranks at once, as many blocks as the model has (up to
+        holds for plain tensors. Split by tp or sharded by FSDP2, every parameter is a DTensor; stepped through
+        DTensor's ops, each of its ~10 update ops dispatched through sharding propagation and on CPU a tp2
+        model's step took as long as the unsharded one, at half the bytes. The runtime now steps elementwise
+        optimizers on the local shards (``parallel/optim.py``), and so does this measurement: what is left is
+        the per-tensor bookkeeping of that (and any optimizer the runtime cannot step locally pays more). Timed here on all ranks at once, as many blocks as the model has (up to
         ``cap_params`` parameters, so that the step runs from memory as the real one does), sharded like the
         widest tp variant with sp none and like ZeRO-3 over the world; the same blocks unsharded, timed beside
         them and scaled to the sharded byte count, are subtracted, so contention and cache effects cancel. Each
