@@ -427,8 +427,9 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     world, rank = dist.get_world_size(), dist.get_rank()
     links = {k: v for k, v in hw.to_dict().items() if k not in ("device_memory_bytes", "memory_bandwidth", "name")}
     # v2: MoE layer types also carry fits measured under expert parallelism (tp1/none/ep<k>)
-    # v3: and the optimizer step's DTensor overhead (LayerTypeProfile.optimizer_overhead); v4: timed after a backward
-    what = {"v": 4, "profile": profile.to_dict(), "hw": links, "world": world}
+    # v3: and the optimizer step's DTensor overhead (LayerTypeProfile.optimizer_overhead); v4: timed after a backward;
+    # v5: timed as the runtime steps DTensors (on their local shards, parallel/optim.py)
+    what = {"v": 5, "profile": profile.to_dict(), "hw": links, "world": world}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
     if tuple(batch_sizes) != (1, 2):

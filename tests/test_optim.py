@@ -234,3 +234,50 @@ def test_other_optimizers_and_mismatched_gradients_keep_dtensor_steps(one_rank_g
     assert counter.calls > 0  # the Partial-gradient parameter took DTensor's path
     for p, q in zip(ours, ref):
         assert torch.equal(_local(p.detach()), _local(q.detach()))
+
+
+def test_closure_optimizers_keep_their_closure_and_failed_steps_leave_no_trace(one_rank_group: None) -> None:
+    """L-BFGS evaluates its closure several times per step: the patch hands it the closure (it crashed when the
+    patch ran the closure itself; L-BFGS takes no DTensors, its one ``cat`` of all gradients refuses a mix). A step that raises leaves the user's groups, the gradients and the state as
+    they were: no shard keys behind."""
+    _, plain = _params()
+    mixed = [torch.nn.Parameter(p.detach().clone()) for p in plain]  # plain too: L-BFGS flattens all in one cat
+    target = [torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) for p in plain]
+    opt, ref = torch.optim.LBFGS(mixed, lr=0.5, max_iter=4), torch.optim.LBFGS(plain, lr=0.5, max_iter=4)
+    step_on_local_shards(opt)
+    calls = []
+
+    def closure_of(ps: list, count: bool) -> Callable[[], torch.Tensor]:
+        def closure() -> torch.Tensor:
+            calls.append(count)
+            for p in ps:
+                p.grad = None
+            loss = sum(((_local(p) - t) ** 2).sum() for p, t in zip(ps, target))
+            loss.backward()
+            return loss
+        return closure
+
+    loss = opt.step(closure_of(mixed, True))
+    ref_loss = ref.step(closure_of(plain, False))
+    assert calls.count(True) > 1 and torch.equal(loss.detach(), ref_loss.detach())
+    for p, q in zip(mixed, plain):
+        torch.testing.assert_close(_local(p.detach()), q.detach(), rtol=1e-6, atol=1e-7)
+
+    from torch.distributed.tensor import DTensor
+
+    ours = _dtensor_params()
+    opt = torch.optim.Adam(ours, lr=1e-2)
+    step_on_local_shards(opt)
+    _set_grads(ours, 0)
+    opt.step()
+    before = {p: {k: _local(v).clone() for k, v in opt.state[p].items()} for p in ours}
+    groups = opt.param_groups
+    _set_grads(ours, 1)
+    hook = opt.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    hook.remove()
+    assert opt.param_groups is groups and groups[0]["params"] == ours and set(opt.state) == set(ours)
+    for p in ours:
+        assert all(torch.equal(_local(opt.state[p][k]), v) for k, v in before[p].items())
+        assert p.grad is not None and isinstance(p.grad, DTensor) == isinstance(p, DTensor)

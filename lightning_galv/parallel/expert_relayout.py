@@ -52,6 +52,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..models.moe import DispatchResult, MoELayer, _inside_backward
 from ..planner.relayout import ExpertLayout, split_counts
@@ -372,6 +373,7 @@ class _LocalFlat(torch.autograd.Function):
         return torch.cat([t.reshape(-1) for t in locs])  # [P]
 
     @staticmethod
+    @once_differentiable  # double backward through the experts' rows raises instead of dropping terms
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         from .data_parallel import wrap_like
 

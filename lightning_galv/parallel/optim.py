@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .data_parallel import wrap_like
+
 # Optimizers whose update of an element reads only that element of the parameter, its gradient and its state
 # (plus scalars): stepping a shard is stepping those elements. Exact types only: a subclass may change the math.
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -40,23 +42,29 @@ def _shard_of(p: torch.Tensor) -> torch.Tensor | None:
     g = p.grad
     if not isinstance(p, DTensor) or not isinstance(g, DTensor):
         return None
-    if g.placements != p.placements or g.device_mesh != p.device_mesh:
+    if g._spec.placements != p._spec.placements or g._spec.shard_order != p._spec.shard_order \
+            or g.device_mesh != p.device_mesh:
         return None  # e.g. a Partial gradient: its local values are not this shard's gradient
+    if any(pl.is_partial() for pl in p.placements):
+        return None  # a Partial parameter's local values are summands: a non-linear update of each is not exact
     q = p._local_tensor
     if q.dim() == 0 or g._local_tensor.shape != q.shape:
         return None  # 0-dim: its state could not be told from scalars like Adam's step count (see _restore)
     return q
 
 
-def _localize(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]
-              ) -> tuple[list[dict[str, Any]], dict[torch.Tensor, DTensor]]:
+def _localize(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
+              shards: dict[torch.Tensor, DTensor]) -> list[dict[str, Any]]:
     """Copies of ``groups`` with each DTensor parameter that :func:`_shard_of` accepts replaced by its local
-    shard, which gets the local gradient and the local views of the parameter's state. Returns the groups and
-    shard -> parameter."""
-    shards: dict[torch.Tensor, DTensor] = {}
+    shard, which gets the local gradient and the local views of the parameter's state; ``shards`` collects
+    shard -> parameter as it goes (so :func:`_restore` can undo a partial pass). A group with
+    ``differentiable=True`` keeps DTensor's path (its step must stay an autograd graph over the parameter)."""
     out: list[dict[str, Any]] = []
     state = optimizer.state
     for g in groups:
+        if g.get("differentiable", False):
+            out.append(g)
+            continue
         params = []
         for p in g["params"]:
             q = _shard_of(p)
@@ -69,7 +77,7 @@ def _localize(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]
             shards[q] = p  # type: ignore[assignment]
             params.append(q)
         out.append({**g, "params": params})
-    return out, shards
+    return out
 
 
 def _restore(optimizer: torch.optim.Optimizer, shards: dict[torch.Tensor, DTensor]) -> None:
@@ -87,9 +95,11 @@ def _restore(optimizer: torch.optim.Optimizer, shards: dict[torch.Tensor, DTenso
             prev = old.get(k)
             if isinstance(prev, DTensor) and prev._local_tensor is v:
                 wrapped[k] = prev  # updated in place
+            elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == q.shape and v.dtype == q.dtype:
+                wrapped[k] = wrap_like(v, p)  # the parameter's very layout (placements, shard order, shape)
             elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == q.shape:
                 wrapped[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
-                                                shape=p.shape, stride=p.stride())
+                                                shape=p.shape, stride=p.stride())  # another dtype: a spec of its own
             else:
                 wrapped[k] = v
         state[p] = wrapped
@@ -125,21 +135,29 @@ def step_on_local_shards(optimizer: torch.optim.Optimizer) -> None:
     inner = optimizer.step
     localize = type(optimizer) in ELEMENTWISE
 
-    def step(self: torch.optim.Optimizer, closure: Any = None, **kwargs: Any) -> Any:
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         loss = None
-        if closure is not None:  # the gradients must exist before the shards are taken
-            with torch.enable_grad():
-                loss = closure()
+        if localize:  # the gradients must exist before the shards are taken; these optimizers call it once, first
+            closure = kwargs.pop("closure", args[0] if args else None)
+            args = ()
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
         groups = optimizer.param_groups
-        parts, shards = _localize(optimizer, groups) if localize else (list(groups), {})
-        split = _split(parts)
-        parts, origin = split if split is not None else (parts, list(range(len(parts))))
-        if not shards and split is None:
-            inner(**kwargs)
-            return loss
-        optimizer.param_groups = parts
+        shards: dict[torch.Tensor, DTensor] = {}
+        parts, origin = list(groups), list(range(len(groups)))
         try:
-            inner(**kwargs)
+            if localize:
+                parts = _localize(optimizer, groups, shards)
+            split = _split(parts)
+            if split is not None:
+                parts, origin = split
+            if not shards and split is None:  # nothing to change: the user's groups step as they are
+                parts = list(groups)
+                out = inner(*args, **kwargs)  # others (L-BFGS...) keep their closure: they may call it again
+            else:
+                optimizer.param_groups = parts
+                out = inner(*args, **kwargs)
         finally:
             optimizer.param_groups = groups
             _restore(optimizer, shards)
@@ -148,7 +166,7 @@ def step_on_local_shards(optimizer: torch.optim.Optimizer) -> None:
                     for k, v in part.items():
                         if k != "params" and (k not in groups[i] or groups[i][k] is not v):
                             groups[i][k] = v
-        return loss
+        return loss if localize else out
 
     # a bound method, as torch's LR schedulers expect when they wrap ``step`` (created after this, too)
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
