@@ -122,6 +122,14 @@ OPTIMIZERS: dict[str, Any] = {
     "adam_foreach": lambda ps, lr, mom: torch.optim.Adam(ps, lr=lr / 1000, eps=1e-4, foreach=True),
     "adamw_fused": lambda ps, lr, mom: torch.optim.AdamW(ps, lr=lr / 1000, eps=1e-4, weight_decay=0.1,
                                                             fused=True),
+    # the rest of the optimizers the runtime steps on local shards (parallel/optim.py), same scaling as Adam's
+    "adagrad": lambda ps, lr, mom: torch.optim.Adagrad(ps, lr=lr / 1000, eps=1e-4, foreach=False),
+    "rmsprop_foreach": lambda ps, lr, mom: torch.optim.RMSprop(ps, lr=lr / 1000, eps=1e-4, momentum=mom,
+                                                               centered=True, foreach=True),
+    "adamax": lambda ps, lr, mom: torch.optim.Adamax(ps, lr=lr / 1000, eps=1e-4, foreach=True),
+    "nadam": lambda ps, lr, mom: torch.optim.NAdam(ps, lr=lr / 1000, eps=1e-4, foreach=False),
+    "radam_foreach": lambda ps, lr, mom: torch.optim.RAdam(ps, lr=lr / 1000, eps=1e-4, weight_decay=0.01,
+                                                           foreach=True),
 }
 
 

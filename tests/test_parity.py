@@ -18,7 +18,8 @@ from lightning_galv.testing import assert_matches_one_process, random_plan, run_
 
 CHECKS = str(Path(__file__).parent / "dist_runtime_checks.py") + "::run_many"
 TOL = 1e-5
-OPTIMIZERS = ("sgd", "sgd_foreach", "adam_foreach", "adamw_fused")  # dist_runtime_checks.OPTIMIZERS' names
+OPTIMIZERS = ("sgd", "sgd_foreach", "adam_foreach", "adamw_fused", "adagrad", "rmsprop_foreach", "adamax", "nadam",
+              "radam_foreach")  # dist_runtime_checks.OPTIMIZERS' names
 
 
 def _cases4() -> list[tuple[str, dict, dict]]:

@@ -95,11 +95,8 @@ def _restore(optimizer: torch.optim.Optimizer, shards: dict[torch.Tensor, DTenso
             prev = old.get(k)
             if isinstance(prev, DTensor) and prev._local_tensor is v:
                 wrapped[k] = prev  # updated in place
-            elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == q.shape and v.dtype == q.dtype:
-                wrapped[k] = wrap_like(v, p)  # the parameter's very layout (placements, shard order, shape)
             elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == q.shape:
-                wrapped[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
-                                                shape=p.shape, stride=p.stride())  # another dtype: a spec of its own
+                wrapped[k] = wrap_like(v, p)  # the parameter's layout (another dtype gets a spec of its own)
             else:
                 wrapped[k] = v
         state[p] = wrapped
