@@ -620,7 +620,7 @@ def save_under(plan: dict, tmpdir: str, full: bool, steps: int = 2, global_batch
 
 
 def load_under(plan: dict, tmpdir: str, full: bool, kind: str = "llama", name: str = "",
-               expert_sharding: str = "owner") -> dict[str, Any]:
+               expert_sharding: str = "owner", global_batch: int = 8) -> dict[str, Any]:
     """Load the checkpoint written under another plan (other pp/tp/dp/ZeRO/ep/world size/expert sharding)."""
     module = _sched_module(1, kind=kind)
     shards = ParallelPlan.from_dict(plan).data_parallel_size
@@ -628,7 +628,7 @@ def load_under(plan: dict, tmpdir: str, full: bool, kind: str = "llama", name: s
                         **trainer_kwargs())
     path = os.path.join(tmpdir, f"ckpt{name}_full.ckpt" if full else f"ckpt{name}_sharded")
     # max_steps=0 restores and stops: weights and optimizer state are then those of the checkpoint
-    trainer.fit(module, DataLoader(Windows(8), batch_size=max(1, 8 // shards)), ckpt_path=path)
+    trainer.fit(module, DataLoader(Windows(global_batch), batch_size=max(1, global_batch // shards)), ckpt_path=path)
     return _gathered_state(trainer)
 
 

@@ -122,9 +122,11 @@ OPTIMIZERS: dict[str, Any] = {
     "adam_foreach": lambda ps, lr, mom: torch.optim.Adam(ps, lr=lr / 1000, eps=1e-4, foreach=True),
     "adamw_fused": lambda ps, lr, mom: torch.optim.AdamW(ps, lr=lr / 1000, eps=1e-4, weight_decay=0.1,
                                                             fused=True),
-    # the rest of the optimizers the runtime steps on local shards (parallel/optim.py), same scaling as Adam's
+    # the rest of the optimizers the runtime steps on local shards (parallel/optim.py), eps as Adam's; RMSprop
+    # has no bias correction (first step ~10 lr per element, ~34 lr by step 4 with momentum): lr / 10000 keeps its
+    # steps Adam-sized. RAdam only rectifies (reads exp_avg_sq) from step 6: its random cases run 7 steps.
     "adagrad": lambda ps, lr, mom: torch.optim.Adagrad(ps, lr=lr / 1000, eps=1e-4, foreach=False),
-    "rmsprop_foreach": lambda ps, lr, mom: torch.optim.RMSprop(ps, lr=lr / 1000, eps=1e-4, momentum=mom,
+    "rmsprop_foreach": lambda ps, lr, mom: torch.optim.RMSprop(ps, lr=lr / 10000, eps=1e-4, momentum=mom,
                                                                centered=True, foreach=True),
     "adamax": lambda ps, lr, mom: torch.optim.Adamax(ps, lr=lr / 1000, eps=1e-4, foreach=True),
     "nadam": lambda ps, lr, mom: torch.optim.NAdam(ps, lr=lr / 1000, eps=1e-4, foreach=False),

@@ -186,14 +186,16 @@ def random_cases(seed: int, world: int, n: int) -> list[tuple[str, dict, dict]]:
         # single-process reference runs the global batch in one forward
         moe = tuple(range(0, layers, 2)) if kind == "moe" else ()
         plan = random_plan(rng, world, SHAPES[kind](layers), moe_layers=moe, pp_choices=(1,) if moe else (1, 2))
-        kw = {"kind": kind, "layers": layers, "steps": 4, "global_batch": plan.global_batch,
+        optimizer = random.Random(seed * 1000 + i + 10**6).choice(OPTIMIZERS)
+        kw = {"kind": kind, "layers": layers, "steps": 7 if optimizer.startswith("radam") else 4,
+              "global_batch": plan.global_batch,
               "accumulate": rng.choice((1, 2)), "dropout": rng.choice((0.0, 0.1)), **rng.choice(CLIPS),
               # the package's loss is required by a vocab-parallel loss and must equal F.cross_entropy otherwise
               "galv_loss": plan.vocab_parallel_loss or rng.random() < 0.3,
               # gradient buckets from 1 KiB (many per group, launched during backward) to the 25 MiB default;
               # drawn from a separate stream so the seeded plans stay the ones earlier runs checked
               "grad_bucket_bytes": random.Random(seed * 1000 + i).choice((1024, 8192, 25 * 2**20)),
-              "optimizer": random.Random(seed * 1000 + i + 10**6).choice(OPTIMIZERS)}
+              "optimizer": optimizer}  # RAdam: 7 steps, it rectifies from step 6 on
         cases.append((f"random{world}_{seed}_{i}", plan.to_dict(), kw))
     return cases
 

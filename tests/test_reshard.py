@@ -43,6 +43,40 @@ MOE = {"kind": "moe", "name": "_moe"}
 FSEP = {"expert_sharding": "full"}  # LAER-MoE's fully sharded experts: every expert's rows on every EP rank
 
 
+def random_pairs(seed: int = 0, n: int = 3) -> list[tuple[str, dict, dict, dict]]:
+    """Seeded random valid plans beyond the hand-picked ones above: the checkpoint of a 4-rank plan (LLaMA and MoE
+    in turn, sharded or full at random, random expert sharding) is loaded under another random 4-rank plan and
+    under a random 2-rank one.
+
+    The plans above are the layouts we thought of; a random-plan hunt found the pipeline hang of plan Q. Any
+    pp / tp / sp / ZeRO / ep / partition may meet any other here. Returns (name, save kwargs, 4-rank load
+    kwargs, 2-rank load kwargs)."""
+    import random
+
+    from lightning_galv.testing import random_plan
+    from test_strategy import TRAINER_SHAPES  # the shapes of the modules dist_lightning_checks builds
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind = ("llama", "moe")[i % 2]
+        moe = (0, 2) if kind == "moe" else ()
+        full = rng.random() < 0.5
+        plans = [random_plan(rng, w, TRAINER_SHAPES[kind], moe_layers=moe) for w in (4, 4, 2)]
+        common = {"kind": kind, "name": f"_rand{i}", "full": full}
+
+        def sharding(p: ParallelPlan) -> str:  # FSEP only where some layer is expert parallel
+            return rng.choice(("owner", "full")) if any(s.ep > 1 for s in p.layers) else "owner"
+
+        save, load4, load2 = ({**common, "plan": p.to_dict(), "global_batch": p.global_batch,
+                               "expert_sharding": sharding(p)} for p in plans)
+        out.append((f"rand{i}", save, load4, load2))
+    return out
+
+
+RANDOM = random_pairs()
+
+
 @pytest.fixture(scope="module")
 def states(tmp_path_factory: pytest.TempPathFactory) -> dict:
     sharded = str(tmp_path_factory.mktemp("sharded"))
@@ -87,6 +121,46 @@ def states(tmp_path_factory: pytest.TempPathFactory) -> dict:
                                   "J_to_Nf"])
 def test_reshard_on_load(states: dict, pair: str) -> None:
     saved, loaded = states[f"save_{pair[0]}"], states[pair]
+    _assert_same_state(saved, loaded)
+    if pair[0] in "GJQR":  # every expert of both MoE blocks was saved and came back
+        assert sum(".experts." in k and k.endswith("w1.weight") for k in saved["weights"]) == 8
+
+
+@pytest.fixture(scope="module")
+def random_states(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The random pairs' saves and loads: launches of their own (and a timeout of their own)."""
+    tmp = str(tmp_path_factory.mktemp("random"))
+    four = run_distributed(CHECKS, 4, ([c for name, save, load4, _ in RANDOM for c in (
+        (f"save_{name}", "save_under", dict(save, tmpdir=tmp)), (name, "load_under", dict(load4, tmpdir=tmp)))],),
+        init_process_group=False, timeout=900)[0]
+    two = run_distributed(CHECKS, 2, ([(f"{name}_2r", "load_under", dict(load2, tmpdir=tmp))
+                                       for name, _, _, load2 in RANDOM],), init_process_group=False, timeout=900)[0]
+    return {**four, **two}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("pair", [f"{name}{suffix}" for name, *_ in RANDOM for suffix in ("", "_2r")])
+def test_reshard_random_plans(random_states: dict, pair: str) -> None:
+    """A checkpoint of a random 4-rank plan loads under a random 4-rank and a random 2-rank plan, state intact."""
+    name = pair.removesuffix("_2r")
+    _assert_same_state(random_states[f"save_{name}"], random_states[pair])
+
+
+def test_random_reshard_pairs_are_varied() -> None:
+    """What the random pairs draw (a pure check, no processes): both kinds, both formats, plans that differ."""
+    assert {s["kind"] for _, s, _, _ in RANDOM} == {"llama", "moe"}
+    assert {s["full"] for _, s, _, _ in RANDOM} == {True, False}
+    for _, save, load4, load2 in RANDOM:
+        assert save["plan"] != load4["plan"] and ParallelPlan.from_dict(load2["plan"]).world_size == 2
+    plans = [ParallelPlan.from_dict(d["plan"]) for _, *ds in RANDOM for d in ds]
+    assert any(p.pp > 1 for p in plans) and any(s.tp > 1 for p in plans for s in p.layers)
+    assert any(s.zero >= 2 for p in plans for s in p.layers) and any(s.ep > 1 for p in plans for s in p.layers)
+    assert {d["expert_sharding"] for _, *ds in RANDOM for d in ds} == {"owner", "full"}
+
+
+def _assert_same_state(saved: dict, loaded: dict) -> None:
+    """Weights and momentum identical key by key, step and learning rate restored."""
     assert saved["weights"].keys() == loaded["weights"].keys()
     for k, v in saved["weights"].items():
         assert torch.equal(v, loaded["weights"][k]), k
@@ -94,6 +168,4 @@ def test_reshard_on_load(states: dict, pair: str) -> None:
     for k, v in saved["momentum"].items():
         assert torch.equal(v, loaded["momentum"][k]), k
     assert loaded["step"] == saved["step"] == 2
-    if pair[0] in "GJQR":  # every expert of both MoE blocks was saved and came back
-        assert sum(".experts." in k and k.endswith("w1.weight") for k in saved["weights"]) == 8
     assert loaded["lr"] == saved["lr"]
