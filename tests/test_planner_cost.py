@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_galv.plan import LayerStrategy, ModelShape, ParallelPlan
-from lightning_galv.planner.cost import (GalvatronCostModel, StageContext, inflight_microbatches, overlapped,
-                                         pipeline_time, state_bytes_per_param)
+from lightning_galv.planner.cost import (GRAD_BUCKET_BYTES, GalvatronCostModel, StageContext, inflight_microbatches,
+                                         last_bucket_share, overlapped, pipeline_time, state_bytes_per_param)
 from lightning_galv.planner.profiles import HardwareProfile, LayerTypeProfile, ModelProfile, TimeFit, act_key
 
 SEQ, H = 100, 10
@@ -202,22 +202,30 @@ def test_synchronous_collectives_add_instead_of_overlapping() -> None:
 
 def test_native_dp_sync_overlaps_the_last_backward_without_a_pipeline() -> None:
     """Our GradientSync launches each bucket's all-reduce during the last backward (async, gloo too): priced by the
-    profiled overlap slowdown, plus the flatten/scale traffic (4 x grads; no copy back). Under a pipeline the
-    schedule owns the backward and the sync runs after it."""
-    grads = 1_000_000 * 2.0
-    allreduce = 2 * 1 / 2 * grads / 1e9  # 2 ms
-    optimizer = 28.0 * 1_000_000 / 1e10
-    copy = 4 * grads / 1e10
+    profiled overlap slowdown, plus the flatten/scale traffic (4 x grads; no copy back) -- except the last bucket,
+    which fills only when backward ends and is paid in full: a model whose gradients fit one 25 MiB bucket (here
+    4 layers x 2 MB) overlaps nothing. Under a pipeline the schedule owns the backward and the sync runs after it."""
     bwd = 8 * MS  # 2 ms per sample, b = 4
-    for slowdown, is_async in ((1.0, True), (1.5, True), (1.5, False)):  # CPU profiles: async_collectives False
-        hw = HardwareProfile.from_dict({**hardware(bw=1e9, slowdown=slowdown).to_dict(), "memory_bandwidth": 1e10,
-                                        "async_collectives": is_async})
-        native = _layer_cost(GalvatronCostModel(profile(), hw, runtime="native"), LayerStrategy(dp=2))
-        hidden = overlapped(bwd, allreduce, slowdown) - bwd  # 0 at slowdown 1, 1 ms at 1.5
-        assert native.step_extra == pytest.approx(optimizer + copy + hidden)
-        piped = GalvatronCostModel(profile(), hw, runtime="native").layer_cost(
-            0, LayerStrategy(dp=2), StageContext(2, 8, 4, pp=2))
-        assert piped.step_extra == pytest.approx(optimizer + allreduce + copy)
+    for params in (1_000_000, 50_000_000):  # 8 MB of gradients in all: one bucket; 400 MB: 16 buckets
+        grads = params * 2.0
+        allreduce = 2 * 1 / 2 * grads / 1e9  # 2 ms / 100 ms
+        optimizer = 28.0 * params / 1e10
+        copy = 4 * grads / 1e10
+        tail = allreduce * min(1.0, GRAD_BUCKET_BYTES / (4 * grads))  # the last bucket's share of the 4 layers'
+        assert last_bucket_share(grads, 4) == pytest.approx(tail / allreduce)
+        for slowdown, is_async in ((1.0, True), (1.5, True), (1.5, False)):  # CPU profiles: async_collectives False
+            hw = HardwareProfile.from_dict({**hardware(bw=1e9, slowdown=slowdown).to_dict(), "memory_bandwidth": 1e10,
+                                            "async_collectives": is_async})
+            native = _layer_cost(GalvatronCostModel(profile(params), hw, runtime="native"), LayerStrategy(dp=2))
+            hidden = overlapped(bwd, allreduce - tail, slowdown) - bwd  # the rest: under backward, slowed
+            assert native.step_extra == pytest.approx(optimizer + copy + tail + hidden)
+            piped = GalvatronCostModel(profile(params), hw, runtime="native").layer_cost(
+                0, LayerStrategy(dp=2), StageContext(2, 8, 4, pp=2))
+            assert piped.step_extra == pytest.approx(optimizer + allreduce + copy)
+        if params == 1_000_000:
+            assert tail == pytest.approx(allreduce)  # one bucket: nothing hidden
+        else:
+            assert 0 < tail < allreduce / 10
     ideal = _layer_cost(GalvatronCostModel(profile(), hardware(bw=1e9)), LayerStrategy(dp=2))
     assert ideal.step_extra == pytest.approx(0.0)  # hidden under the 8 ms backward (slowdown 1), no optimizer bw
 
@@ -249,20 +257,26 @@ def test_native_zero_gradient_memory_follows_fsdp2() -> None:
 def test_native_zero3_reduce_scatters_once_per_step_under_accumulation() -> None:
     """Gradient accumulation without a pipeline turns gradient sync off for all but the last micro-batch: a ZeRO-3
     unit gathers in every micro-batch's forward and backward but reduce-scatters only in the last backward
-    (FSDP2 ``set_requires_gradient_sync``), so the reduce-scatter is priced once per step, not per micro-batch."""
+    (FSDP2 ``set_requires_gradient_sync``), so the reduce-scatter is priced once per step, not per micro-batch.
+    The last unit's reduce-scatter has no backward left to overlap: each of the 4 layers pays 1/4 of its own in
+    full, once per step."""
     hw = hardware(bw=1e8)  # bf16 grads of 1 M params over 2 ranks: 10 ms per all-gather or reduce-scatter
     cm = GalvatronCostModel(profile(), hw, runtime="native")
     z3 = LayerStrategy(dp=2, zero=3)
     one, accum = StageContext(2, 8, 1), StageContext(2, 8, 4)
     bwd, comm = 8 * MS, 10 * MS  # 2 ms per sample, b = 4
-    assert cm.layer_cost(0, z3, one).bwd == pytest.approx(overlapped(bwd, 2 * comm, 1.0))  # gather + reduce-scatter
+    tail = comm / 4
+    single = cm.layer_cost(0, z3, one)
+    assert single.bwd == pytest.approx(overlapped(bwd, 2 * comm - tail, 1.0))  # gather + reduce-scatter, but the tail
     acc = cm.layer_cost(0, z3, accum)
-    assert acc.fwd == pytest.approx(cm.layer_cost(0, z3, one).fwd)
+    assert acc.fwd == pytest.approx(single.fwd)
     assert acc.bwd == pytest.approx(overlapped(bwd, comm, 1.0))  # gather only
-    assert acc.step_extra - cm.layer_cost(0, z3, one).step_extra == \
-        pytest.approx(overlapped(bwd, 2 * comm, 1.0) - overlapped(bwd, comm, 1.0))  # the last backward's scatter
+    assert acc.step_extra - single.step_extra == \
+        pytest.approx(overlapped(bwd, 2 * comm - tail, 1.0) - overlapped(bwd, comm, 1.0))  # the last backward's scatter
+    assert single.step_extra == pytest.approx(_layer_cost(GalvatronCostModel(profile(), hardware(bw=1e30),
+                                                                              runtime="native"), z3).step_extra + tail)
     piped = cm.layer_cost(0, z3, StageContext(2, 8, 4, pp=2))  # a stage scatters after every micro-batch
-    assert piped.bwd == pytest.approx(cm.layer_cost(0, z3, one).bwd)
+    assert piped.bwd == pytest.approx(overlapped(bwd, 2 * comm, 1.0)) and piped.step_extra < single.step_extra
 
 
 def test_fsdp_overhead_scaled_by_the_ranks_parameter_share() -> None:

@@ -485,6 +485,15 @@ def bucketed_allreduce_time(hw: HardwareProfile, grad_bytes: float, d: int, stri
     return hw.collective_time("allreduce", grad_bytes, d, stride) - latency * (1.0 - grad_bytes / bucket_bytes)
 
 
+def last_bucket_share(layer_grad_bytes: float, layers: int, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
+    """Share of a stage's replicated gradients in its last all-reduce bucket, which fills only when backward
+    ends (buckets form in backward order; the first layers' gradients come last): that all-reduce has no
+    backward left to hide behind (DDP, Li et al. VLDB'20, Sec. 3.2.3). All of them when the stage's gradients
+    fit one bucket; the stage's gradients are taken as ``layers`` layers like this one."""
+    total = layer_grad_bytes * layers
+    return 1.0 if total <= bucket_bytes else bucket_bytes / total
+
+
 def zero_post_backward_bytes(grad_bytes: float, accumulated: bool) -> float:
     """Bytes a ZeRO-2/3 unit briefly adds when its backward ends: the unsharded gradient autograd produced and
     the flat reduce-scatter input FSDP2 copies it into (ZeRO SC'20, Sec. 5.2: gradients reduced per bucket as
@@ -748,7 +757,13 @@ class GalvatronCostModel(CostModel):
         fwd_comm = bwd_comm = last_comm = 0.0
         gathered = overlapped_last = False
         sync_comm = 0.0  # native ZeRO-0/1 all-reduces launched asynchronously during the last backward
+        sync_bytes = 0.0  # their gradient bytes on this rank
         last_rs = 0.0  # ZeRO-3 reduce-scatters that only the last micro-batch's backward runs (``accumulates``)
+        # FSDP2 (ZeRO-2/3, one unit per layer) reduce-scatters each unit's gradients when its backward ends; the
+        # last unit's has no backward left to hide behind: each layer pays 1/layers of its own in full (no
+        # pipeline: the stage is the whole model; under a pipeline the schedule's timing is kept as it was)
+        rs_tail_share = 1.0 / self.model.num_layers if (native and overlap_sync) else 0.0
+        exposed = 0.0
         for params, d, stride, pieces in groups:
             extra += self._optimizer_time(params, zero, d)
             if d == 1 or params == 0:
@@ -761,24 +776,33 @@ class GalvatronCostModel(CostModel):
                 gather = pieces * zero3_gather_time(hw, nb, d, stride)
                 fwd_comm += gather
                 scatter = pieces * hw.collective_time("reducescatter", nb, d, stride)
-                bwd_comm += gather + (0.0 if accumulates else scatter)
-                last_rs += scatter if accumulates else 0.0
+                tail = scatter * rs_tail_share
+                exposed += tail
+                bwd_comm += gather + (0.0 if accumulates else scatter - tail)
+                last_rs += scatter - tail if accumulates else 0.0
                 gathered = True
             elif native and zero <= 1:  # data.GradientSync: bucketed all-reduces, during or after the last backward
                 extra += bucket_copy_time(grad_bytes, hw.memory_bandwidth)
                 if overlap_sync:
                     sync_comm += pieces * bucketed_allreduce_time(hw, nb, d, stride)
+                    sync_bytes += grad_bytes
                 else:
                     extra += pieces * bucketed_allreduce_time(hw, nb, d, stride)
             elif native:  # ZeRO-2 with FSDP2: parameters gathered before forward, gradients reduce-scattered in backward
-                last_comm += pieces * hw.collective_time("allgather", nb, d, stride) + \
-                    pieces * hw.collective_time("reducescatter", nb, d, stride)
+                scatter = pieces * hw.collective_time("reducescatter", nb, d, stride)
+                tail = scatter * rs_tail_share
+                exposed += tail
+                last_comm += pieces * hw.collective_time("allgather", nb, d, stride) + scatter - tail
                 overlapped_last = True
             else:
                 last_comm += pieces * dp_sync_bytes_time(hw, nb, d, stride)
                 overlapped_last = True
-        if sync_comm > 0:  # async on every backend (gloo too): priced by the profiled overlap slowdown
-            extra += overlapped(bwd, sync_comm, hw.overlap_slowdown) - bwd
+        if sync_comm > 0:  # async on every backend (gloo too): priced by the profiled overlap slowdown, but
+            # the last bucket's share waits for the end of backward and is paid in full (overlap_sync: no
+            # pipeline, so the stage is the whole model)
+            tail = sync_comm * last_bucket_share(sync_bytes, self.model.num_layers)
+            extra += tail + overlapped(bwd, sync_comm - tail, hw.overlap_slowdown) - bwd
+        extra += exposed
         if gathered:
             bwd_mb = self._overlap(bwd, bwd_comm)
             if last_rs > 0:  # the last micro-batch's backward also reduce-scatters: its increment, once per step

@@ -1,0 +1,101 @@
+"""Re-predict stored cost-model measurements with this checkout's cost model (no processes, no measuring).
+
+``costmodel_accuracy.py --fresh-profiles`` stores, per launch, the profiles it predicted from and what it measured
+(``benchmarks/data/costmodel_llama.json`` + ``costmodel_llama_profiles.json``). When only the cost model changes,
+re-predicting those very measurements from those very profiles isolates the model's effect from the machine's
+run-to-run spread (which a fresh 10-launch run mixes in). The stored run's own errors are re-derived first (the
+"stored" column) and must equal what that run printed; "now" is this checkout's model. Errors are per launch
+(prediction / measurement at profile speed - 1), median over launches, as in the accuracy table.
+
+``--data`` / ``--profiles`` may name older runs (e.g. from the git history of benchmarks/data/) to check a model
+change on measurements it was not designed from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _results import write_section  # noqa: E402
+from costmodel_accuracy import CFG, SEQ, Case, heldout_cases, plans, profile_for  # noqa: E402
+
+from lightning_galv.planner.cost import GalvatronCostModel  # noqa: E402
+from lightning_galv.planner.profiles import HardwareProfile, ModelProfile  # noqa: E402
+
+
+def _load(x: object, cls: type) -> object:
+    return cls.from_dict(x) if isinstance(x, dict) else cls.from_json(x)  # type: ignore[attr-defined]
+
+
+def repredict(data: list[dict], profiles: list[dict]) -> list[tuple[str, str, float, float]]:
+    """(plan, held out, stored median error, re-predicted median error) per stored plan."""
+    cases = {n: Case(n, p, CFG, SEQ) for n, p in plans()} | {c.name: c for c in heldout_cases()}
+    out = []
+    for r in data:
+        if r["name"] not in cases:
+            raise ValueError(f"stored plan {r['name']!r}: not among costmodel_accuracy.py's plans. HINT: re-predict "
+                             "data written by the same version of costmodel_accuracy.py.")
+        case = cases[r["name"]]
+        stored, now = [], []
+        for run in r["runs"]:
+            m, h = profiles[run["launch"]][str(r["world"])][:2]
+            model, hw = _load(m, ModelProfile), _load(h, HardwareProfile)
+            pred = GalvatronCostModel(profile_for(model, case), hw, runtime="native").evaluate(case.plan).step_time_s
+            stored.append(run["pred"] / run["mt"] - 1)
+            now.append(pred / run["mt"] - 1)
+        out.append((r["name"], r["heldout"], statistics.median(stored), statistics.median(now)))
+    return out
+
+
+def _rel(path: str) -> str:
+    """A path as the repository names it, when it is inside the repository."""
+    p = Path(path).resolve()
+    return str(p.relative_to(HERE.parent)) if p.is_relative_to(HERE.parent) else path
+
+
+def summary(rows: list[tuple[str, str, float, float]], col: int) -> str:
+    parts = []
+    for label, sel in (("in-sample", [x for x in rows if not x[1]]), ("held-out", [x for x in rows if x[1]])):
+        v = [abs(x[col]) for x in sel]
+        if v:
+            parts.append(f"{label} median |err| {statistics.median(v) * 100:.1f}%, max {max(v) * 100:.1f}%")
+    return "; ".join(parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default=str(HERE / "data" / "costmodel_llama.json"))
+    ap.add_argument("--profiles", default=str(HERE / "data" / "costmodel_llama_profiles.json"))
+    ap.add_argument("--label", default="", help="what the stored run was (e.g. its commit), for the table")
+    ap.add_argument("--section", default="costmodel_repredict", help="RESULTS.md section to (re)write")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    rows = repredict(json.loads(Path(args.data).read_text()), json.loads(Path(args.profiles).read_text()))
+    lines = ["| plan | held out | stored run's error | re-predicted now |", "|---|---|---|---|"]
+    lines += [f"| {n} | {h or '-'} | {a * 100:+.1f}% | {b * 100:+.1f}% |" for n, h, a, b in rows]
+    body = "\n".join([
+        "## Cost model re-predicting stored measurements (benchmarks/costmodel_repredict.py)"
+        + (f": {args.label}" if args.label else ""),
+        "",
+        f"Measurements and profiles: `{_rel(args.data)}` / `{_rel(args.profiles)}`; the stamp's commit is the cost "
+        "model that "
+        "re-predicts "
+        "them. Per launch prediction / measurement at profile speed - 1, median over launches; no calibration.",
+        "",
+        *lines,
+        "",
+        f"Stored: {summary(rows, 2)}. Now: {summary(rows, 3)}.",
+    ])
+    print(body)
+    if not args.no_write:
+        write_section(args.section, body)
+
+
+if __name__ == "__main__":
+    main()
