@@ -3,9 +3,11 @@
 ``costmodel_accuracy.py --fresh-profiles`` stores, per launch, the profiles it predicted from and what it measured
 (``benchmarks/data/costmodel_llama.json`` + ``costmodel_llama_profiles.json``). When only the cost model changes,
 re-predicting those very measurements from those very profiles isolates the model's effect from the machine's
-run-to-run spread (which a fresh 10-launch run mixes in). The stored run's own errors are re-derived first (the
-"stored" column) and must equal what that run printed; "now" is this checkout's model. Errors are per launch
-(prediction / measurement at profile speed - 1), median over launches, as in the accuracy table.
+run-to-run spread (which a fresh 10-launch run mixes in). "stored" is the stored run's own prediction (as that
+run printed it; re-predicting with the model of that run's commit gives it back exactly -- the check that this
+script predicts as costmodel_accuracy.py does); "now" is this checkout's model. Errors are per launch (prediction /
+measurement at profile speed - 1), median over launches, as in the accuracy table. Plans are rebuilt from
+costmodel_accuracy.py's lists by name (they must not have changed since the stored run).
 
 ``--data`` / ``--profiles`` may name older runs (e.g. from the git history of benchmarks/data/) to check a model
 change on measurements it was not designed from.

@@ -206,15 +206,16 @@ def test_native_dp_sync_overlaps_the_last_backward_without_a_pipeline() -> None:
     which fills only when backward ends and is paid in full: a model whose gradients fit one 25 MiB bucket (here
     4 layers x 2 MB) overlaps nothing. Under a pipeline the schedule owns the backward and the sync runs after it."""
     bwd = 8 * MS  # 2 ms per sample, b = 4
-    for params in (1_000_000, 50_000_000):  # 8 MB of gradients in all: one bucket; 400 MB: 16 buckets
+    # 8 MB of gradients in all: one bucket; 400 MB: 16 buckets (a faster link keeps the all-reduce under backward)
+    for params, bw in ((1_000_000, 1e9), (50_000_000, 1e11)):
         grads = params * 2.0
-        allreduce = 2 * 1 / 2 * grads / 1e9  # 2 ms / 100 ms
+        allreduce = 2 * 1 / 2 * grads / bw  # 2 ms / 1 ms
         optimizer = 28.0 * params / 1e10
         copy = 4 * grads / 1e10
         tail = allreduce * min(1.0, GRAD_BUCKET_BYTES / (4 * grads))  # the last bucket's share of the 4 layers'
         assert last_bucket_share(grads, 4) == pytest.approx(tail / allreduce)
         for slowdown, is_async in ((1.0, True), (1.5, True), (1.5, False)):  # CPU profiles: async_collectives False
-            hw = HardwareProfile.from_dict({**hardware(bw=1e9, slowdown=slowdown).to_dict(), "memory_bandwidth": 1e10,
+            hw = HardwareProfile.from_dict({**hardware(bw=bw, slowdown=slowdown).to_dict(), "memory_bandwidth": 1e10,
                                             "async_collectives": is_async})
             native = _layer_cost(GalvatronCostModel(profile(params), hw, runtime="native"), LayerStrategy(dp=2))
             hidden = overlapped(bwd, allreduce - tail, slowdown) - bwd  # the rest: under backward, slowed
