@@ -404,3 +404,23 @@ def test_vocab_parallel_embedding_golden() -> None:
     plan = ParallelPlan.uniform(2, 4, LayerStrategy(dp=2), global_batch=2)
     a = cm.evaluate(plan.with_(embed=LayerStrategy(tp=2), head=LayerStrategy(dp=2)))
     assert a.step_time_s - cm.evaluate(plan).step_time_s == pytest.approx(4e-3)
+
+
+def test_native_embedding_gradient_sync_waits_for_the_end_of_backward() -> None:
+    """The embedding registers first, so backward makes its gradient last: its all-reduce bucket (ZeRO-0) or its
+    FSDP2 reduce-scatter (ZeRO-2) has nothing left to overlap and is paid in full, whatever the model's size; the
+    head's, made first, keeps a block's share (4 layers x 10 MB > one 25 MiB bucket: ~0.65 of it)."""
+    from lightning_galv.planner.profiles import TimeFit as T
+
+    prof = profile(50_000_000).with_(embed_params=5_000_000, head_params=5_000_000, embed_forward=T(0.0, 4 * MS / SEQ),
+                                     head_forward=T(0.0, 4 * MS / SEQ))
+    cm = GalvatronCostModel(prof, hardware(bw=1e11, slowdown=1.5), runtime="native")  # no optimizer bandwidth
+    ctx = StageContext(2, 8, 1)
+    allreduce = 2 * 1 / 2 * 5_000_000 * 2.0 / 1e11  # bf16 over 2 ranks: 0.1 ms, well under the ends' backward
+    zero0 = LayerStrategy(dp=2)
+    assert cm.end_cost(zero0, ctx, True, False).step_extra == pytest.approx(allreduce)  # all of it, exposed
+    tail = allreduce * last_bucket_share(5_000_000 * 2.0, 4)
+    assert cm.end_cost(zero0, ctx, False, True).step_extra == pytest.approx(tail + 0.5 * (allreduce - tail))
+    # ZeRO-2: the reduce-scatter (half an all-reduce's volume) exposed; the all-gather overlapped at slowdown 1.5
+    half = allreduce / 2
+    assert cm.end_cost(LayerStrategy(dp=2, zero=2), ctx, True, False).step_extra == pytest.approx(half + 0.5 * half)

@@ -735,13 +735,16 @@ class GalvatronCostModel(CostModel):
         return LayerCost(fwd_t, bwd_t, extra, states, act, transient)
 
     def _data_parallel(self, local_params: float, zero: int, d: int, stride: int, fwd: float,
-                       bwd: float, overlap_sync: bool = False) -> tuple[float, float, float]:
+                       bwd: float, overlap_sync: bool = False, tail_share: float | None = None
+                       ) -> tuple[float, float, float]:
         """(fwd, bwd, per-step extra) once this rank's ``local_params`` are data parallel over ``d`` ranks."""
-        return self._data_parallel_groups([(local_params, d, stride, 1)], zero, fwd, bwd, overlap_sync)
+        return self._data_parallel_groups([(local_params, d, stride, 1)], zero, fwd, bwd, overlap_sync,
+                                          tail_share=tail_share)
 
     def _data_parallel_groups(self, groups: list[tuple[float, int, int, int]], zero: int, fwd: float,
                               bwd: float, overlap_sync: bool = False,
-                              accumulates: bool = False) -> tuple[float, float, float]:
+                              accumulates: bool = False, tail_share: float | None = None
+                              ) -> tuple[float, float, float]:
         """(fwd, bwd, per-step extra) of parameter groups each data parallel over its own ranks, given as
         (parameters, ranks, stride, separate collectives): the collectives of all groups share one overlap
         with the compute (they queue on the same link), each pays its own latency. ``overlap_sync``: the
@@ -749,7 +752,9 @@ class GalvatronCostModel(CostModel):
         ``parallel.data_parallel.GradientSync``). ``accumulates``: gradient accumulation without a pipeline,
         where the runtime turns gradient sync off for all but the last micro-batch -- ZeRO-3 units then
         gather in every micro-batch but reduce-scatter only in the last one's backward (FSDP2's
-        ``set_requires_gradient_sync``), so that reduce-scatter is a per-step cost, not a per-micro-batch one."""
+        ``set_requires_gradient_sync``), so that reduce-scatter is a per-step cost, not a per-micro-batch one.
+        ``tail_share``: the share of these collectives that waits for the end of backward, when the caller knows
+        it (the embedding's: all); default: a block's (:func:`last_bucket_share`, 1/layers under FSDP2)."""
         hw = self.hw
         native = self.runtime == "native"
         el = 4.0 if self.model.precision == "fp32" else 2.0
@@ -762,7 +767,8 @@ class GalvatronCostModel(CostModel):
         # FSDP2 (ZeRO-2/3, one unit per layer) reduce-scatters each unit's gradients when its backward ends; the
         # last unit's has no backward left to hide behind: each layer pays 1/layers of its own in full (no
         # pipeline: the stage is the whole model; under a pipeline the schedule's timing is kept as it was)
-        rs_tail_share = 1.0 / self.model.num_layers if (native and overlap_sync) else 0.0
+        rs_tail_share = (1.0 / self.model.num_layers if tail_share is None else tail_share) \
+            if (native and overlap_sync) else 0.0
         exposed = 0.0
         for params, d, stride, pieces in groups:
             extra += self._optimizer_time(params, zero, d)
@@ -800,7 +806,8 @@ class GalvatronCostModel(CostModel):
         if sync_comm > 0:  # async on every backend (gloo too): priced by the profiled overlap slowdown, but
             # the last bucket's share waits for the end of backward and is paid in full (overlap_sync: no
             # pipeline, so the stage is the whole model)
-            tail = sync_comm * last_bucket_share(sync_bytes, self.model.num_layers)
+            tail = sync_comm * (last_bucket_share(sync_bytes, self.model.num_layers) if tail_share is None
+                                else tail_share)
             extra += tail + overlapped(bwd, sync_comm - tail, hw.overlap_slowdown) - bwd
         extra += exposed
         if gathered:
@@ -854,16 +861,18 @@ class GalvatronCostModel(CostModel):
         if last:  # logits gathered (default) or vocab-parallel loss
             head_t, head_share = vocab_parallel_head(hw, b * seq * m.shape.vocab_size * m.act_dtype_bytes, b * seq,
                                                      s.tp, 1 if s.tp_consecutive else s.dp, vocab_parallel_loss)
-        for present, params, fit, act_per_sample, bwd_ratio in (
-                (first, m.embed_params, m.embed_forward, m.embed_act_bytes, 1.0),
-                (last, m.head_params, m.head_forward, m.head_act_bytes, 2.0)):
+        # the embedding registers first, so its gradient is the last one backward makes: its all-reduce bucket
+        # (ZeRO-0/1) or its FSDP2 unit's reduce-scatter waits for the end of backward, all of it
+        for present, params, fit, act_per_sample, bwd_ratio, tail in (
+                (first, m.embed_params, m.embed_forward, m.embed_act_bytes, 1.0, 1.0),
+                (last, m.head_params, m.head_forward, m.head_act_bytes, 2.0, None)):
             if not present:
                 continue
             local = params / s.tp
             f = sharded_compute(fit.const, fit(b, seq), s.tp)
             # embedding backward is a scatter-add; head backward = 2 matmuls (SC'21)
             pf, pb, pe = self._data_parallel(local, s.zero, d, dp_stride, f, bwd_ratio * f,
-                                             self.runtime == "native" and ctx.pp == 1)
+                                             self.runtime == "native" and ctx.pp == 1, tail)
             fwd, bwd, extra = fwd + pf, bwd + pb, extra + pe
             states += local * state_bytes_per_param(s.zero, d, precision)
             act += act_per_sample * b * (head_share if last else 1.0)
