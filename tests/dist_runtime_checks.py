@@ -477,35 +477,59 @@ def vocab_loss_checks(vocab: int = 1024, batch: int = 8, seq: int = 32) -> dict[
 
 
 def grad_overlap_check(bucket_bytes: int = 4096) -> dict[str, Any]:
-    """ZeRO-0 over all ranks with small gradient buckets: how many buckets were already launched when backward
-    returned (before sync), and the synced gradients vs an explicit all-reduce mean of the local gradients."""
+    """Two ZeRO-0 plans with small gradient buckets.
+
+    ``uniform`` (dp over all ranks): how many buckets were already launched when backward returned (before
+    sync), whether the gradients in flight are views of their bucket, and the synced gradients vs an explicit
+    all-reduce mean of the local gradients.
+
+    ``groups`` (4 ranks; embedding and head dp4, blocks dp2 x tp2: two data groups): how many of the blocks'
+    buckets were launched by the time the embedding's gradient -- the last of backward -- arrived. Launching
+    the buckets group after group would hold every block bucket behind the embedding's bucket. (The values
+    of such plans' gradients are checked by the random-plan parity runs.)"""
     from lightning_galv.layout import MeshFactory, RankLayout
+    from lightning_galv.parallel.data_parallel import local
     from lightning_galv.parallel.parallelize import parallelize
     from lightning_galv.plan import LayerStrategy as L
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = make_model("llama", 3)
-    plan = ParallelPlan.uniform(world, 3, L(dp=world))
-    local_grads: dict[str, torch.Tensor] = {}
-    for n, p in model.named_parameters():  # registered first, so they run before the runtime launches a bucket
-        p.register_post_accumulate_grad_hook(lambda p, n=n: local_grads.__setitem__(n, p.grad.detach().clone()))
-    rt = parallelize(model, plan, MeshFactory(RankLayout(world, 1), "cpu", rank), grad_bucket_bytes=bucket_bytes)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, 64, (2, 17), generator=g)
-    logits = model(x[:, :-1])
-    _ce(logits, x[:, 1:]).backward()
-    buckets = rt.grad_sync.buckets()
-    launched_in_backward = sum(b.work is not None for b in buckets)
-    # in flight, the gradients are views of their bucket (no second copy of them exists)
-    views = sum(p.grad.untyped_storage().data_ptr() == b.flat.untyped_storage().data_ptr()
-                for b in buckets if b.work is not None for p in b.params)
-    in_flight = sum(len(b.params) for b in buckets if b.work is not None)
-    want = {}
-    for n, t in local_grads.items():
-        dist.all_reduce(t)
-        want[n] = t / world
-    rt.sync_gradients()
-    err = max((p.grad - want[n]).abs().max().item() / max(want[n].abs().max().item(), 1e-12)
-              for n, p in model.named_parameters())
-    return {"buckets": len(buckets), "launched_in_backward": launched_in_backward, "err": err,
-            "views": views, "in_flight": in_flight}
+    out: dict[str, Any] = {}
+    for kind in ("uniform", "groups") if world == 4 else ("uniform",):
+        model = make_model("llama", 3)
+        if kind == "uniform":
+            plan = ParallelPlan.uniform(world, 3, L(dp=world))
+        else:
+            plan = ParallelPlan(world, (L(dp=2, tp=2),) * 3, embed=L(dp=4), head=L(dp=4))
+        local_grads: dict[str, torch.Tensor] = {}
+        for n, p in model.named_parameters() if kind == "uniform" else ():  # before the runtime's hooks
+            p.register_post_accumulate_grad_hook(lambda p, n=n: local_grads.__setitem__(n, p.grad.detach().clone()))
+        emb = model.tok_embeddings.weight
+        at_embedding: dict[str, int] = {}
+        others: list[Any] = []  # filled below; the hook is registered now to run before the runtime's
+        emb.register_post_accumulate_grad_hook(
+            lambda p: at_embedding.__setitem__("others_launched", sum(b.work is not None for b in others)))
+        rt = parallelize(model, plan, MeshFactory(RankLayout(world, 1), "cpu", rank), grad_bucket_bytes=bucket_bytes)
+        buckets = rt.grad_sync.buckets()
+        emb_group = next(b.group for b in buckets if any(p is emb for p in b.params))
+        others += [b for b in buckets if b.group is not emb_group]
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randint(0, 64, (2, 17), generator=g)
+        logits = model(x[:, :-1])
+        _ce(logits, x[:, 1:]).backward()
+        r: dict[str, Any] = {"buckets": len(buckets), "launched_in_backward": sum(b.work is not None for b in buckets),
+                             "others": len(others), "others_launched_at_embedding": at_embedding["others_launched"]}
+        # in flight, the gradients are views of their bucket (no second copy of them exists)
+        r["views"] = sum(local(p.grad).untyped_storage().data_ptr() == b.flat.untyped_storage().data_ptr()
+                         for b in buckets if b.work is not None for p in b.params)
+        r["in_flight"] = sum(len(b.params) for b in buckets if b.work is not None)
+        rt.sync_gradients()
+        if kind == "uniform":
+            want = {}
+            for n, t in local_grads.items():
+                dist.all_reduce(t)
+                want[n] = t / world
+            r["err"] = max((p.grad - want[n]).abs().max().item() / max(want[n].abs().max().item(), 1e-12)
+                           for n, p in model.named_parameters())
+        out[kind] = r
+    return out
+

@@ -262,14 +262,20 @@ def test_parity_4_ranks() -> None:
 
 @pytest.mark.distributed
 def test_gradient_buckets_start_during_backward_and_sum_exactly() -> None:
-    """2 ranks, ZeRO-0, 4 KiB buckets: several buckets, every one launched from the gradient hooks inside
-    backward (none left for sync to start), the gradients in flight are views of their bucket, and the synced
-    gradients equal an explicit all-reduce mean of the local ones."""
-    results = run_distributed(CHECKS.replace("run_many", "grad_overlap_check"), 2, (), timeout=300)
-    for r in results:
+    """4 ranks, ZeRO-0, 4 KiB buckets. Over all ranks: several buckets, every one launched from the gradient
+    hooks inside backward (none left for sync to start), the gradients in flight are views of their bucket,
+    and the synced gradients equal an explicit all-reduce mean of the local ones. With two data groups
+    (embedding/head dp4, blocks dp2 x tp2): every block bucket is in flight before the embedding's gradient,
+    the last of backward, arrives (launched group after group, none would be)."""
+    results = run_distributed(CHECKS.replace("run_many", "grad_overlap_check"), 4, (), timeout=400)
+    for res in results:
+        r = res["uniform"]
         assert r["buckets"] >= 4 and r["launched_in_backward"] == r["buckets"], r
         assert r["in_flight"] > 0 and r["views"] == r["in_flight"], r  # no second copy of the gradients
         assert r["err"] < 1e-6, r
+        r = res["groups"]
+        assert r["others"] >= 2 and r["others_launched_at_embedding"] == r["others"], r
+        assert r["launched_in_backward"] == r["buckets"], r
 
 
 @pytest.mark.distributed

@@ -272,12 +272,23 @@ def _move_into_bucket(b: _Bucket, p: nn.Parameter) -> None:
 class GradientSync:
     """Sums replicated (ZeRO-0/1) gradients over each unit's data group, divided by the loader's dp.
 
-    Gradients are reduced in buckets of about ``bucket_bytes``, formed in reverse registration order (units
-    register in flow order, so buckets fill in backward order, as DDP's do). With :meth:`overlap_backward`
-    a bucket's all-reduce starts, asynchronously, as soon as its last gradient is accumulated in the syncing
-    backward, while backward goes on; :meth:`sync` then only waits. Buckets are launched strictly in index
-    order on every rank (a bucket that is ready early waits for its predecessors), so ranks issue their
-    collectives on each group in one order whatever order autograd finishes gradients in.
+    Gradients are reduced in buckets of about ``bucket_bytes``, formed per data group in reverse flow order
+    (:meth:`set_flow_order`; registration order by default), so buckets fill in backward order, as DDP's
+    do. With :meth:`overlap_backward` a bucket's all-reduce starts, asynchronously, as soon as its last gradient is
+    accumulated in the syncing backward, while backward goes on; :meth:`sync` then only waits. Buckets are
+    launched strictly in one list order on every rank (a bucket that is ready early waits for its
+    predecessors), so ranks issue their collectives in one order whatever order autograd finishes gradients
+    in -- on each group, and across the groups a rank shares with others (NCCL can deadlock when ranks start
+    collectives on two communicators in different orders).
+
+    Why the list interleaves the groups in backward order (the bucket whose gradient earliest in the forward
+    flow comes latest in backward goes last; see :meth:`set_flow_order`) rather than group after group: a
+    plan with several data groups
+    (layers with different data degrees, MoE experts and their dense neighbours) would otherwise launch no
+    later group's bucket until the first group's last bucket is full -- the one holding the embedding, whose
+    gradient comes at the very end of backward -- and nothing of those groups would overlap backward. This
+    assumes the ranks of a stage run the same backward graph (the built-in MoE runs every local expert, even
+    on no tokens): a bucket then starts between the same tensor-parallel / all-to-all collectives everywhere.
     """
 
     divide_factor: int
@@ -288,6 +299,7 @@ class GradientSync:
     _bucket_of: dict[int, _Bucket] = field(default_factory=dict)
     _next: int = 0  # buckets launched so far in this backward
     _hooks: list[Any] = field(default_factory=list)
+    _flow: dict[int, int] = field(default_factory=dict)  # id(param) -> forward-flow index (all groups)
 
     def add(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, group_size: int) -> None:
         if self._buckets is not None:
@@ -296,14 +308,27 @@ class GradientSync:
         for p in params:
             if p.requires_grad:
                 self.groups[(group, group_size)].append(p)
+                self._flow.setdefault(id(p), len(self._flow))  # registration order unless set_flow_order
+
+    def set_flow_order(self, params: Iterable[nn.Parameter]) -> None:
+        """The order the forward uses the parameters in, which the bucket list follows backwards (units in
+        flow order, each unit's parameters in module order). Why not the registration order: a MoE unit
+        registers its experts (own group) before its attention (the block's group), but backward finishes the
+        experts first. Call before :meth:`add`, with the same order on every rank."""
+        if self.groups:
+            raise RuntimeError("GradientSync.set_flow_order after add. HINT: set the order before registering units.")
+        self._flow = {}
+        for p in params:
+            self._flow.setdefault(id(p), len(self._flow))
 
     def buckets(self) -> list[_Bucket]:
-        """Formed once, identically on every rank of a group (same registration order)."""
+        """Formed once, identically on every rank of a group (same flow order), and ordered as backward
+        fills them (see the class doc)."""
         if self._buckets is None:
             self._buckets = []
             for (group, size), params in self.groups.items():
                 current: dict[torch.dtype, _Bucket] = {}
-                for p in reversed(params):  # backward order
+                for p in sorted(params, key=lambda p: -self._flow[id(p)]):  # backward order
                     dt = local(p).dtype
                     b = current.get(dt)
                     if b is None or b.nbytes >= self.bucket_bytes:
@@ -315,6 +340,10 @@ class GradientSync:
                     b.params.append(p)
                     b.nbytes += local(p).numel() * local(p).element_size()
                     self._bucket_of[id(p)] = b
+            # a bucket is full when its gradient earliest in the flow arrives: the later that comes in
+            # backward, the later in the list. Stable; the order it puts one group's buckets in depends only on
+            # the flow order of that group's parameters, which its ranks share (same units, same modules).
+            self._buckets.sort(key=lambda b: -min(self._flow[id(p)] for p in b.params))
         return self._buckets
 
     def overlap_backward(self) -> None:

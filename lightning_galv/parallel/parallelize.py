@@ -264,6 +264,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
     # without a pipeline the units' FSDP2 states share one root (5b); pipelines keep a root per unit
     root = shared_root_container(model, [m for u in units for m in _sharded_modules(u)]) if stages is None else None
     unit_fsdp_mods: list[nn.Module] = []  # the units' own FSDP2 modules (experts' states nest inside them)
+    runtime.grad_sync.set_flow_order(p for u in units for p in u.parameters())  # buckets launch in backward order
     for unit in units:
         s = unit.strategy
         data_mesh = factory.data_mesh(s)
