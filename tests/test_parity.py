@@ -260,6 +260,35 @@ def test_parity_4_ranks() -> None:
         assert all(all(s) for s in seen) and sum(map(len, seen)) >= 10, (name, seen)
 
 
+def test_gradient_buckets_are_listed_in_backward_order_across_groups() -> None:
+    """One process, no collectives: the bucket list (the launch order on every rank) follows backward across
+    data groups. A MoE block registers its experts (own group) before its attention (the block's group); in
+    flow order the experts come after the attention, so backward fills their bucket first. Group after
+    group, or in registration order, the block's buckets would wait behind the embedding's / the experts'."""
+    import torch
+
+    from lightning_galv.parallel.data_parallel import GradientSync
+
+    names = ["embed", "attn", "experts", "norm", "head"]  # forward flow order
+    ps = {n: torch.nn.Parameter(torch.zeros(8)) for n in names}
+    ends, block, expert = object(), object(), object()  # stand-ins for three process groups
+    sync = GradientSync(divide_factor=2, bucket_bytes=1)  # one parameter per bucket
+    sync.set_flow_order(ps[n] for n in names)
+    sync.add([ps["embed"]], ends, 2)
+    sync.add([ps["experts"]], expert, 2)  # registered first, as parallelize() does
+    sync.add([ps["attn"], ps["norm"]], block, 2)
+    sync.add([ps["head"]], ends, 2)
+    order = [next(n for n in names if ps[n] is b.params[0]) for b in sync.buckets()]
+    assert order == ["head", "norm", "experts", "attn", "embed"], order
+    with pytest.raises(RuntimeError, match="HINT"):
+        sync.set_flow_order(ps.values())
+    fallback = GradientSync(divide_factor=2, bucket_bytes=1)  # without a flow order: registration order
+    fallback.add([ps["embed"]], ends, 2)
+    fallback.add([ps["attn"]], block, 2)
+    fallback.add([ps["head"]], ends, 2)
+    assert [b.params[0] for b in fallback.buckets()] == [ps["head"], ps["attn"], ps["embed"]]
+
+
 @pytest.mark.distributed
 def test_gradient_buckets_start_during_backward_and_sum_exactly() -> None:
     """4 ranks, ZeRO-0, 4 KiB buckets. Over all ranks: several buckets, every one launched from the gradient
