@@ -68,13 +68,20 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
     and the exception propagates. ``log_tail``, if given, receives the ranks' log tails (also on failure).
     ``rank0_lines``, if given, is called with each complete line rank 0 writes while the ranks run (the
     CLI shows profiling progress so).
+
+    The ranks are forks of a server process that has torch and Lightning imported (``lightning_galv.forkserver``:
+    a fresh ``import lightning`` costs seconds per rank); ``GALV_START_METHOD=subprocess`` starts each rank as a
+    fresh interpreter instead (``python -m lightning_galv.testing``, what the forked rank also runs).
     """
     import torch
 
+    from .forkserver import ForkedProcess, get_server, start_method
+
+    server = get_server() if start_method() == "fork" else None
     with tempfile.TemporaryDirectory(prefix="galv_launch_") as tmp:
         torch.save(args, Path(tmp) / "args.pt")
         port = free_port()
-        procs: list[subprocess.Popen] = []
+        procs: list[subprocess.Popen | ForkedProcess] = []
         logs = []
         for rank in range(world_size):
             penv = {**os.environ, **(env or {})}
@@ -84,8 +91,12 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
                         PYTHONUNBUFFERED="1")
             log = open(Path(tmp) / f"rank{rank}.log", "w+")
             logs.append(log)
-            cmd = [sys.executable, "-m", "lightning_galv.testing", target, tmp, str(int(init_process_group))]
-            procs.append(subprocess.Popen(cmd, env=penv, stdout=log, stderr=subprocess.STDOUT))
+            argv = [target, tmp, str(int(init_process_group))]
+            if server is not None:  # a fork of a process that has torch and Lightning imported
+                procs.append(server.start("lightning_galv.testing", argv, penv, os.getcwd(), log.name))
+            else:
+                procs.append(subprocess.Popen([sys.executable, "-m", "lightning_galv.testing", *argv], env=penv,
+                                              stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout
         failed: int | None = None
         follow = _LineFollower(Path(tmp) / "rank0.log", rank0_lines) if rank0_lines is not None else None

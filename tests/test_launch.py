@@ -1,0 +1,109 @@
+"""The rank launcher: a rank forked from the server (``lightning_galv.forkserver``) must look like a fresh interpreter.
+
+Every multi-process test, benchmark and tuner trial starts its ranks through ``run_distributed``; these checks
+compare what a forked rank sees with what a fresh ``python -m lightning_galv.testing`` rank sees, and the
+crash reports of both.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_galv.forkserver import ForkServer, start_method
+from lightning_galv.testing import RankCrashed, run_distributed
+
+HERE = str(Path(__file__))
+
+
+def _facts(tag: str) -> dict[str, Any]:
+    """Runs in every rank: what a fresh process would have, and one collective."""
+    import tempfile
+
+    import numpy
+    import torch
+    import torch.distributed as dist
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} says {tag}")  # no flush: the log must get it unbuffered
+    return {"sum": t.item(), "lightning_rank": rank_zero_only.rank, "tmp": tempfile.gettempdir(),
+            "cwd": os.getcwd(), "on_path": os.getcwd() in sys.path, "tag": os.environ.get("GALV_TEST_TAG"),
+            "threads": torch.get_num_threads(), "numpy_draw": float(numpy.random.rand()),
+            "main": sys.modules["__main__"].__spec__.name, "stdin_is_empty": sys.stdin.read() == ""}
+
+
+def _crash(how: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        if how == "signal":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ValueError("rank 1 refuses on purpose")
+    time.sleep(60)  # rank 0 waits: the launch must end at once when rank 1 dies
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("method", ["fork", "subprocess"])
+def test_a_forked_rank_sees_what_a_fresh_interpreter_sees(method: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GALV_START_METHOD", method)
+    work, scratch = tmp_path / "work", tmp_path / "scratch"
+    work.mkdir()
+    scratch.mkdir()
+    monkeypatch.chdir(work)
+    lines: list[str] = []
+    res = run_distributed(HERE + "::_facts", 2, ("hello",), env={"GALV_TEST_TAG": method, "TMPDIR": str(scratch)},
+                          threads=1, rank0_lines=lines.append)
+    for rank, r in enumerate(res):
+        assert r["sum"] == 3.0, r
+        assert r["lightning_rank"] == rank, r  # Lightning reads the rank at import time: not the server's
+        assert r["tmp"] == str(scratch), r  # tempfile caches its folder: not the server's
+        assert r["cwd"] == str(work) and r["on_path"], r  # python -m puts the working folder on the path
+        assert r["tag"] == method and r["threads"] == 1, r
+        assert r["main"] == "lightning_galv.testing" and r["stdin_is_empty"], r
+    assert res[0]["numpy_draw"] != res[1]["numpy_draw"]  # numpy seeded per process, not copied from the server
+    assert "rank 0 says hello" in lines, lines
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("method", ["fork", "subprocess"])
+@pytest.mark.parametrize("how", ["exception", "signal"])
+def test_a_crashed_rank_ends_the_launch_with_its_exit_code_and_traceback(method: str, how: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GALV_START_METHOD", method)
+    t0 = time.monotonic()
+    with pytest.raises(RankCrashed) as e:
+        run_distributed(HERE + "::_crash", 2, (how,), timeout=120)
+    assert e.value.rank == 1
+    if how == "signal":
+        assert e.value.returncode == -signal.SIGKILL and e.value.by_signal and "killed by SIGKILL" in str(e.value)
+    else:
+        assert e.value.returncode == 1 and "ValueError: rank 1 refuses on purpose" in e.value.own_log
+    assert time.monotonic() - t0 < 50, "rank 0's 60 s sleep was waited for"
+
+
+def test_the_start_method_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GALV_START_METHOD", "spawn")
+    with pytest.raises(ValueError, match="GALV_START_METHOD='spawn'.*HINT"):
+        start_method()
+    monkeypatch.delenv("GALV_START_METHOD")
+    assert start_method() == "fork"
+
+
+def test_the_server_reports_exits_and_leaves_when_its_client_closes(tmp_path: Path) -> None:
+    server = ForkServer(preload=())  # nothing preloaded: this checks the protocol, not the speed
+    log = tmp_path / "child.log"
+    ok = server.start("json.tool", ["--help"], dict(os.environ), str(tmp_path), str(log))
+    bad = server.start("json.tool", [str(tmp_path / "missing.json")], dict(os.environ), str(tmp_path), str(log))
+    assert ok.wait(timeout=60) == 0 and bad.wait(timeout=60) != 0
+    assert "usage" in log.read_text() and "missing.json" in log.read_text()
+    server.close()
+    assert not server.alive()
