@@ -214,6 +214,7 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
     data = torch.randint(0, cfg["vocab_size"], (plan.global_batch, seq + 1), generator=gen)
     x, y = data[shard * b:(shard + 1) * b, :-1], data[shard * b:(shard + 1) * b, 1:]
     times, probes, phases = [], [], []
+    marks_all: list[list[list[float]]] = []  # step -> rank -> [start, backward end, sync end, optimizer end]
     for i in range(warmup + steps):
         # the machine's speed drifts (a VM on a shared host: identical launches differ by up to 1.7x), so a
         # compute probe right before every step tells how fast the machine is at that moment
@@ -222,13 +223,19 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
         t0 = time.perf_counter()
         marks: list[float] = []
         _train_step(model, opt, rt, x, y, plan.micro_batches, marks=marks)
-        t = torch.tensor([time.perf_counter() - t0, marks[0] - t0, marks[1] - marks[0], marks[2] - marks[1]],
-                         dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
+        # every rank's own clock marks (perf_counter is CLOCK_MONOTONIC: one clock for all processes of the
+        # machine): start after the barrier, backward end, gradient-sync end, optimizer end
+        own = torch.tensor([t0, *marks], dtype=torch.float64)
+        every = [torch.zeros_like(own) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, own)
+        every_t = torch.stack(every)  # (ranks, 4)
+        span = every_t[:, 1:] - every_t[:, :-1]  # (ranks, 3): fwd+bwd, sync, optimizer per rank
         if i >= warmup:
-            times.append(float(t[0]))
+            # a step ends when the slowest rank ends; each phase its slowest rank's
+            times.append(float((every_t[:, 3] - every_t[:, 0]).max()))
             probes.append(p)
-            phases.append([float(v) for v in t[1:]])
+            phases.append([float(v) for v in span.max(dim=0).values])
+            marks_all.append(every_t.tolist())
     dist.barrier()
     rss_peak = _status_kib("VmHWM") - rss0 if track_memory else float("nan")  # before MemTracker's own bookkeeping
     by_kind: dict[str, float] = {}
@@ -242,7 +249,7 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
         cpu = next(iter(peak.values())) if peak else {}
         by_kind = {(k.name if hasattr(k, "name") else str(k)): float(v) for k, v in cpu.items()}
     del model, opt, rt
-    return {"step_s": statistics.median(times), "times": times, "probes": probes, "phases": phases,
+    return {"step_s": statistics.median(times), "times": times, "probes": probes, "phases": phases, "marks": marks_all,
             "peak_bytes": by_kind.get("Total", float("nan")), "rss_peak_bytes": rss_peak,
             "by_kind": by_kind}
 

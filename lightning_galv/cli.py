@@ -15,7 +15,7 @@ add --debug (anywhere) for the full traceback. profile, search and tune draw pro
 (--quiet: none).
 
 A tune config is YAML with the arguments of lightning_galv.tuning.tune (recipes/tune_tiny.yaml is one), e.g.
-    module_factory: my_pkg.train:make_module     # importable functions (trials run in fresh processes)
+    module_factory: my_pkg.train:make_module     # importable functions (trials run in new processes)
     data_factory: my_pkg.train:make_loader
     devices: 4
     n_trials: 10

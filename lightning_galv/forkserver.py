@@ -1,45 +1,71 @@
-"""Start rank processes by forking a server that has imported torch and Lightning once.
+"""Start rank processes by forking servers that have imported torch and Lightning once.
 
 Why: ``run_distributed`` (the tests, the benchmarks, the tuner's trials, ``galv profile``) starts every rank
-as a fresh interpreter, and on a slow 2-core machine a fresh ``import lightning`` costs ~11 s of CPU (5 of
-them torchmetrics pulling in transformers and scipy), ``import torch`` with its distributed package ~5 s.
-With 4 ranks on 2 cores that is 10-25 s of wall time per launch before any work, paid again in every trial
-of a study. A fork of a process that already holds those modules starts in milliseconds.
+as a new process, and on a slow 2-core machine a fresh ``import lightning`` costs ~11 s of CPU (5 of them
+torchmetrics pulling in transformers and scipy), ``import torch`` with its distributed package ~5 s. With 4
+ranks on 2 cores that is 10-25 s of wall time per launch before any work, paid again in every trial of a
+study. A fork of a process that already holds those modules starts in milliseconds.
 
-Why a server of our own rather than ``multiprocessing``'s forkserver: that one re-runs the parent's main
+Why servers of our own rather than ``multiprocessing``'s forkserver: that one re-runs the parent's main
 script (as ``__mp_main__``) in every child, so a user's tuning script without an ``if __name__ ==
-"__main__"`` guard would start itself again in every trial. This server only ever runs
-``python -m <module> <args>`` equivalents, exactly what the subprocess launch ran.
+"__main__"`` guard would start itself again in every trial. These servers only ever run the equivalent of
+``python -m <module> <args>``, exactly what the subprocess launch runs.
 
-What a forked rank shares with the server, and how it is made to look fresh (:func:`_become_fresh`):
-the environment (replaced by the launch's), the working directory, ``sys.argv``, ``sys.path`` (the launch's
-working directory and ``PYTHONPATH`` in front, as a fresh ``python -m`` would have them), ``tempfile``'s cached
-folder (``TMPDIR`` may differ), numpy's global random state (re-seeded from the OS, as a fresh process is;
-Python's ``random`` re-seeds itself after a fork), and Lightning's import-time rank (``rank_zero_only.rank``,
-read from ``RANK``/``LOCAL_RANK`` when ``lightning`` was first imported). The server is single-threaded and
-never runs a torch op, so no OpenMP pool or CUDA context exists to be inherited.
+Fidelity to fresh interpreters, and where it stops:
 
-Protocol (one JSON object per line): the client writes ``{"id", "module", "args", "env", "cwd", "log"}``; the
-server answers ``{"id", "pid"}`` (or ``{"id", "error"}``) and later ``{"pid", "returncode"}`` when that child
-exits (``-N`` for signal N, as ``subprocess`` reports it). The server exits when its stdin closes.
+- **One server per rank slot and environment** (:func:`servers_for`). Rank ``r`` of a launch forks from slot
+  ``r``'s server, and each slot's server has its own string-hash seed (``PYTHONHASHSEED``, unless the user
+  fixed one): ranks iterate sets of strings in different orders, as torchrun's ranks do, so code that issues
+  collectives in set order still fails in tests. A server is started in the launch's environment (without
+  the per-rank variables), and launches whose environments differ in anything but those variables,
+  ``TMPDIR`` and ``GALV_*`` (read when used, not at import) get servers of their own -- so settings torch and
+  its libraries read once at import (``TORCH_DISTRIBUTED_DEBUG``, ``TORCH_LOGS``, ``OMP_NUM_THREADS`` for
+  OpenMP/OpenBLAS, ``PYTHONPATH``) are the launch's. At most :data:`MAX_SERVERS` live at once.
+- **In the child** (:func:`_become_fresh`): the launch's environment, working folder (also first on
+  ``sys.path``, as ``python -m`` puts it), ``sys.argv``, output to the rank's log unbuffered, ``tempfile``'s
+  cached folder cleared, numpy's global random state re-seeded from the OS (Python's ``random`` re-seeds
+  itself after a fork), and the import-time rank of Lightning's and torchmetrics' ``rank_zero_only``.
+- **Not fresh**: ``/proc/<pid>/cmdline`` shows the server's command; modules imported by the server are
+  those of the server's start (edit the package in a notebook, and ranks run the old code until the server
+  restarts); on CPU the resident-set peak (``VmHWM``) counts the server's heap from the start but only the
+  library code pages the rank touches, where a fresh interpreter also counts those its imports touched.
+
+A server is single-threaded and never runs a torch op, so no OpenMP pool or CUDA context is inherited. It
+ignores Ctrl-C (the ranks and the client get it; a rank stopped by it exits by SIGINT, as a fresh one does),
+kills a child only while it has not reaped it (no pid-reuse races), and its children die with it
+(``PR_SET_PDEATHSIG`` on Linux); it exits when its client closes its stdin or dies.
+
+Protocol, one JSON object per line: the client writes ``{"id", "module", "args", "env", "cwd", "log"}`` or
+``{"kill": id}``; the server answers ``{"id", "pid"}`` (or ``{"id", "error"}``) and later ``{"id",
+"returncode"}`` when that child exits (``-N`` for signal N, as ``subprocess`` reports it).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 PRELOAD = ("torch", "torch.distributed", "lightning")  # what every rank of this package's launches imports
 READY = "galv-forkserver-ready"
+MAX_SERVERS = 8  # idle servers hold ~450 MB each (mostly shared with their children)
+# set per rank or per launch by run_distributed, or read when used (not at import): not part of a server's key
+PER_LAUNCH = frozenset({"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                        "NODE_RANK", "GROUP_RANK", "TMPDIR", "PWD", "OLDPWD",
+                        "PYTEST_CURRENT_TEST"})  # pytest sets it per test
 
 
 # ---------------------------------------------------------------------------------------------------- server side
+_PROTOCOL_FD = -1  # the server's end of the pipe to its client; closed in every child
+
+
 def _become_fresh(req: dict[str, Any]) -> None:
     """In a forked child: take on the launch's environment, folder, argv and output (see the module docstring)."""
     import io
@@ -53,24 +79,36 @@ def _become_fresh(req: dict[str, Any]) -> None:
     os.close(fd)
     os.close(null)
     # unbuffered, as PYTHONUNBUFFERED=1 makes a fresh interpreter's: a killed rank loses no output
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True,
+                                  errors="surrogateescape")
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True,
                                   errors="backslashreplace")
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
-    front = [req["cwd"]] + [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = front + [p for p in sys.path[1:] if p not in front]
+    sys.path[0] = req["cwd"]  # python -m puts the working folder first (the server's was its own start folder)
     sys.argv = [req["module"], *req["args"]]
     tempfile.tempdir = None  # recomputed from this environment's TMPDIR on first use
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    rz = sys.modules.get("lightning_utilities.core.rank_zero")
-    if rz is not None:  # what lightning.fabric.utilities.rank_zero computes at import time
-        rank = next((os.environ[k] for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
-                     if k in os.environ), "0")
-        rz.rank_zero_only.rank = int(rank)
+    rank = next((os.environ[k] for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+                 if k in os.environ), "0")
+    for name in ("lightning_utilities.core.rank_zero", "torchmetrics.utilities.prints"):
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "rank_zero_only"):  # what they computed from the environment at import
+            mod.rank_zero_only.rank = int(os.environ.get("LOCAL_RANK", 0)) if "torchmetrics" in name else int(rank)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the server exits (ranks never outlive their supervisor)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the server died between fork and prctl
+            os._exit(1)
 
 
 def _run_child(req: dict[str, Any]) -> None:
@@ -79,14 +117,20 @@ def _run_child(req: dict[str, Any]) -> None:
     import traceback
 
     code = 0
+    interrupted = False
     try:
-        os.close(_PROTOCOL_FD)  # the client must see EOF when the server exits, even while ranks still run
+        os.close(_PROTOCOL_FD)  # the client must see EOF when the server exits
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it; a rank does not
+        _die_with_parent()
         _become_fresh(req)
         runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        interrupted = True
     except BaseException:  # noqa: BLE001 -- a rank's error must reach its log and its exit code, as in python -m
         traceback.print_exc()
         code = 1
@@ -96,15 +140,16 @@ def _run_child(req: dict[str, Any]) -> None:
                 s.flush()
             except Exception:  # noqa: BLE001
                 pass
+        if interrupted:  # as a fresh interpreter ends on an unhandled Ctrl-C: killed by SIGINT
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
-
-
-_PROTOCOL_FD = -1  # the server's end of the pipe to its client; closed in every child
 
 
 def _serve(preload: list[str]) -> None:
     """The server's loop: fork a child per request, report each child's exit; single-threaded by design."""
     global _PROTOCOL_FD
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the client and the ranks, not the supervisor
     _PROTOCOL_FD = os.dup(1)  # the protocol gets a private copy of stdout ...
     os.dup2(2, 1)  # ... and what the imports print goes to stderr, not into the protocol
     out = os.fdopen(_PROTOCOL_FD, "w", buffering=1, closefd=False)
@@ -118,27 +163,31 @@ def _serve(preload: list[str]) -> None:
         out.write(json.dumps(msg) + "\n")
         out.flush()
 
-    out.write(READY + "\n")
-    out.flush()
+    send({"ready": READY})
     buf = b""
-    children: set[int] = set()
+    children: dict[int, int] = {}  # pid -> request id, until reaped
     while True:
         ready, _, _ = select.select([0], [], [], 0.02)
         while children:  # reap every child that has exited
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            children.discard(pid)
-            send({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+            if pid in children:
+                send({"id": children.pop(pid), "returncode": os.waitstatus_to_exitcode(status)})
         if not ready:
             continue
         chunk = os.read(0, 1 << 16)
-        if not chunk:  # the client is gone: so is the server (children run on; their launch kills them)
+        if not chunk:  # the client is gone: so is the server, and with it (PDEATHSIG) its children
             return
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             req = json.loads(line)
+            if "kill" in req:
+                for pid, rid in children.items():
+                    if rid == req["kill"]:  # not reaped yet: the pid is still this child's
+                        os.kill(pid, signal.SIGKILL)
+                continue
             try:
                 pid = os.fork()
             except OSError as e:
@@ -146,7 +195,7 @@ def _serve(preload: list[str]) -> None:
                 continue
             if pid == 0:
                 _run_child(req)  # never returns
-            children.add(pid)
+            children[pid] = req["id"]
             send({"id": req["id"], "pid": pid})
 
 
@@ -154,28 +203,29 @@ def _serve(preload: list[str]) -> None:
 class ForkedProcess:
     """The parent's handle on one forked rank, with the part of ``subprocess.Popen``'s interface a launch uses."""
 
-    def __init__(self, server: ForkServer, pid: int) -> None:
-        self._server, self.pid = server, pid
+    def __init__(self, server: ForkServer, rid: int, pid: int) -> None:
+        self._server, self._rid, self.pid = server, rid, pid
         self.returncode: int | None = None
+
+    @property
+    def server_died(self) -> bool:
+        """The server exited before reporting this child's exit (the child died with it)."""
+        return self.returncode is not None and self._server._exit_code(self._rid) is None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._server._exit_code(self.pid)
+            self.returncode = self._server._exit_code(self._rid)
+            if self.returncode is None and not self._server.alive():
+                self.returncode = -signal.SIGKILL  # PR_SET_PDEATHSIG: its children die with the server
         return self.returncode
 
     def kill(self) -> None:
         if self.poll() is None:
-            try:
-                os.kill(self.pid, 9)
-            except ProcessLookupError:
-                pass
+            self._server._kill(self._rid)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
-            if not self._server.alive():
-                raise RuntimeError(f"the fork server died before rank process {self.pid} exited. "
-                                   "HINT: set GALV_START_METHOD=subprocess to start ranks as fresh interpreters.")
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
             time.sleep(0.01)
@@ -183,107 +233,174 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """One server process per client process, started on first use (:func:`get_server`), shut down at exit."""
+    """One server process (see the module docstring); :func:`servers_for` starts and reuses them."""
 
-    def __init__(self, preload: tuple[str, ...] = PRELOAD, start_timeout: float = 600.0) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "lightning_galv.forkserver", *preload],
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = PRELOAD) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", "lightning_galv.forkserver", *preload], env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.pid = self._proc.pid
         self._lock = threading.Lock()  # one request at a time
         self._cond = threading.Condition()
+        self._ready = False
         self._pids: dict[int, int] = {}  # request id -> pid
         self._errors: dict[int, str] = {}
-        self._exits: dict[int, int] = {}  # pid -> returncode
+        self._exits: dict[int, int] = {}  # request id -> returncode
+        self._running: set[int] = set()  # request ids started and not yet reported as exited
         self._next_id = 0
-        first = self._readline_with_timeout(start_timeout)
-        if first.strip() != READY:
-            self._proc.kill()
-            raise RuntimeError(f"the fork server did not start (first line {first!r}). "
-                               "HINT: set GALV_START_METHOD=subprocess to start ranks as fresh interpreters.")
         self._reader = threading.Thread(target=self._read, name="galv-forkserver-reader", daemon=True)
         self._reader.start()
 
-    def _readline_with_timeout(self, timeout: float) -> str:
-        line: list[str] = []
-        t = threading.Thread(target=lambda: line.append(self._proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(timeout)
-        return line[0] if line else ""
-
     def _read(self) -> None:
-        for raw in self._proc.stdout:
-            msg = json.loads(raw)
+        try:
+            for raw in self._proc.stdout:
+                msg = json.loads(raw)
+                with self._cond:
+                    if msg.get("ready") == READY:
+                        self._ready = True
+                    elif "returncode" in msg:
+                        self._exits[msg["id"]] = msg["returncode"]
+                        self._running.discard(msg["id"])
+                    elif "pid" in msg:
+                        self._pids[msg["id"]] = msg["pid"]
+                    else:
+                        self._errors[msg["id"]] = msg["error"]
+                    self._cond.notify_all()
+        finally:
             with self._cond:
-                if "returncode" in msg:
-                    self._exits[msg["pid"]] = msg["returncode"]
-                elif "pid" in msg:
-                    self._pids[msg["id"]] = msg["pid"]
-                else:
-                    self._errors[msg["id"]] = msg["error"]
                 self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
+
+    def wait_ready(self, timeout: float, poll: Callable[[], None] | None = None) -> None:
+        """Block until the server has imported its modules (``poll`` is called meanwhile, as a launch does)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._cond:
+                if self._ready:
+                    return
+                if not self.alive():
+                    break
+                self._cond.wait(0.2)
+            if poll is not None:
+                poll()
+            if time.monotonic() > deadline:
+                break
+        self.close()
+        raise RuntimeError(f"the fork server did not start within {timeout:.0f}s (exit {self._proc.poll()}). "
+                           "HINT: set GALV_START_METHOD=subprocess to start ranks as fresh interpreters.")
 
     def alive(self) -> bool:
-        return self._proc.poll() is None
+        return self._proc.poll() is None and self._reader.is_alive()
 
-    def _exit_code(self, pid: int) -> int | None:
+    def running(self) -> int:
+        """How many children this server started and has not yet seen exit."""
         with self._cond:
-            return self._exits.get(pid)
+            return len(self._running)
+
+    def _exit_code(self, rid: int) -> int | None:
+        with self._cond:
+            return self._exits.get(rid)
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        self._proc.stdin.write(json.dumps(msg) + "\n")
+        self._proc.stdin.flush()
+
+    def _kill(self, rid: int) -> None:
+        with self._lock:
+            if self.alive():
+                try:
+                    self._send({"kill": rid})
+                except (BrokenPipeError, OSError):
+                    pass
 
     def start(self, module: str, args: list[str], env: dict[str, str], cwd: str, log: str,
-              timeout: float = 60.0) -> ForkedProcess:
+              timeout: float = 120.0) -> ForkedProcess:
         """Fork a child that runs ``python -m module *args`` in ``env`` and ``cwd``, output appended to ``log``."""
         with self._lock:
             rid = self._next_id
             self._next_id += 1
-            req = {"id": rid, "module": module, "args": list(args), "env": dict(env), "cwd": cwd, "log": log}
-            self._proc.stdin.write(json.dumps(req) + "\n")
-            self._proc.stdin.flush()
+            with self._cond:
+                self._running.add(rid)
+            self._send({"id": rid, "module": module, "args": list(args), "env": dict(env), "cwd": cwd, "log": log})
             deadline = time.monotonic() + timeout
             with self._cond:
                 while rid not in self._pids and rid not in self._errors:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not self.alive():
-                        raise RuntimeError(f"the fork server did not start {module} within {timeout:.0f}s. "
-                                           "HINT: set GALV_START_METHOD=subprocess to start ranks as fresh "
-                                           "interpreters.")
-                    self._cond.wait(min(left, 0.5))
+                    if time.monotonic() > deadline or not self.alive():
+                        self._running.discard(rid)
+                        raise RuntimeError(f"the fork server did not start {module} within {timeout:.0f}s. HINT: "
+                                           "set GALV_START_METHOD=subprocess to start ranks as fresh interpreters.")
+                    self._cond.wait(0.5)
                 if rid in self._errors:
+                    self._running.discard(rid)
                     raise OSError(self._errors.pop(rid))
-                return ForkedProcess(self, self._pids.pop(rid))
+                return ForkedProcess(self, rid, self._pids.pop(rid))
 
     def close(self) -> None:
-        if self.alive():
-            try:
+        """Close the server's stdin (it exits, and its children with it), then reap it."""
+        try:
+            if self._proc.poll() is None:
                 self._proc.stdin.close()
                 self._proc.wait(timeout=10)
-            except Exception:  # noqa: BLE001 -- best effort at interpreter exit
-                self._proc.kill()
+        except Exception:  # noqa: BLE001 -- best effort, also at interpreter exit
+            self._proc.kill()
 
 
-_SERVER: ForkServer | None = None
-_SERVER_LOCK = threading.Lock()
+_SERVERS: dict[tuple, ForkServer] = {}  # (environment key, rank slot) -> server, least recently used first
+_SERVERS_LOCK = threading.Lock()
 
 
-def get_server() -> ForkServer:
-    """This process's fork server, started (and registered for shutdown at exit) on first use."""
-    global _SERVER
-    with _SERVER_LOCK:
-        if _SERVER is None or not _SERVER.alive():
-            import atexit
+def _key(env: dict[str, str]) -> tuple:
+    return tuple(sorted((k, v) for k, v in env.items() if k not in PER_LAUNCH and not k.startswith("GALV_")))
 
-            _SERVER = ForkServer()
-            atexit.register(_SERVER.close)
-        return _SERVER
+
+def servers_for(env: dict[str, str], world_size: int, *, timeout: float = 600.0,
+                poll: Callable[[], None] | None = None) -> list[ForkServer]:
+    """The servers for ranks ``0 .. world_size-1`` of a launch in ``env`` (slot ``min(rank, MAX_SERVERS-1)``),
+    started in parallel on first use and reused by later launches in the same environment."""
+    import atexit
+
+    key = _key(env)
+    slots = min(world_size, MAX_SERVERS)
+    with _SERVERS_LOCK:
+        if not _SERVERS:
+            atexit.register(close_all)
+        fresh: list[ForkServer] = []
+        out: list[ForkServer] = []
+        for slot in range(slots):
+            server = _SERVERS.pop((key, slot), None)
+            if server is None or not server.alive():
+                base = {k: v for k, v in env.items() if k not in PER_LAUNCH}
+                if "PYTHONHASHSEED" not in env:  # each slot its own string-hash seed, as separate interpreters have
+                    base["PYTHONHASHSEED"] = str(random.SystemRandom().randrange(1, 2**32 - 1))
+                server = ForkServer(base)
+                fresh.append(server)
+            _SERVERS[(key, slot)] = server  # most recently used last
+            out.append(server)
+        while len(_SERVERS) > max(MAX_SERVERS, slots):  # retire the least recently used
+            _SERVERS.pop(next(iter(_SERVERS))).close()
+    for server in fresh:
+        server.wait_ready(timeout, poll)
+    return [out[min(r, slots - 1)] for r in range(world_size)]
+
+
+def running_children() -> int:
+    """Children started by this process's servers that have not exited (a test's check for leaked ranks)."""
+    with _SERVERS_LOCK:
+        return sum(s.running() for s in _SERVERS.values() if s.alive())
+
+
+def close_all() -> None:
+    with _SERVERS_LOCK:
+        while _SERVERS:
+            _SERVERS.popitem()[1].close()
 
 
 def start_method() -> str:
-    """``"fork"`` where the OS can fork (Linux, macOS) unless ``GALV_START_METHOD=subprocess``; else ``"subprocess"``."""
+    """``"fork"`` on Linux unless ``GALV_START_METHOD=subprocess``; ``"subprocess"`` elsewhere (forking after
+    importing system frameworks is unsafe on macOS; Windows cannot fork)."""
     chosen = os.environ.get("GALV_START_METHOD", "fork")
     if chosen not in ("fork", "subprocess"):
         raise ValueError(f"GALV_START_METHOD={chosen!r}: must be 'fork' or 'subprocess'. HINT: unset it to fork "
-                         "rank processes from a server that has torch imported (fast), or use 'subprocess'.")
-    return chosen if hasattr(os, "fork") else "subprocess"
+                         "rank processes from servers that have torch imported (fast), or use 'subprocess'.")
+    return chosen if sys.platform == "linux" else "subprocess"
 
 
 if __name__ == "__main__":

@@ -75,36 +75,46 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
     """
     import torch
 
-    from .forkserver import ForkedProcess, get_server, start_method
+    from .forkserver import ForkedProcess, servers_for, start_method
 
-    server = get_server() if start_method() == "fork" else None
     with tempfile.TemporaryDirectory(prefix="galv_launch_") as tmp:
         torch.save(args, Path(tmp) / "args.pt")
         port = free_port()
-        procs: list[subprocess.Popen | ForkedProcess] = []
-        logs = []
+        envs = []
         for rank in range(world_size):
             penv = {**os.environ, **(env or {})}
             penv.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                         RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                         NODE_RANK="0", OMP_NUM_THREADS=str(threads), GALV_TEST_THREADS=str(threads),
                         PYTHONUNBUFFERED="1")
-            log = open(Path(tmp) / f"rank{rank}.log", "w+")
-            logs.append(log)
-            argv = [target, tmp, str(int(init_process_group))]
-            if server is not None:  # a fork of a process that has torch and Lightning imported
-                procs.append(server.start("lightning_galv.testing", argv, penv, os.getcwd(), log.name))
-            else:
-                procs.append(subprocess.Popen([sys.executable, "-m", "lightning_galv.testing", *argv], env=penv,
-                                              stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + timeout
+            envs.append(penv)
+        # forks of servers that have torch and Lightning imported, one per rank slot (see forkserver.py)
+        servers = servers_for(envs[0], world_size, poll=poll) if start_method() == "fork" else None
+        procs: list[subprocess.Popen | ForkedProcess] = []
+        logs = []
         failed: int | None = None
         follow = _LineFollower(Path(tmp) / "rank0.log", rank0_lines) if rank0_lines is not None else None
         try:
+            for rank in range(world_size):
+                log = open(Path(tmp) / f"rank{rank}.log", "w+")
+                logs.append(log)
+                argv = [target, tmp, str(int(init_process_group))]
+                if servers is not None:
+                    procs.append(servers[rank].start("lightning_galv.testing", argv, envs[rank], os.getcwd(),
+                                                     log.name))
+                else:
+                    procs.append(subprocess.Popen([sys.executable, "-m", "lightning_galv.testing", *argv],
+                                                  env=envs[rank], stdout=log, stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + timeout
             while True:
                 if follow is not None:
                     follow.read()
                 codes = [p.poll() for p in procs]
+                gone = [r for r, p in enumerate(procs) if isinstance(p, ForkedProcess) and p.server_died]
+                if gone:
+                    raise RuntimeError(f"the fork server of rank {gone[0]} of {target} died during the launch (its "
+                                       f"ranks with it).\n{_tails(logs)}\nHINT: set GALV_START_METHOD=subprocess "
+                                       "to start ranks as fresh interpreters.")
                 bad = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in may_die]
                 if bad:
                     failed = bad[0]
@@ -153,6 +163,21 @@ class _LineFollower:
         *lines, self.partial = (self.partial + text).split("\n")
         for line in lines:
             self.emit(line)
+
+
+def leftover_ranks() -> int:
+    """Rank processes still alive after their launches ended -- fresh-interpreter ranks (found by their command
+    line) and forked ones (children their servers have not seen exit): a launch must never leave any behind."""
+    from .forkserver import running_children
+
+    n = running_children()
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"lightning_galv.testing" in (d / "cmdline").read_bytes():
+                n += 1
+        except OSError:
+            pass  # exited meanwhile, or not ours to read
+    return n
 
 
 def _tails(logs: list, first: int | None = None, chars: int = 6000) -> str:

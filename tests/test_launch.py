@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from lightning_galv.forkserver import ForkServer, start_method
-from lightning_galv.testing import RankCrashed, run_distributed
+from lightning_galv.testing import RankCrashed, leftover_ranks, run_distributed
 
 HERE = str(Path(__file__))
 
@@ -37,7 +37,12 @@ def _facts(tag: str) -> dict[str, Any]:
     return {"sum": t.item(), "lightning_rank": rank_zero_only.rank, "tmp": tempfile.gettempdir(),
             "cwd": os.getcwd(), "on_path": os.getcwd() in sys.path, "tag": os.environ.get("GALV_TEST_TAG"),
             "threads": torch.get_num_threads(), "numpy_draw": float(numpy.random.rand()),
-            "main": sys.modules["__main__"].__spec__.name, "stdin_is_empty": sys.stdin.read() == ""}
+            "main": sys.modules["__main__"].__spec__.name, "hash": hash("galv-launch"),
+            "stdin": os.path.realpath("/proc/self/fd/0") if method_is_fork() else "/dev/null"}
+
+
+def method_is_fork() -> bool:
+    return os.environ.get("GALV_START_METHOD", "fork") == "fork"
 
 
 def _crash(how: str) -> None:
@@ -68,8 +73,10 @@ def test_a_forked_rank_sees_what_a_fresh_interpreter_sees(method: str, tmp_path:
         assert r["tmp"] == str(scratch), r  # tempfile caches its folder: not the server's
         assert r["cwd"] == str(work) and r["on_path"], r  # python -m puts the working folder on the path
         assert r["tag"] == method and r["threads"] == 1, r
-        assert r["main"] == "lightning_galv.testing" and r["stdin_is_empty"], r
+        assert r["main"] == "lightning_galv.testing" and r["stdin"] == "/dev/null", r
     assert res[0]["numpy_draw"] != res[1]["numpy_draw"]  # numpy seeded per process, not copied from the server
+    # each rank its own string-hash seed (sets of strings iterate differently on each rank, as under torchrun)
+    assert res[0]["hash"] != res[1]["hash"]
     assert "rank 0 says hello" in lines, lines
 
 
@@ -88,6 +95,26 @@ def test_a_crashed_rank_ends_the_launch_with_its_exit_code_and_traceback(method:
     else:
         assert e.value.returncode == 1 and "ValueError: rank 1 refuses on purpose" in e.value.own_log
     assert time.monotonic() - t0 < 50, "rank 0's 60 s sleep was waited for"
+    assert leftover_ranks() == 0
+
+
+def _kill_my_server() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.kill(os.getppid(), signal.SIGKILL)  # the fork server this rank came from
+    time.sleep(60)
+
+
+@pytest.mark.distributed
+def test_a_fork_server_that_dies_ends_the_launch_at_once_with_a_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GALV_START_METHOD", "fork")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="(?s)fork server of rank 1 .* died.*HINT: set GALV_START_METHOD=subprocess"):
+        run_distributed(HERE + "::_kill_my_server", 2, timeout=120)
+    assert time.monotonic() - t0 < 50, "the launch waited for its timeout or for rank 0's sleep"
+    assert leftover_ranks() == 0
+    assert run_distributed(HERE + "::_facts", 2, ("again",))[1]["sum"] == 3.0  # a new server takes over
 
 
 def test_the_start_method_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,8 +125,10 @@ def test_the_start_method_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     assert start_method() == "fork"
 
 
-def test_the_server_reports_exits_and_leaves_when_its_client_closes(tmp_path: Path) -> None:
-    server = ForkServer(preload=())  # nothing preloaded: this checks the protocol, not the speed
+def test_the_server_reports_exits_ignores_ctrl_c_and_leaves_when_its_client_closes(tmp_path: Path) -> None:
+    server = ForkServer(dict(os.environ), preload=())  # nothing preloaded: this checks the protocol, not the speed
+    server.wait_ready(60)
+    os.kill(server.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole process group
     log = tmp_path / "child.log"
     ok = server.start("json.tool", ["--help"], dict(os.environ), str(tmp_path), str(log))
     bad = server.start("json.tool", [str(tmp_path / "missing.json")], dict(os.environ), str(tmp_path), str(log))

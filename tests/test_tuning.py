@@ -7,6 +7,7 @@ import pytest
 
 from lightning_galv.plan import LayerStrategy as L
 from lightning_galv.plan import ParallelPlan
+from lightning_galv.testing import leftover_ranks
 from lightning_galv.tuning import neighbours, tune
 
 MOD, DATA = "tune_factories:tiny_module", "tune_factories:tiny_data"
@@ -48,9 +49,7 @@ def test_faults_pruning_and_constraints_are_recorded_and_the_study_goes_on(tmp_p
     assert res.best_plan is not None and res.best_plan.layers[0].zero in (0, 1)
     assert ParallelPlan.load(tmp_path / "best.yaml") == res.best_plan.with_(prediction=None) or \
         ParallelPlan.load(tmp_path / "best.yaml").layers == res.best_plan.layers
-    import psutil
-
-    assert not [p for p in psutil.process_iter(["cmdline"]) if "lightning_galv.testing" in " ".join(p.info["cmdline"] or [])]
+    assert leftover_ranks() == 0
 
 
 @pytest.mark.distributed
@@ -292,9 +291,7 @@ def test_largest_batch_fits_and_one_unit_more_does_not(tmp_path, capsys: pytest.
     assert res.plan.global_batch == res.global_batch and res.shard_batch == res.global_batch // 2
     assert res.micro_batch == res.global_batch and res.n_trials == len(res.trials) <= 8
     assert f"after {res.n_trials} trials" in capsys.readouterr().out
-    import psutil
-
-    assert not [p for p in psutil.process_iter(["cmdline"]) if "lightning_galv.testing" in " ".join(p.info["cmdline"] or [])]
+    assert leftover_ranks() == 0
 
 
 def test_neighbours_of_an_moe_plan_change_the_expert_parallel_degree_of_the_moe_layers_only() -> None:

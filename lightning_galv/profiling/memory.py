@@ -5,7 +5,11 @@ address space, read from ``/proc/self/status`` (``VmHWM``) on Linux. Not ``getru
 carries that value across ``exec``, so a rank started by ``fork`` + ``exec`` from a large parent (a
 long pytest session, a notebook) reports the *parent's* size at fork time until it outgrows it -- trial
 peaks at 1 and 16 samples per rank both read 655 MB that way. ``ru_maxrss`` stays the fallback where
-``/proc`` is missing (macOS, where it is in bytes).
+``/proc`` is missing (macOS, where it is in bytes). A rank forked *without* exec from a fork server
+(``lightning_galv.forkserver``: the launcher of the tuner's trials) starts with the server's heap counted
+(torch and Lightning imported, ~340 MB on the CPU test machine) but counts shared-library code pages only as it
+touches them, where a fresh interpreter also counts those its imports touched: its CPU peak reads lower by up to
+the size of those pages (~100 MB there). CUDA peaks are unaffected.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Why: Lightning's ``Tuner.scale_batch_size`` refuses distributed strategies -- it grows the batch inside the
 running process, where one rank running out of memory leaves the others hanging in a collective. Here every
-probe is a short ``Trainer.fit`` in fresh processes on all ranks (the tuner's trial path,
+probe is a short ``Trainer.fit`` in new processes on all ranks (the tuner's trial path,
 :func:`lightning_galv.tuning.trial.run_trial`), so a probe that runs out of memory takes nothing down.
 
 What "fits" means: the trial's measured peak memory (the largest over its ranks: the CUDA allocator's peak,

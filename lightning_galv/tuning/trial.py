@@ -1,7 +1,8 @@
 """One tuning trial, inside each of its ranks: a real short ``Trainer.fit`` under one plan.
 
-The tuner launches this in fresh processes (``lightning_galv.testing.run_distributed``) so a trial that
-crashes, hangs or runs out of memory takes nothing else down. It runs the same path users run (the user's
+The tuner launches this in new processes (``lightning_galv.testing.run_distributed``: forks of a server that has
+torch and Lightning imported, made to look like fresh interpreters) so a trial that crashes, hangs or runs out of
+memory takes nothing else down. It runs the same path users run (the user's
 LightningModule and data from importable factories, ``GalvatronStrategy(plan=...)``), times every step
 (slowest rank), appends each measured step to a report file as it happens -- the tuner reads it to let
 Optuna's pruner stop hopeless plans early -- and returns the step times and the peak memory.

@@ -11,7 +11,7 @@ trial, in YAML, so ``optuna-dashboard`` shows it):
    changed: tp/dp split, Megatron/Ulysses SP, ZeRO stage, checkpointing, of all layers at once; the expert-
    parallel degree of the MoE layers; the embedding / head strategy; the micro-batch count) are predicted with the *calibrated* cost model and the
    best unmeasured one is enqueued next.
-3. **Every trial is a real run** in fresh processes (``lightning_galv.tuning.trial``): ``warmup_steps`` then
+3. **Every trial is a real run** in new processes (``lightning_galv.tuning.trial``): ``warmup_steps`` then
    ``steps`` measured steps of ``Trainer.fit`` with ``GalvatronStrategy(plan=...)``. Each measured step is
    reported to Optuna as the running throughput, so the pruner can stop a hopeless plan early (its ranks are
    killed; default: below the 25th percentile of earlier trials at the same step, after two trials -- a
@@ -269,7 +269,7 @@ def tune(module_factory: str, data_factory: str, devices: int, n_trials: int = 1
     """Measure the planner's best plans and their neighbours with real short runs (see the module docstring).
 
     ``module_factory`` / ``data_factory`` are import paths (``"pkg.mod:fn"``) of functions returning the
-    LightningModule and a DataLoader or LightningDataModule -- trials run in fresh processes. ``n_trials``
+    LightningModule and a DataLoader or LightningDataModule -- trials run in new processes. ``n_trials``
     counts every trial of the study, earlier sessions included (resuming continues up to it).
     ``candidates`` replaces the analytic search (tests, or plans of your own), in the order given.
     """
