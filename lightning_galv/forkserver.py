@@ -14,28 +14,31 @@ script (as ``__mp_main__``) in every child, so a user's tuning script without an
 Fidelity to fresh interpreters, and where it stops:
 
 - **One server per rank slot and environment** (:func:`servers_for`). Rank ``r`` of a launch forks from slot
-  ``r``'s server, and each slot's server has its own string-hash seed (``PYTHONHASHSEED``, unless the user
-  fixed one): ranks iterate sets of strings in different orders, as torchrun's ranks do, so code that issues
-  collectives in set order still fails in tests. A server is started in the launch's environment (without
+  ``r``'s server (ranks beyond the eighth share the last slot's), and each slot's server has its own
+  string-hash seed (``PYTHONHASHSEED``, unless the user fixed one; kept for the server's life, where fresh
+  interpreters draw one per launch): ranks iterate sets of strings in different orders, as torchrun's ranks
+  do, so code that issues collectives in set order still fails in tests. A server is started in the launch's environment (without
   the per-rank variables), and launches whose environments differ in anything but those variables,
-  ``TMPDIR`` and ``GALV_*`` (read when used, not at import) get servers of their own -- so settings torch and
+  ``TMPDIR`` (``tempfile``'s cache is cleared, below) and ``GALV_*`` (read when used) get servers of their own -- so settings torch and
   its libraries read once at import (``TORCH_DISTRIBUTED_DEBUG``, ``TORCH_LOGS``, ``OMP_NUM_THREADS`` for
   OpenMP/OpenBLAS, ``PYTHONPATH``) are the launch's. At most :data:`MAX_SERVERS` live at once.
 - **In the child** (:func:`_become_fresh`): the launch's environment, working folder (also first on
   ``sys.path``, as ``python -m`` puts it), ``sys.argv``, output to the rank's log unbuffered, ``tempfile``'s
   cached folder cleared, numpy's global random state re-seeded from the OS (Python's ``random`` re-seeds
   itself after a fork), and the import-time rank of Lightning's and torchmetrics' ``rank_zero_only``.
-- **Not fresh**: ``/proc/<pid>/cmdline`` shows the server's command; modules imported by the server are
+- **Not fresh**: ``/proc/<pid>/cmdline`` shows the server's command; paths a preloaded module derived from
+  ``TMPDIR`` at import stay the server's (``tempfile.gettempdir()`` itself is recomputed); modules imported by the server are
   those of the server's start (edit the package in a notebook, and ranks run the old code until the server
   restarts); on CPU the resident-set peak (``VmHWM``) counts the server's heap from the start but only the
   library code pages the rank touches, where a fresh interpreter also counts those its imports touched.
 
-A server is single-threaded and never runs a torch op, so no OpenMP pool or CUDA context is inherited. It
+A server's Python code is single-threaded and it never runs a torch op, so no OpenMP pool or CUDA context is
+inherited. It
 ignores Ctrl-C (the ranks and the client get it; a rank stopped by it exits by SIGINT, as a fresh one does),
 kills a child only while it has not reaped it (no pid-reuse races), and its children die with it
 (``PR_SET_PDEATHSIG`` on Linux); it exits when its client closes its stdin or dies.
 
-Protocol, one JSON object per line: the client writes ``{"id", "module", "args", "env", "cwd", "log"}`` or
+Protocol, one JSON object per line: the server first writes ``{"ready"}`` once its imports are done; the client writes ``{"id", "module", "args", "env", "cwd", "log"}`` or
 ``{"kill": id}``; the server answers ``{"id", "pid"}`` (or ``{"id", "error"}``) and later ``{"id",
 "returncode"}`` when that child exits (``-N`` for signal N, as ``subprocess`` reports it).
 """
@@ -100,18 +103,18 @@ def _become_fresh(req: dict[str, Any]) -> None:
             mod.rank_zero_only.rank = int(os.environ.get("LOCAL_RANK", 0)) if "torchmetrics" in name else int(rank)
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(server_pid: int) -> None:
     """Linux: the kernel kills this process when the server exits (ranks never outlive their supervisor)."""
     if sys.platform == "linux":
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the server died between fork and prctl
+        if os.getppid() != server_pid:  # the server died between fork and prctl (reparented)
             os._exit(1)
 
 
-def _run_child(req: dict[str, Any]) -> None:
+def _run_child(req: dict[str, Any], server_pid: int) -> None:
     """In a forked child: run the module as ``__main__`` and leave without returning to the server's loop."""
     import runpy
     import traceback
@@ -121,7 +124,7 @@ def _run_child(req: dict[str, Any]) -> None:
     try:
         os.close(_PROTOCOL_FD)  # the client must see EOF when the server exits
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it; a rank does not
-        _die_with_parent()
+        _die_with_parent(server_pid)
         _become_fresh(req)
         runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
     except SystemExit as e:
@@ -188,13 +191,14 @@ def _serve(preload: list[str]) -> None:
                     if rid == req["kill"]:  # not reaped yet: the pid is still this child's
                         os.kill(pid, signal.SIGKILL)
                 continue
+            me = os.getpid()
             try:
                 pid = os.fork()
             except OSError as e:
                 send({"id": req["id"], "error": f"fork failed: {e}"})
                 continue
             if pid == 0:
-                _run_child(req)  # never returns
+                _run_child(req, me)  # never returns
             children[pid] = req["id"]
             send({"id": req["id"], "pid": pid})
 
@@ -216,7 +220,10 @@ class ForkedProcess:
         if self.returncode is None:
             self.returncode = self._server._exit_code(self._rid)
             if self.returncode is None and not self._server.alive():
-                self.returncode = -signal.SIGKILL  # PR_SET_PDEATHSIG: its children die with the server
+                self._server._reader.join(5.0)  # exits the server reported just before it ended
+                self.returncode = self._server._exit_code(self._rid)
+                if self.returncode is None:
+                    self.returncode = -signal.SIGKILL  # PR_SET_PDEATHSIG: its children die with the server
         return self.returncode
 
     def kill(self) -> None:
@@ -319,19 +326,29 @@ class ForkServer:
             self._next_id += 1
             with self._cond:
                 self._running.add(rid)
-            self._send({"id": rid, "module": module, "args": list(args), "env": dict(env), "cwd": cwd, "log": log})
-            deadline = time.monotonic() + timeout
-            with self._cond:
-                while rid not in self._pids and rid not in self._errors:
-                    if time.monotonic() > deadline or not self.alive():
-                        self._running.discard(rid)
-                        raise RuntimeError(f"the fork server did not start {module} within {timeout:.0f}s. HINT: "
-                                           "set GALV_START_METHOD=subprocess to start ranks as fresh interpreters.")
-                    self._cond.wait(0.5)
-                if rid in self._errors:
+            hint = "HINT: set GALV_START_METHOD=subprocess to start ranks as fresh interpreters."
+            try:
+                self._send({"id": rid, "module": module, "args": list(args), "env": dict(env), "cwd": cwd,
+                            "log": log})
+                deadline = time.monotonic() + timeout
+                with self._cond:
+                    while rid not in self._pids and rid not in self._errors:
+                        if time.monotonic() > deadline or not self.alive():
+                            raise RuntimeError(f"the fork server did not start {module} within {timeout:.0f}s. {hint}")
+                        self._cond.wait(0.5)
+                    if rid in self._errors:
+                        raise OSError(f"{self._errors.pop(rid)}. {hint}")
+                    return ForkedProcess(self, rid, self._pids.pop(rid))
+            except BaseException as e:  # the server may still fork it: the kill goes after the request, in order
+                with self._cond:
                     self._running.discard(rid)
-                    raise OSError(self._errors.pop(rid))
-                return ForkedProcess(self, rid, self._pids.pop(rid))
+                try:
+                    self._send({"kill": rid})
+                except OSError:
+                    pass
+                if isinstance(e, OSError) and not isinstance(e, RuntimeError) and "HINT" not in str(e):
+                    raise RuntimeError(f"the fork server is gone ({e}). {hint}") from e
+                raise
 
     def close(self) -> None:
         """Close the server's stdin (it exits, and its children with it), then reap it."""
@@ -345,6 +362,7 @@ class ForkServer:
 
 _SERVERS: dict[tuple, ForkServer] = {}  # (environment key, rank slot) -> server, least recently used first
 _SERVERS_LOCK = threading.Lock()
+_AT_EXIT: list[bool] = []  # close_all registered
 
 
 def _key(env: dict[str, str]) -> tuple:
@@ -360,9 +378,9 @@ def servers_for(env: dict[str, str], world_size: int, *, timeout: float = 600.0,
     key = _key(env)
     slots = min(world_size, MAX_SERVERS)
     with _SERVERS_LOCK:
-        if not _SERVERS:
+        if not _AT_EXIT:
             atexit.register(close_all)
-        fresh: list[ForkServer] = []
+            _AT_EXIT.append(True)
         out: list[ForkServer] = []
         for slot in range(slots):
             server = _SERVERS.pop((key, slot), None)
@@ -371,12 +389,13 @@ def servers_for(env: dict[str, str], world_size: int, *, timeout: float = 600.0,
                 if "PYTHONHASHSEED" not in env:  # each slot its own string-hash seed, as separate interpreters have
                     base["PYTHONHASHSEED"] = str(random.SystemRandom().randrange(1, 2**32 - 1))
                 server = ForkServer(base)
-                fresh.append(server)
             _SERVERS[(key, slot)] = server  # most recently used last
             out.append(server)
-        while len(_SERVERS) > max(MAX_SERVERS, slots):  # retire the least recently used
-            _SERVERS.pop(next(iter(_SERVERS))).close()
-    for server in fresh:
+        idle = [k for k, s in _SERVERS.items() if s not in out and not s.running()]  # least recently used first
+        retire = [_SERVERS.pop(k) for k in idle[:max(0, len(_SERVERS) - MAX_SERVERS)]]
+    for server in retire:
+        server.close()
+    for server in dict.fromkeys(out):  # also those another thread started and may still be waiting for
         server.wait_ready(timeout, poll)
     return [out[min(r, slots - 1)] for r in range(world_size)]
 

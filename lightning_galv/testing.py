@@ -166,17 +166,28 @@ class _LineFollower:
 
 
 def leftover_ranks() -> int:
-    """Rank processes still alive after their launches ended -- fresh-interpreter ranks (found by their command
-    line) and forked ones (children their servers have not seen exit): a launch must never leave any behind."""
-    from .forkserver import running_children
-
-    n = running_children()
+    """Rank processes this process started that are still alive after their launches ended: descendants running
+    ``lightning_galv.testing`` (fresh-interpreter ranks) or forked from a fork server (whose command line they
+    keep, one level below it). Linux only (reads ``/proc``); a launch must never leave any behind."""
+    parent: dict[int, int] = {}
+    cmd: dict[int, bytes] = {}
     for d in Path("/proc").glob("[0-9]*"):
         try:
-            if b"lightning_galv.testing" in (d / "cmdline").read_bytes():
-                n += 1
-        except OSError:
-            pass  # exited meanwhile, or not ours to read
+            stat = (d / "stat").read_text()
+            parent[int(d.name)] = int(stat[stat.rindex(")") + 2:].split()[1])  # field 4, after "(comm) state"
+            cmd[int(d.name)] = (d / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            pass  # exited meanwhile
+    me, n = os.getpid(), 0
+    for pid, c in cmd.items():
+        chain, p = [], parent.get(pid)
+        while p and p not in chain and p != me:
+            chain.append(p)
+            p = parent.get(p)
+        if p != me:
+            continue  # not a descendant of this process
+        forked = b"lightning_galv.forkserver" in c and parent.get(pid) != me  # a server's child, not a server
+        n += forked or b"lightning_galv.testing" in c
     return n
 
 

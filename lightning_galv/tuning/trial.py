@@ -1,6 +1,6 @@
 """One tuning trial, inside each of its ranks: a real short ``Trainer.fit`` under one plan.
 
-The tuner launches this in new processes (``lightning_galv.testing.run_distributed``: forks of a server that has
+The tuner launches this in new processes (``lightning_galv.testing.run_distributed``: forks of servers that have
 torch and Lightning imported, made to look like fresh interpreters) so a trial that crashes, hangs or runs out of
 memory takes nothing else down. It runs the same path users run (the user's
 LightningModule and data from importable factories, ``GalvatronStrategy(plan=...)``), times every step
