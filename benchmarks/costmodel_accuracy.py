@@ -370,7 +370,9 @@ def phase_table(rows: list[dict]) -> str:
     sync wait after backward and the optimizer)."""
     lines = ["Where the time goes, before calibration (median over launches, at profile speed; plans without a "
              "pipeline): fwd+bwd = the micro-batches' forward and backward with what the runtime overlaps with them, "
-             "per step = gradient-sync wait after backward + optimizer step.", "",
+             "per step = what the gradient sync still takes after the last rank's backward ends + the optimizer step "
+             "(measured along the critical path: fwd+bwd ends when the last rank's backward ends, so the phases add "
+             "up to the step; see benchmarks/sync_wait.py).", "",
              "| plan | fwd+bwd predicted / measured | err | per step predicted / measured | err |", "|---|---|---|---|---|"]
     for r in rows:
         runs = [x for x in r["runs"] if x.get("pfb") is not None]

@@ -50,7 +50,6 @@ def cases() -> list[Case]:
 
 def grad_bytes(cfg: dict) -> float:
     """fp32 gradient bytes of the whole model (every plan here keeps full replicas of what it all-reduces)."""
-    sys.path.insert(0, str(HERE))
     from costmodel_ranks import make_model
 
     return 4.0 * sum(p.numel() for p in make_model(cfg).parameters())
@@ -58,16 +57,19 @@ def grad_bytes(cfg: dict) -> float:
 
 def split(marks: list[list[list[float]]]) -> dict[str, float]:
     """Per-step medians (ms) of skew, tail, wait, start skew and the slowest rank's fwd+bwd from the clock marks."""
-    out: dict[str, list[float]] = {k: [] for k in ("skew", "tail", "wait", "start", "fb")}
+    out: dict[str, list[float]] = {k: [] for k in ("skew", "tail", "wait", "start", "fb", "after", "step")}
     for step in marks:  # step -> rank -> [start, backward end, sync end, optimizer end]
         start = [r[0] for r in step]
         bwd = [r[1] for r in step]
         sync = [r[2] for r in step]
+        opt = [r[3] for r in step]
         out["skew"].append(max(bwd) - min(bwd))
         out["tail"].append(max(sync) - max(bwd))
         out["wait"].append(max(s - b for s, b in zip(sync, bwd)))
         out["start"].append(max(start) - min(start))
         out["fb"].append(max(b - s for s, b in zip(start, bwd)))
+        out["after"].append(max(opt) - max(bwd))  # the step's critical path after the last backward: tail + optimizer
+        out["step"].append(max(o - s for s, o in zip(start, opt)))
     return {k: statistics.median(v) * 1e3 for k, v in out.items()}
 
 
@@ -110,6 +112,7 @@ def main() -> None:
             for c in order:
                 per[c.name].append(split(res[0][c.name]["marks"]))
     rows = []
+    shares: list[tuple[str, float]] = []
     for c in cs:
         model, hw = profiles[c.plan.world_size]
         pred = GalvatronCostModel(profile_for(model, c), hw, runtime="native").evaluate(c.plan)
@@ -119,7 +122,10 @@ def main() -> None:
         col = {k: [r[k] for r in runs] for k in runs[0]}
         rows.append(f"| {c.name} | {_ci(col['wait'])} | {_ci(col['skew'])} | {_ci(col['tail'])} | "
                     f"{_ci(col['start'])} | {ar:.1f} | {_ci(col['fb'])} | "
-                    f"{pred.stage_mb_time_s[0] * c.plan.micro_batches * 1e3:.1f} |")
+                    f"{pred.stage_mb_time_s[0] * c.plan.micro_batches * 1e3:.1f} | {_ci(col['after'])} | "
+                    f"{pred.stage_extra_s[0] * 1e3:.1f} | {_ci(col['step'])} | {pred.step_time_s * 1e3:.1f} |")
+        shares.append((c.name, statistics.median(col["skew"]) / statistics.median(col["wait"])
+                       if statistics.median(col["wait"]) > 0 else 0.0))
     head = ("## Gradient-sync wait split into rank skew and collective tail (benchmarks/sync_wait.py)\n\n"
             f"{args.launches} launches per world size (new processes, plan order rotated), per launch the median "
             f"of {args.steps} steps after {args.warmup} warm-up steps; each cell: median over launches [95 % "
@@ -128,10 +134,18 @@ def main() -> None:
             "ranks; *tail*: latest sync end - latest backward end (collective time no backward hid); *start skew*: "
             "spread of the ranks' step starts after the barrier; *profiled all-reduce*: the whole fp32 gradient on "
             "the plan's data group, from the hardware profile of this run (ranks otherwise idle); *fwd+bwd*: the "
-            "slowest rank's, vs the cost model's prediction from this run's profiles.\n\n"
-            "| plan | wait | skew | tail | start skew | profiled all-reduce | fwd+bwd measured | fwd+bwd predicted |\n"
-            "|---|---|---|---|---|---|---|---|")
-    report = head + "\n" + "\n".join(rows)
+            "slowest rank's, vs the cost model's prediction from this run's profiles; *after backward*: the step's "
+            "critical path after the last rank's backward ends (tail + optimizer), vs the prediction's per-step "
+            "part; *step*: the slowest rank's step vs the predicted step time.\n\n"
+            "| plan | wait | skew | tail | start skew | profiled all-reduce | fwd+bwd measured | fwd+bwd predicted "
+            "| after backward measured | predicted | step measured | predicted |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
+    dp_rows = [(n, x) for n, x in shares if "dp" in n]
+    foot = ("\nShare of the wait that is rank skew (median skew / median wait) on the data-parallel plans: "
+            + ", ".join(f"{n} {x:.0%}" for n, x in dp_rows) + ". Skew does not lengthen the step beyond the "
+            "slowest rank's fwd+bwd + the tail: the rank that finishes backward first waits for the slowest, whose "
+            "fwd+bwd is already counted; a phase table that takes each phase's own slowest rank counts it twice.")
+    report = head + "\n" + "\n".join(rows) + "\n" + foot
     print(report)
     print(f"total {time.perf_counter() - t_start:.0f} s")
     if not args.no_write:
