@@ -135,6 +135,41 @@ OPTIMIZERS: dict[str, Any] = {
 }
 
 
+class FSDPCollectiveCount:
+    """Counts FSDP2's parameter all-gathers and gradient reductions (one call per unit each) while active, so a
+    check can state per micro-step what the cost model assumes: ZeRO-2 units gather in every micro-batch (FSDP2
+    re-shards after each backward) and reduce only in the last one's backward when accumulating."""
+
+    def __init__(self) -> None:
+        self.gathers = self.reduces = 0
+
+    def __enter__(self) -> "FSDPCollectiveCount":
+        import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
+
+        self._group, self._orig = group, (group.foreach_all_gather, group.foreach_reduce)
+        gather, reduce = self._orig
+
+        def counted_gather(*a: Any, **k: Any) -> Any:
+            self.gathers += 1
+            return gather(*a, **k)
+
+        def counted_reduce(*a: Any, **k: Any) -> Any:
+            self.reduces += 1
+            return reduce(*a, **k)
+
+        group.foreach_all_gather, group.foreach_reduce = counted_gather, counted_reduce
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._group.foreach_all_gather, self._group.foreach_reduce = self._orig
+
+    def take(self) -> tuple[int, int]:
+        """(gathers, reductions) since the last take."""
+        out = (self.gathers, self.reduces)
+        self.gathers = self.reduces = 0
+        return out
+
+
 def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: int = 10,
                   global_batch: int = 8, seq: int = 16, clip: float | None = None, clip_algorithm: str = "norm",
                   norm_type: float = 2.0, accumulate: int = 1, dropout: float = 0.0, momentum: float = 0.9,
@@ -166,11 +201,11 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     ``expert_sharding``: ``"full"`` shards every expert over its EP group (LAER-MoE's FSEP) instead of keeping
     it whole on its owner.
     """
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, FSDPCollectiveCount() as counter:
         warnings.simplefilter("always")
         res = _train_compare(plan_dict, kind, layers, steps, global_batch, seq, clip, clip_algorithm, norm_type,
                              accumulate, dropout, momentum, lr, galv_loss, label_smoothing, relayout,
-                             placement, placement_shuffle, grad_bucket_bytes, optimizer, expert_sharding)
+                             placement, placement_shuffle, grad_bucket_bytes, optimizer, expert_sharding, counter)
     res["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     return res
 
@@ -180,7 +215,8 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
                    momentum: float, lr: float, galv_loss: bool, label_smoothing: float,
                    relayout: bool | int = False, placement: int | None = None,
                    placement_shuffle: bool | str = False, grad_bucket_bytes: int | None = None,
-                   optimizer: str = "sgd", expert_sharding: str = "owner") -> dict[str, Any]:
+                   optimizer: str = "sgd", expert_sharding: str = "owner",
+                   counter: FSDPCollectiveCount | None = None) -> dict[str, Any]:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZERS)}. HINT: add it to OPTIMIZERS.")
     plan = ParallelPlan.from_dict(plan_dict)
@@ -236,6 +272,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     shard, nshards = rt.data_shard
     gen = torch.Generator().manual_seed(123)
     losses, ref_losses, norm_errs, clipped = [], [], [], []
+    fsdp_per_micro: list[tuple[int, int]] = []  # (all-gathers, reductions) of FSDP2 units per micro-step
     grad_err: dict[str, float] = {}
     routing: list[dict[str, bool]] = []
     params = [p for p in model.parameters() if p.requires_grad]
@@ -267,8 +304,12 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
                         p.grad = h if p.grad is None else p.grad + h
                 loss = loss * accumulate
             else:
+                if counter is not None:
+                    counter.take()
                 loss = loss_fn(model(xl), yl)
                 (loss / accumulate).backward()
+                if counter is not None:
+                    fsdp_per_micro.append(counter.take())
             total += loss.detach()
             with restore_coords(DropoutCoords(key=key)):  # one process: rows 0..B-1, full sequence
                 if ref_micro > 1:
@@ -346,7 +387,8 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
             "keys_equal": sorted(got) == sorted(want), "worst": worst, "grad_err": grad_err, "pp": plan.pp,
             "norm_err": max(norm_errs, default=0.0), "clipped": clipped, "sharded_seen": sharded_seen,
             "relayout": relayout_records, "placement": placement_steps, "fsdp_roots": fsdp_roots,
-            "fsdp_states": sorted(fsdp_states.values()), "fsdp_prefetch": fsdp_prefetch}
+            "fsdp_states": sorted(fsdp_states.values()), "fsdp_prefetch": fsdp_prefetch,
+            "fsdp_per_micro": fsdp_per_micro}
 
 
 def _experts_held(layer: torch.nn.Module) -> int:

@@ -27,7 +27,7 @@ def _cases4() -> list[tuple[str, dict, dict]]:
     return [
         ("dp", u(4, 3).to_dict(), {}),
         ("zero1", u(4, 3, L(dp=4, zero=1)).to_dict(), {}),
-        ("zero2", u(4, 3, L(dp=4, zero=2)).to_dict(), {}),
+        ("zero2_accum", u(4, 3, L(dp=4, zero=2)).to_dict(), {"accumulate": 2}),
         ("zero3_gpt2", u(4, 3, L(dp=4, zero=3)).to_dict(), {"kind": "gpt2"}),
         ("tp2", u(4, 3, L(tp=2, dp=2)).to_dict(), {}),
         ("tp4", u(4, 3, L(tp=4)).to_dict(), {}),
@@ -254,6 +254,12 @@ def test_parity_4_ranks() -> None:
             "layers.2": ["norm"]}, r["zero3_shared_root_accum"]["fsdp_prefetch"]
         assert r["hetero_shared_root_accum"]["fsdp_states"] == [[""], ["layers.0"], ["layers.1"],
                                                                 ["norm", "output"]], r
+    for r in results:  # what the cost model prices (planner/cost.py): a ZeRO-2 unit all-gathers in every
+        # micro-batch (FSDP2 re-shards after each backward) and reduce-scatters only in the last one; ZeRO-3 gathers
+        # for forward and again for backward. 5 units: embedding, 3 blocks, norm + head.
+        assert r["zero2_accum"]["fsdp_per_micro"] == [(5, 0), (5, 5)] * 10, r["zero2_accum"]["fsdp_per_micro"]
+        z3 = r["zero3_shared_root_accum"]["fsdp_per_micro"]
+        assert z3 == [(10, 0), (10, 5)] * 10, z3
     for name, _, _ in _cases_vocab_loss():
         # the loss really got vocab-sharded logits (every step; under pp only on the last stage's ranks)
         seen = [r[name]["sharded_seen"] for r in results]

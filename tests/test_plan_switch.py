@@ -44,29 +44,29 @@ def _setup() -> tuple[ModelProfile, HardwareProfile, ParallelPlan]:
 
 
 def test_replan_keeps_the_best_plan_and_moves_off_a_slower_one() -> None:
-    """64 simulated ranks. The running plan is the (ideal-runtime) search's best: the native model finds one 3.5 %
+    """64 simulated ranks. The running plan is the (ideal-runtime) search's best: the native model finds one 2.9 %
     faster (data-parallel ends instead of a tp4 embedding, whose re-layout into the blocks costs a 64-rank
     gather in the backward), below the 10 % bar: no switch. A running plan that recomputes every block moves to
-    the plan without checkpointing (+22 %), keeping the loader's layout; with a 25 % bar it stays. With
+    the plan without checkpointing (+21 %), keeping the loader's layout; with a 25 % bar it stays. With
     collectives calibrated 20x slower no plan of the same loader layout beats the running one."""
     model, hw, best = _setup()
     assert [s.short() for s in best.layers] == ["dp64·zero2"] * 8 and best.embed.short() == "tp4·dp16·zero2"
     same = replan_search(best, model, hw, 16e9, 0.02)
     assert same.plan is None and same.current_s == pytest.approx(10.580e-3, rel=1e-3)
-    assert same.best_s == pytest.approx(10.222e-3, rel=1e-3)
+    assert same.best_s == pytest.approx(10.277e-3, rel=1e-3)
     ckpt = best.with_(layers=(L(dp=64, checkpoint=True),) * 8)
     moved = replan_search(ckpt, model, hw, 16e9, 0.02)
     assert moved.plan is not None and loader_layout(moved.plan) == loader_layout(ckpt)
     assert [s.short() for s in moved.plan.layers] == ["dp64·zero2"] * 8
-    assert moved.current_s == pytest.approx(13.03e-3, rel=2e-3) and moved.best_s == pytest.approx(10.22e-3, rel=2e-3)
+    assert moved.current_s == pytest.approx(13.03e-3, rel=2e-3) and moved.best_s == pytest.approx(10.28e-3, rel=2e-3)
     from lightning_galv.auto import priced_hardware
 
     cost = GalvatronCostModel(model, priced_hardware(model, hw, 16e9), SearchSpace().default_embed_zero, runtime="native")
     assert cost.evaluate(ckpt).step_time_s == pytest.approx(moved.current_s, rel=1e-9)
     assert replan_search(ckpt, model, hw, 16e9, 0.02, min_gain=0.25).plan is None
-    assert "+22%" in moved.describe()
+    assert "+21%" in moved.describe()
     slow_comm = replan_search(best, model, hw, 16e9, 0.02, Calibration({}, comm_scale=20.0))
-    assert slow_comm.plan is None and slow_comm.current_s == pytest.approx(123.3e-3, rel=2e-3)
+    assert slow_comm.plan is None and slow_comm.current_s == pytest.approx(120.8e-3, rel=2e-3)
 
 
 def test_pristine_copy_holds_no_parameter_memory_and_restores_real_buffers() -> None:

@@ -280,6 +280,25 @@ def test_native_zero3_reduce_scatters_once_per_step_under_accumulation() -> None
     assert piped.bwd == pytest.approx(overlapped(bwd, 2 * comm, 1.0)) and piped.step_extra < single.step_extra
 
 
+def test_native_zero2_gathers_every_micro_batch_and_reduce_scatters_once_per_step() -> None:
+    """FSDP2 re-shards a ZeRO-2 unit after every backward, so it gathers before every micro-batch's forward (beside
+    the forward's compute), also while accumulating; the reduce-scatter runs in the last micro-batch's backward
+    only (tests/test_parity.py counts both in a 4-rank run). No gather in backward: that is ZeRO-3's."""
+    hw = hardware(bw=1e8)  # bf16 grads of 1 M params over 2 ranks: 10 ms per all-gather or reduce-scatter
+    cm = GalvatronCostModel(profile(), hw, runtime="native")
+    z2 = LayerStrategy(dp=2, zero=2)
+    one, accum = StageContext(2, 8, 1), StageContext(2, 8, 4)
+    fwd, bwd, comm = 4 * MS, 8 * MS, 10 * MS  # 1 / 2 ms per sample, b = 4
+    tail = comm / 4
+    single, acc = cm.layer_cost(0, z2, one), cm.layer_cost(0, z2, accum)
+    assert single.fwd == pytest.approx(overlapped(fwd, comm, 1.0)) and acc.fwd == pytest.approx(single.fwd)
+    assert single.bwd == pytest.approx(overlapped(bwd, comm - tail, 1.0))
+    assert acc.bwd == pytest.approx(bwd)  # nothing to reduce before the last micro-batch
+    assert acc.step_extra - single.step_extra == pytest.approx(overlapped(bwd, comm - tail, 1.0) - bwd)
+    z3 = cm.layer_cost(0, LayerStrategy(dp=2, zero=3), one)
+    assert z3.bwd == pytest.approx(overlapped(bwd, 2 * comm - tail, 1.0))  # ZeRO-3 gathers again for backward
+
+
 def test_fsdp_overhead_scaled_by_the_ranks_parameter_share() -> None:
     lt = profile().layer(0)
     over = {"zero3": {"forward": TimeFit(2 * MS, 0.0), "backward": TimeFit(4 * MS, 0.0)},
@@ -295,7 +314,10 @@ def test_fsdp_overhead_scaled_by_the_ranks_parameter_share() -> None:
     assert with_tp.fwd - base_tp.fwd == pytest.approx(1 * MS)  # half the layer's parameters on this rank
     z2 = _layer_cost(GalvatronCostModel(prof, hw, runtime="native"), LayerStrategy(dp=2, zero=2))
     z2_base = _layer_cost(GalvatronCostModel(profile(), hw, runtime="native"), LayerStrategy(dp=2, zero=2))
-    assert z2.step_extra - z2_base.step_extra == pytest.approx(2 * MS)  # once per step, not per micro-batch
+    # ZeRO-2 too gathers in every micro-batch (FSDP2 re-shards after each backward, also while accumulating):
+    # its overhead is a micro-batch's, like ZeRO-3's, not a step's
+    assert z2.fwd - z2_base.fwd == pytest.approx(1 * MS) and z2.bwd - z2_base.bwd == pytest.approx(1 * MS)
+    assert z2.step_extra == pytest.approx(z2_base.step_extra)
     # the ideal (textbook) runtime has no FSDP2 to pay for
     assert _layer_cost(GalvatronCostModel(prof, hw), LayerStrategy(dp=2, zero=3)).fwd == pytest.approx(
         _layer_cost(GalvatronCostModel(profile(), hw), LayerStrategy(dp=2, zero=3)).fwd)
@@ -421,6 +443,9 @@ def test_native_embedding_gradient_sync_waits_for_the_end_of_backward() -> None:
     assert cm.end_cost(zero0, ctx, True, False).step_extra == pytest.approx(allreduce)  # all of it, exposed
     tail = allreduce * last_bucket_share(5_000_000 * 2.0, 4)
     assert cm.end_cost(zero0, ctx, False, True).step_extra == pytest.approx(tail + 0.5 * (allreduce - tail))
-    # ZeRO-2: the reduce-scatter (half an all-reduce's volume) exposed; the all-gather overlapped at slowdown 1.5
+    # ZeRO-2: the reduce-scatter (half an all-reduce's volume) exposed once per step; the all-gather runs before
+    # the forward, overlapped with it at slowdown 1.5 (FSDP2 gathers in every micro-batch's forward)
     half = allreduce / 2
-    assert cm.end_cost(LayerStrategy(dp=2, zero=2), ctx, True, False).step_extra == pytest.approx(half + 0.5 * half)
+    z2, z0 = cm.end_cost(LayerStrategy(dp=2, zero=2), ctx, True, False), cm.end_cost(zero0, ctx, True, False)
+    assert z2.step_extra == pytest.approx(half)
+    assert z2.fwd - z0.fwd == pytest.approx(0.5 * half) and z2.bwd == pytest.approx(z0.bwd)

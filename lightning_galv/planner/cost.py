@@ -711,10 +711,7 @@ class GalvatronCostModel(CostModel):
         if over is not None:  # FSDP2's own work around its collectives, on this rank's share of the layer
             share = local_params / lt.params
             of, ob = over["forward"](b, m.seq_len) * share, over["backward"](b, m.seq_len) * share
-            if s.zero == 3:  # every micro-batch gathers again
-                fwd_t, bwd_t = fwd_t + of, bwd_t + ob
-            else:  # ZeRO-2 gathers once per step and reduce-scatters on the last micro-batch
-                extra += of + ob
+            fwd_t, bwd_t = fwd_t + of, bwd_t + ob  # every micro-batch gathers again (ZeRO-2 and -3 alike)
         if native:
             extra += dtensor_step_overhead(lt, s, d)
         states = 0.0
@@ -750,9 +747,10 @@ class GalvatronCostModel(CostModel):
         with the compute (they queue on the same link), each pays its own latency. ``overlap_sync``: the
         native runtime's ZeRO-0/1 all-reduces run beside the last backward (no pipeline, see
         ``parallel.data_parallel.GradientSync``). ``accumulates``: gradient accumulation without a pipeline,
-        where the runtime turns gradient sync off for all but the last micro-batch -- ZeRO-3 units then
-        gather in every micro-batch but reduce-scatter only in the last one's backward (FSDP2's
-        ``set_requires_gradient_sync``), so that reduce-scatter is a per-step cost, not a per-micro-batch one.
+        where the runtime turns gradient sync off for all but the last micro-batch -- ZeRO-2/3 units then
+        gather in every micro-batch (FSDP2 re-shards after each backward) but reduce-scatter only in the last
+        one's backward (FSDP2's ``set_requires_gradient_sync``), so that reduce-scatter is a per-step cost,
+        not a per-micro-batch one.
         ``tail_share``: the share of these collectives that waits for the end of backward, when the caller knows
         it (the embedding's: all); default: a block's (:func:`last_bucket_share`, 1/layers under FSDP2)."""
         hw = self.hw
@@ -778,13 +776,20 @@ class GalvatronCostModel(CostModel):
             nb = grad_bytes / pieces  # ``pieces`` equal collectives over the group (FSDP2 per expert)
             if zero == 1 and native:  # owners broadcast updated parameters (data.OptimizerStateSharding)
                 extra += pieces * hw.collective_time("allgather", nb, d, stride)
-            if zero == 3:
-                gather = pieces * zero3_gather_time(hw, nb, d, stride)
+            if zero == 3 or (zero == 2 and native):
+                # FSDP2 unit: all-gather before every micro-batch's forward (ZeRO-2 too: FSDP2 re-shards after
+                # every backward, also while accumulating), again before backward for ZeRO-3 (re-sharded after
+                # forward); reduce-scatter in backward -- every micro-batch's, or only the last one's when
+                # accumulating without a pipeline
+                if zero == 3:
+                    gather = pieces * zero3_gather_time(hw, nb, d, stride)
+                else:
+                    gather = pieces * hw.collective_time("allgather", nb, d, stride)
                 fwd_comm += gather
                 scatter = pieces * hw.collective_time("reducescatter", nb, d, stride)
                 tail = scatter * rs_tail_share
                 exposed += tail
-                bwd_comm += gather + (0.0 if accumulates else scatter - tail)
+                bwd_comm += (gather if zero == 3 else 0.0) + (0.0 if accumulates else scatter - tail)
                 last_rs += scatter - tail if accumulates else 0.0
                 gathered = True
             elif native and zero <= 1:  # data.GradientSync: bucketed all-reduces, during or after the last backward
@@ -794,12 +799,6 @@ class GalvatronCostModel(CostModel):
                     sync_bytes += grad_bytes
                 else:
                     extra += pieces * bucketed_allreduce_time(hw, nb, d, stride)
-            elif native:  # ZeRO-2 with FSDP2: parameters gathered before forward, gradients reduce-scattered in backward
-                scatter = pieces * hw.collective_time("reducescatter", nb, d, stride)
-                tail = scatter * rs_tail_share
-                exposed += tail
-                last_comm += pieces * hw.collective_time("allgather", nb, d, stride) + scatter - tail
-                overlapped_last = True
             else:
                 last_comm += pieces * dp_sync_bytes_time(hw, nb, d, stride)
                 overlapped_last = True
