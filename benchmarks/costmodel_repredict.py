@@ -55,6 +55,29 @@ def repredict(data: list[dict], profiles: list[dict]) -> list[tuple[str, str, fl
     return out
 
 
+def phases(data: list[dict], profiles: list[dict]) -> list[tuple[str, list[float]]]:
+    """Per plan without a pipeline, medians over launches (ms, at profile speed): fwd+bwd stored prediction, now,
+    measured; per-step part stored prediction, now, measured."""
+    cases = {n: Case(n, p, CFG, SEQ) for n, p in plans()} | {c.name: c for c in heldout_cases()}
+    out = []
+    for r in data:
+        case = cases[r["name"]]
+        runs = [x for x in r["runs"] if x.get("pfb") is not None and x.get("ph")]
+        if case.plan.pp > 1 or not runs:
+            continue
+        cols: list[list[float]] = [[] for _ in range(6)]
+        for run in runs:
+            m, h = profiles[run["launch"]][str(r["world"])][:2]
+            pred = GalvatronCostModel(profile_for(_load(m, ModelProfile), case), _load(h, HardwareProfile),
+                                      runtime="native").evaluate(case.plan)
+            vals = (run["pfb"], pred.stage_mb_time_s[0] * case.plan.micro_batches, run["ph"][0],
+                    run["pex"], pred.stage_extra_s[0], run["ph"][1] + run["ph"][2])
+            for c, v in zip(cols, vals):
+                c.append(v * 1e3)
+        out.append((r["name"], [statistics.median(c) for c in cols]))
+    return out
+
+
 def _rel(path: str) -> str:
     """A path as the repository names it, when it is inside the repository."""
     p = Path(path).resolve()
@@ -78,7 +101,13 @@ def main() -> None:
     ap.add_argument("--section", default="costmodel_repredict", help="RESULTS.md section to (re)write")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
-    rows = repredict(json.loads(Path(args.data).read_text()), json.loads(Path(args.profiles).read_text()))
+    data, profs = json.loads(Path(args.data).read_text()), json.loads(Path(args.profiles).read_text())
+    rows = repredict(data, profs)
+    ph = phases(data, profs)
+    ph_lines = ["| plan | fwd+bwd predicted: stored / now | measured | per step predicted: stored / now | measured |",
+                "|---|---|---|---|---|"]
+    ph_lines += [f"| {n} | {v[0]:.0f} / {v[1]:.0f} ms | {v[2]:.0f} ms | {v[3]:.0f} / {v[4]:.0f} ms | {v[5]:.0f} ms |"
+                 for n, v in ph]
     lines = ["| plan | held out | stored run's error | re-predicted now |", "|---|---|---|---|"]
     lines += [f"| {n} | {h or '-'} | {a * 100:+.1f}% | {b * 100:+.1f}% |" for n, h, a, b in rows]
     body = "\n".join([
@@ -93,6 +122,12 @@ def main() -> None:
         *lines,
         "",
         f"Stored: {summary(rows, 2)}. Now: {summary(rows, 3)}.",
+        *(["",
+           "Where the time goes (plans without a pipeline; medians over launches at profile speed): the prediction's "
+           "micro-batch part (fwd+bwd) and per-step part against the stored measured phases. A stored run measured "
+           "each phase on its own slowest rank (runs before 39e90d2), which counts the ranks' skew into the "
+           "per-step part of data-parallel plans too (benchmarks/sync_wait.py); later runs measure along the "
+           "critical path.", "", *ph_lines] if ph else []),
     ])
     print(body)
     if not args.no_write:
