@@ -229,16 +229,17 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
         every = [torch.zeros_like(own) for _ in range(dist.get_world_size())]
         dist.all_gather(every, own)
         every_t = torch.stack(every)  # (ranks, 4)
-        first_start = every_t[:, 0].min()
         last = every_t[:, 1:].max(dim=0).values  # (3,): latest backward end, sync end, optimizer end
         if i >= warmup:
-            # a step ends when the slowest rank ends. Phases along the critical path, so that they add up: fwd+bwd
-            # until the last rank's backward ends, then what the sync still takes after that (its tail), then the
-            # optimizer. (Each phase's own slowest rank would count the ranks' skew twice: the rank that ends
-            # backward first waits longest for the sync -- benchmarks/sync_wait.py.)
-            times.append(float((every_t[:, 3] - every_t[:, 0]).max()))
+            # a step ends when the slowest rank ends. Phases along the critical path, so that they add up to the
+            # step: what the sync still takes after the last rank's backward ends (its tail), the optimizer after
+            # that, and fwd+bwd = the rest. (Each phase's own slowest rank would count the ranks' skew twice: the
+            # rank that ends backward first waits longest for the sync -- benchmarks/sync_wait.py.)
+            step = float((every_t[:, 3] - every_t[:, 0]).max())
+            tail, opt_t = float(last[1] - last[0]), float(last[2] - last[1])
+            times.append(step)
             probes.append(p)
-            phases.append([float(last[0] - first_start), float(last[1] - last[0]), float(last[2] - last[1])])
+            phases.append([step - tail - opt_t, tail, opt_t])
             marks_all.append(every_t.tolist())
     dist.barrier()
     rss_peak = _status_kib("VmHWM") - rss0 if track_memory else float("nan")  # before MemTracker's own bookkeeping

@@ -16,7 +16,8 @@ Vocabulary (following Galvatron, VLDB'23):
   Ulysses sequence-parallel group when ``sp == "ulysses"`` (weights replicated, attention heads
   exchanged by all-to-all).
 * ``zero``: 0 = replicated DP, 1 = sharded optimizer state, 2 = + sharded gradients (parameters
-  gathered once per step), 3 = + parameters re-sharded after forward.
+  kept gathered from forward through backward, re-sharded after it: gathered in every micro-batch),
+  3 = + parameters re-sharded after forward (gathered again for backward).
 """
 
 from __future__ import annotations

@@ -114,9 +114,10 @@ def _cases_moe() -> list[tuple[str, dict, dict]]:
         ("moe_ep2", moe(L(dp=4, ep=2)), kw),
         ("moe_ep4_zero3", moe(L(dp=4, ep=4, zero=3)), kw),
         ("moe_ep2_zero1", moe(L(dp=4, ep=2, zero=1), dense=L(tp=2, dp=2)), kw),
-        ("moe_ep2_zero2_accum_clip", moe(L(dp=4, ep=2, zero=2)), {**kw, "accumulate": 2, "clip": 0.05}),
+        # the three heaviest cases (a minute or more each on 2 cores) take 4-5 steps instead of 10
+        ("moe_ep2_zero2_accum_clip", moe(L(dp=4, ep=2, zero=2)), {**kw, "accumulate": 2, "clip": 0.05, "steps": 5}),
         ("moe_ep2_attn_tp2", moe(L(tp=2, dp=2, ep=2), edge=L(tp=2, dp=2)), kw),
-        ("moe_ep2_megatron_ckpt", moe(L(tp=2, dp=2, sp="megatron", ep=2, checkpoint=True)), kw),
+        ("moe_ep2_megatron_ckpt", moe(L(tp=2, dp=2, sp="megatron", ep=2, checkpoint=True)), {**kw, "steps": 5}),
         ("moe_ep4_ulysses_value_clip", moe(L(tp=2, dp=2, sp="ulysses", ep=4)),
          {**kw, "clip": 0.01, "clip_algorithm": "value"}),
     ]
@@ -131,7 +132,7 @@ def _cases_moe_pp() -> list[tuple[str, dict, dict]]:
                                      micro_batches=2, embed=L(dp=2), head=L(dp=2)).to_dict(), moe),
         ("moe_pp2_1f1b_accum", ParallelPlan(4, (L(tp=2), L(dp=2), L(dp=2, ep=2), L(tp=2, sp="megatron")), pp=2,
                                             micro_batches=4, embed=L(dp=2), head=L(dp=2)).to_dict(),
-         {**moe, "accumulate": 2, "global_batch": 16}),
+         {**moe, "accumulate": 2, "global_batch": 16, "steps": 4}),  # 4 steps = 32 micro-batches per stage
     ]
 
 

@@ -297,6 +297,16 @@ def test_native_zero2_gathers_every_micro_batch_and_reduce_scatters_once_per_ste
     assert acc.step_extra - single.step_extra == pytest.approx(overlapped(bwd, comm - tail, 1.0) - bwd)
     z3 = cm.layer_cost(0, LayerStrategy(dp=2, zero=3), one)
     assert z3.bwd == pytest.approx(overlapped(bwd, 2 * comm - tail, 1.0))  # ZeRO-3 gathers again for backward
+    piped = cm.layer_cost(0, z2, StageContext(2, 8, 4, pp=2))  # a stage reduce-scatters after every micro-batch
+    assert piped.fwd == pytest.approx(single.fwd) and piped.bwd == pytest.approx(overlapped(bwd, comm, 1.0))
+    # the ends too: a ZeRO-2 head accumulating without a pipeline reduce-scatters in the last backward only
+    head = LayerStrategy(dp=2, zero=2)
+    prof = profile().with_(head_params=1_000_000, head_forward=TimeFit(0.0, 1 * MS / SEQ))  # 4 ms fwd, 8 ms bwd
+    ends = GalvatronCostModel(prof, hardware(bw=5e7), runtime="native")  # 20 ms reduce-scatter: not hidden
+    h_one, h_acc = ends.end_cost(head, one, False, True), ends.end_cost(head, accum, False, True)
+    h_plain = GalvatronCostModel(prof, hardware(bw=1e30), runtime="native").end_cost(head, one, False, True)
+    assert h_acc.fwd == pytest.approx(h_one.fwd) and h_acc.bwd == pytest.approx(h_plain.bwd)
+    assert h_one.bwd > h_plain.bwd and h_acc.step_extra > h_one.step_extra
 
 
 def test_fsdp_overhead_scaled_by_the_ranks_parameter_share() -> None:

@@ -582,8 +582,9 @@ class GalvatronCostModel(CostModel):
     """Layer-wise time and memory following Galvatron (VLDB'23) and Galvatron-BMW (TKDE'24).
 
     Differences from Galvatron's own model, on purpose: backward time comes from the profile (not
-    assumed 2x forward); gradient sync overlaps only the *last* micro-batch's backward (with gradient
-    accumulation it runs once per step); the optimizer step is priced by memory bandwidth, so larger
+    assumed 2x forward); with gradient accumulation (no pipeline) gradient sync runs once per step and
+    overlaps only the *last* micro-batch's backward (under a pipeline, FSDP2 units reduce-scatter in every
+    micro-batch's backward); the optimizer step is priced by memory bandwidth, so larger
     batches amortize it; in-flight micro-batches follow the schedule.
     """
 
@@ -732,11 +733,11 @@ class GalvatronCostModel(CostModel):
         return LayerCost(fwd_t, bwd_t, extra, states, act, transient)
 
     def _data_parallel(self, local_params: float, zero: int, d: int, stride: int, fwd: float,
-                       bwd: float, overlap_sync: bool = False, tail_share: float | None = None
-                       ) -> tuple[float, float, float]:
+                       bwd: float, overlap_sync: bool = False, tail_share: float | None = None,
+                       accumulates: bool = False) -> tuple[float, float, float]:
         """(fwd, bwd, per-step extra) once this rank's ``local_params`` are data parallel over ``d`` ranks."""
         return self._data_parallel_groups([(local_params, d, stride, 1)], zero, fwd, bwd, overlap_sync,
-                                          tail_share=tail_share)
+                                          accumulates=accumulates, tail_share=tail_share)
 
     def _data_parallel_groups(self, groups: list[tuple[float, int, int, int]], zero: int, fwd: float,
                               bwd: float, overlap_sync: bool = False,
@@ -761,7 +762,7 @@ class GalvatronCostModel(CostModel):
         gathered = overlapped_last = False
         sync_comm = 0.0  # native ZeRO-0/1 all-reduces launched asynchronously during the last backward
         sync_bytes = 0.0  # their gradient bytes on this rank
-        last_rs = 0.0  # ZeRO-3 reduce-scatters that only the last micro-batch's backward runs (``accumulates``)
+        last_rs = 0.0  # ZeRO-2/3 reduce-scatters that only the last micro-batch's backward runs (``accumulates``)
         # FSDP2 (ZeRO-2/3, one unit per layer) reduce-scatters each unit's gradients when its backward ends; the
         # last unit's has no backward left to hide behind: each layer pays 1/layers of its own in full (no
         # pipeline: the stage is the whole model; under a pipeline the schedule's timing is kept as it was)
@@ -860,6 +861,9 @@ class GalvatronCostModel(CostModel):
         if last:  # logits gathered (default) or vocab-parallel loss
             head_t, head_share = vocab_parallel_head(hw, b * seq * m.shape.vocab_size * m.act_dtype_bytes, b * seq,
                                                      s.tp, 1 if s.tp_consecutive else s.dp, vocab_parallel_loss)
+        # as for a block (see layer_cost): ZeRO-2/3 ends reduce-scatter only in the last micro-batch's backward
+        # when accumulating without a pipeline
+        overlap_sync, accumulates = self.context_key(ctx) or (False, False)
         # the embedding registers first, so its gradient is the last one backward makes: its all-reduce bucket
         # (ZeRO-0/1) or its FSDP2 unit's reduce-scatter waits for the end of backward, all of it
         for present, params, fit, act_per_sample, bwd_ratio, tail in (
@@ -870,8 +874,8 @@ class GalvatronCostModel(CostModel):
             local = params / s.tp
             f = sharded_compute(fit.const, fit(b, seq), s.tp)
             # embedding backward is a scatter-add; head backward = 2 matmuls (SC'21)
-            pf, pb, pe = self._data_parallel(local, s.zero, d, dp_stride, f, bwd_ratio * f,
-                                             self.runtime == "native" and ctx.pp == 1, tail)
+            pf, pb, pe = self._data_parallel(local, s.zero, d, dp_stride, f, bwd_ratio * f, overlap_sync, tail,
+                                             accumulates)
             fwd, bwd, extra = fwd + pf, bwd + pb, extra + pe
             states += local * state_bytes_per_param(s.zero, d, precision)
             act += act_per_sample * b * (head_share if last else 1.0)
