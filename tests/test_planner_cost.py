@@ -255,6 +255,41 @@ def test_native_zero_gradient_memory_follows_fsdp2() -> None:
         pytest.approx(cm.layer_cost(0, LayerStrategy(dp=g, zero=1), one).states)
 
 
+def test_native_zero_end_memory_follows_fsdp2() -> None:
+    """The embedding and head are FSDP2 units like the blocks (parallel/parallelize.py): their ZeRO-2 sharded
+    parameter copy and, when accumulating without a pipeline, their unsharded gradient are kept; the head's
+    gathered ZeRO-3 parameters and reduce-scatter buffers are alive when backward starts (the peak), the
+    embedding's are not. Before, the ends were priced with the textbook bytes only."""
+    el, g, n = 2.0, 2, 1_000_000
+    prof = profile().with_(head_params=n, embed_params=n)
+    native, ideal = GalvatronCostModel(prof, hardware(), runtime="native"), GalvatronCostModel(prof, hardware())
+    one, accum, piped = StageContext(2, 8, 1), StageContext(2, 8, 4), StageContext(2, 8, 4, pp=2, stage=0)
+    z2, z3 = LayerStrategy(dp=g, zero=2), LayerStrategy(dp=g, zero=3)
+    for first, last in ((True, False), (False, True)):
+        def extra(s: LayerStrategy, ctx: StageContext) -> float:  # kept + the head's transient at the peak
+            a, b = native.end_cost(s, ctx, first, last), ideal.end_cost(s, ctx, first, last)
+            assert b.transient == 0.0 and (a.transient == 0.0 or last or ctx.pp > 1)
+            return a.states + a.transient - b.states
+        held = n * el * (1 - 1 / g) + 2 * n * el if last else 0.0  # the head's gathered copy + its buffers
+        assert extra(z2, one) == pytest.approx(n * el / g + (2 * n * el if last else 0.0))
+        assert extra(z3, one) == pytest.approx(held)
+        assert extra(z2, accum) == pytest.approx(n * el / g + n * el + (n * el if last else 0.0))
+        assert extra(z3, accum) == pytest.approx(n * el + (n * el * (1 - 1 / g) + n * el if last else 0.0))
+        # a pipeline stage reduce-scatters every micro-batch: nothing accumulates unsharded; its embedding runs
+        # while other micro-batches' activations are alive, so its buffers count at the peak too
+        assert extra(z2, piped) == pytest.approx(n * el / g + 2 * n * el)
+        # tensor-parallel ends: FSDP2 shards each rank's 1/tp slice
+        tp2 = LayerStrategy(tp=2, dp=g, zero=2)
+        assert extra(tp2, one) == pytest.approx((n / 2) * el / g + (2 * (n / 2) * el if last else 0.0))
+        for zero in (0, 1):
+            assert extra(LayerStrategy(dp=g, zero=zero), accum) == 0.0
+    # the plan's peak counts them once (stage_fixed adds the ends' memory)
+    plan = ParallelPlan(world_size=g, layers=(LayerStrategy(dp=g),) * 4, pp=1, global_batch=8, micro_batches=4,
+                        embed=z3, head=z3)
+    assert native.evaluate(plan).peak_memory_bytes - ideal.evaluate(plan).peak_memory_bytes == pytest.approx(
+        n * el + (n * el + n * el * (1 - 1 / g) + n * el))  # embedding's kept gradient + the head's
+
+
 def test_native_zero3_reduce_scatters_once_per_step_under_accumulation() -> None:
     """Gradient accumulation without a pipeline turns gradient sync off for all but the last micro-batch: a ZeRO-3
     unit gathers in every micro-batch's forward and backward but reduce-scatters only in the last backward

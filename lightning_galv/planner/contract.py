@@ -232,7 +232,7 @@ def stage_fixed_sees_only_its_ends(p: Probe) -> Iterator[str]:
 
 def dominated_ends_stay_dominated(p: Probe) -> Iterator[str]:
     """If one end strategy is no worse than another in ``end_cost`` (time, per-step extra, states,
-    activations) and has the same dp, the stage's fixed part with it is no worse either -- so the search
+    activations, transient) and has the same dp, the stage's fixed part with it is no worse either -- so the search
     may drop the dominated one. (Same dp: a pipeline stage also sends activations sized by the embedding's
     dp, which ``end_cost`` does not include.)"""
     S, mb, m = p.stage_size, p.micro_batch, p.micro_batches
@@ -240,7 +240,7 @@ def dominated_ends_stay_dominated(p: Probe) -> Iterator[str]:
     h0 = p.ends[0]
     for first in (True, False):
         vec = {e: p.cost.end_cost(e, ctx, first, not first) for e in p.ends}
-        cols = {e: (c.fwd + c.bwd, c.step_extra, c.states, c.act) for e, c in vec.items()}
+        cols = {e: (c.fwd + c.bwd, c.step_extra, c.states, c.act, c.transient) for e, c in vec.items()}
         stages = [StageContext(S, mb, m), StageContext(S, mb, m, 2, 0 if first else 1)]
         for a in p.ends:
             for b in p.ends:

@@ -61,7 +61,8 @@ class LayerCost:
     step_extra: float  # s per step: gradient sync not hidden by backward + optimizer step
     states: float  # bytes: parameters, gradients, optimizer states
     act: float  # bytes of activations kept per in-flight micro-batch
-    transient: float = 0.0  # bytes briefly alive while recomputing a checkpointed layer
+    transient: float = 0.0  # bytes briefly alive: a block's recompute / FSDP2 peak (the largest counts), the head's
+    # FSDP2 bytes at the start of backward (stage_fixed adds them to the peak)
 
     def step_time(self, m: int) -> float:
         return m * (self.fwd + self.bwd) + self.step_extra
@@ -104,7 +105,8 @@ class CostModel(ABC):
     * :meth:`end_cost` -- embedding and head alone, so the search can drop dominated end strategies
       before trying them on every stage.
     * :meth:`stage_fixed` -- the fixed part of one stage's time and memory (ends, pipeline sends,
-      framework bytes): what is left of the budget for the layers.
+      framework bytes): what is left of the budget for the layers. Unlike a layer's ``transient`` (only the
+      largest counts), an end's is added in full: it is alive at the stage's peak.
     * :meth:`backward_freed` -- memory released before the blocks' backward, which a recomputing
       block can reuse (default: the head's activations on the last stage).
     * :meth:`boundary_time` -- re-layouts at a pipeline chunk's edges (embedding into the first block, the
@@ -704,7 +706,6 @@ class GalvatronCostModel(CostModel):
             bwd_t += moe_b + (moe_f if s.checkpoint else 0.0)
         groups = self._param_groups(lt, s, d, dp_stride)
         local_params = groups[0][0] if len(groups) == 1 else groups[0][0] + groups[1][0]
-        grad_el = 4.0 if m.precision == "fp32" else 2.0
         precision = "fp32" if m.precision == "fp32" else "mixed"
         fwd_t, bwd_t, extra = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t, overlap_sync, accumulates)
         native = self.runtime == "native"
@@ -721,16 +722,35 @@ class GalvatronCostModel(CostModel):
         act = (lt.activation(t, s.sp, s.checkpoint) if lt.moe is None else self._activation(lt, s, s.checkpoint)) * b
         # recomputing a checkpointed layer briefly holds its activations again (+ gradient temporaries)
         transient = max(0.0, self._recompute_peak(lt, s) * b - act) if s.checkpoint else 0.0
+        kept, held = self._fsdp_bytes(groups, s.zero, accumulates, gathered_units=2)
+        return LayerCost(fwd_t, bwd_t, extra, states + kept, act, transient + held)
+
+    def _fsdp_bytes(self, groups: list[tuple[float, int, int, int]], zero: int, accumulates: bool,
+                    gathered_units: int) -> tuple[float, float]:
+        """(kept, transient) bytes the native runtime's FSDP2 units hold beyond the textbook ZeRO accounting of
+        :func:`state_bytes_per_param`, for this rank's parameter ``groups`` (see :meth:`_param_groups`).
+
+        Kept through the step's peak: a ZeRO-2 unit's sharded parameter next to the gathered one it keeps
+        from forward to backward; under accumulation without a pipeline, the unsharded gradient (no
+        reduce-scatter before the last micro-batch: FSDP2 accumulates it beside the sharded one). Transient,
+        while the unit runs: ``gathered_units`` gathered copies of a ZeRO-3 unit's parameters (a block: its
+        own + the prefetched neighbour's) and the post-backward reduce-scatter buffers
+        (:func:`zero_post_backward_bytes`)."""
+        if self.runtime != "native" or zero < 2:
+            return 0.0, 0.0
+        el = 4.0 if self.model.precision == "fp32" else 2.0
+        kept = transient = 0.0
         for p, g, _, _ in groups:
-            if native and g > 1 and s.zero == 2:  # FSDP2: sharded parameter + the gathered one it keeps
-                states += p * grad_el / g
-            if native and g > 1 and s.zero == 3:  # FSDP2: gathered params of this layer + the prefetched one
-                transient += 2.0 * (p * grad_el) * (1.0 - 1.0 / g)
-            if native and g > 1 and s.zero >= 2:
-                if accumulates:  # no reduce-scatter before the last micro-batch: FSDP2 accumulates the unsharded
-                    states += p * grad_el  # gradient beside the sharded one in ``states`` (kept, or re-made unit by unit)
-                transient += zero_post_backward_bytes(p * grad_el, accumulates)
-        return LayerCost(fwd_t, bwd_t, extra, states, act, transient)
+            if g <= 1:
+                continue
+            if zero == 2:
+                kept += p * el / g
+            else:
+                transient += gathered_units * (p * el) * (1.0 - 1.0 / g)
+            if accumulates:
+                kept += p * el
+            transient += zero_post_backward_bytes(p * el, accumulates)
+        return kept, transient
 
     def _data_parallel(self, local_params: float, zero: int, d: int, stride: int, fwd: float,
                        bwd: float, overlap_sync: bool = False, tail_share: float | None = None,
@@ -853,7 +873,7 @@ class GalvatronCostModel(CostModel):
         m, hw = self.model, self.hw
         b = ctx.micro_batch / s.dp
         seq = m.seq_len
-        fwd = bwd = extra = states = act = 0.0
+        fwd = bwd = extra = states = act = peak_transient = 0.0
         precision = "fp32" if m.precision == "fp32" else "mixed"
         d = s.dp
         dp_stride = s.tp if (s.tp_consecutive and s.tp > 1) else 1
@@ -866,9 +886,9 @@ class GalvatronCostModel(CostModel):
         overlap_sync, accumulates = self.context_key(ctx) or (False, False)
         # the embedding registers first, so its gradient is the last one backward makes: its all-reduce bucket
         # (ZeRO-0/1) or its FSDP2 unit's reduce-scatter waits for the end of backward, all of it
-        for present, params, fit, act_per_sample, bwd_ratio, tail in (
-                (first, m.embed_params, m.embed_forward, m.embed_act_bytes, 1.0, 1.0),
-                (last, m.head_params, m.head_forward, m.head_act_bytes, 2.0, None)):
+        for present, params, fit, act_per_sample, bwd_ratio, tail, at_peak in (
+                (first, m.embed_params, m.embed_forward, m.embed_act_bytes, 1.0, 1.0, False),
+                (last, m.head_params, m.head_forward, m.head_act_bytes, 2.0, None, True)):
             if not present:
                 continue
             local = params / s.tp
@@ -878,10 +898,18 @@ class GalvatronCostModel(CostModel):
                                              accumulates)
             fwd, bwd, extra = fwd + pf, bwd + pb, extra + pe
             states += local * state_bytes_per_param(s.zero, d, precision)
+            # FSDP2's own bytes (as for a block, :meth:`_fsdp_bytes`). The head's transient ones (its gathered
+            # ZeRO-3 parameters, its reduce-scatter buffers) are alive when backward starts, with every
+            # micro-batch's activations -- the stage's peak -- so :meth:`stage_fixed` adds them to the peak. Without
+            # a pipeline the embedding gathers and reduces when no activations are left (or none yet): only its kept
+            # bytes count; under a pipeline stage 0 runs it while other micro-batches' activations are alive.
+            kept, held = self._fsdp_bytes([(local, d, dp_stride, 1)], s.zero, accumulates, gathered_units=1)
+            states += kept
+            peak_transient += held if (at_peak or not overlap_sync) else 0.0
             act += act_per_sample * b * (head_share if last else 1.0)
         embed_t = vocab_parallel_embedding_comm(hw, b * seq * m.shape.hidden * m.act_dtype_bytes, s.tp,
                                                 1 if s.tp_consecutive else s.dp) if first else 0.0
-        return LayerCost(fwd + head_t + embed_t, bwd, extra, states, act)
+        return LayerCost(fwd + head_t + embed_t, bwd, extra, states, act, peak_transient)
 
     def stage_fixed(self, plan_embed: LayerStrategy, plan_head: LayerStrategy, ctx: StageContext,
                     vocab_parallel_loss: bool = False) -> tuple[float, float, float]:
@@ -900,7 +928,7 @@ class GalvatronCostModel(CostModel):
         for c in costs:
             mb_t += c.fwd + c.bwd
             extra += c.step_extra
-            mem += c.memory(inflight)
+            mem += c.memory(inflight) + c.transient  # an end's transient is the head's, alive at the peak (end_cost)
         if ctx.pp > 1:  # send activations forward and gradients backward across each stage boundary
             # p2p carries the boundary layer's local shard; use the stage size as the shard count bound
             sample = self.model.seq_len * self.model.shape.hidden * self.model.act_dtype_bytes

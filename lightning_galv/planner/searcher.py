@@ -226,7 +226,7 @@ class Searcher:
         if hit is not None:
             return hit
         cs = [self.cost.end_cost(e, ctx, first, not first, self.space.vocab_parallel_loss) for e in opts]
-        vec = np.array([[c.fwd + c.bwd, c.step_extra, c.states, c.act] for c in cs]).reshape(len(cs), 4)
+        vec = np.array([[c.fwd + c.bwd, c.step_extra, c.states, c.act, c.transient] for c in cs]).reshape(len(cs), 5)
         keep = [e for e, kept in zip(opts, pareto_keep(vec.T)) if kept]
         self.edge_cache[key] = keep
         return keep
