@@ -422,3 +422,26 @@ def test_plan_show_prints_ep(capsys: pytest.CaptureFixture[str]) -> None:
     assert "dp4·ep4·zero1" in out and "ulysses2·dp2·ep2" in out and "expert parallel: layers 1, 3" in out
     plan = ParallelPlan.load(ROOT / "recipes/plans/moe_ep4.yaml")
     assert ParallelPlan.from_yaml(plan.to_yaml()) == plan and plan.layers[1].ep == 4
+
+
+def test_native_zero2_experts_gather_per_expert_every_micro_batch() -> None:
+    """Native runtime, ZeRO-2 with ep > 1: FSDP2 shards each local expert on its own over the expert-data group
+    (parallel/parallelize.py), so the forward all-gathers the dense part once over the data group and each of the
+    E/ep local experts separately over the |D|/ep ranks ep apart -- in every micro-batch, accumulating or not
+    (FSDP2 re-shards after each backward); the reduce-scatters run only in the last micro-batch's backward when
+    accumulating without a pipeline."""
+    hw = a100()
+    cm = GalvatronCostModel(mixtral(), hw, runtime="native")
+    ep, dense, el = 4, ATTN + NORMS + ROUTER, 2.0
+    pieces, experts = 8 // ep, 8 // ep * EXPERT
+    one, accum = CTX, StageContext(64, 64, 4)
+    for ctx in (one, accum):
+        z0, z2 = cm.layer_cost(0, LayerStrategy(dp=64, ep=ep), ctx), cm.layer_cost(0, LayerStrategy(dp=64, ep=ep, zero=2), ctx)
+        gather = hw.collective_time("allgather", el * dense, 64, 1) + \
+            pieces * hw.collective_time("allgather", el * experts / pieces, 64 // ep, ep)
+        assert z2.fwd == pytest.approx(overlapped(z0.fwd, gather, hw.overlap_slowdown), rel=1e-9)
+    acc0 = cm.layer_cost(0, LayerStrategy(dp=64, ep=ep), accum)
+    acc2 = cm.layer_cost(0, LayerStrategy(dp=64, ep=ep, zero=2), accum)
+    assert acc2.bwd == pytest.approx(acc0.bwd, rel=1e-9)  # no reduce-scatter before the last micro-batch
+    single2 = cm.layer_cost(0, LayerStrategy(dp=64, ep=ep, zero=2), one)
+    assert single2.bwd > cm.layer_cost(0, LayerStrategy(dp=64, ep=ep), one).bwd  # ... but every one without accumulation
