@@ -281,6 +281,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     gen = torch.Generator().manual_seed(123)
     losses, ref_losses, norm_errs, clipped = [], [], [], []
     fsdp_per_micro: list[tuple[int, int]] = []  # (all-gathers, reductions) of FSDP2 units per micro-step
+    # (per schedule run under a pipeline)
     grad_err: dict[str, float] = {}
     routing: list[dict[str, bool]] = []
     params = [p for p in model.parameters() if p.requires_grad]
@@ -306,7 +307,11 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
                 held = [p.grad for p in params]
                 for p in params:
                     p.grad = None
+                if counter is not None:
+                    counter.take()
                 loss, _ = rt.pipeline.run(xl, yl, scaled_loss, train=True)
+                if counter is not None:  # under a pipeline: per run of the schedule (all its micro-batches)
+                    fsdp_per_micro.append(counter.take())
                 for p, h in zip(params, held):
                     if h is not None:
                         p.grad = h if p.grad is None else p.grad + h

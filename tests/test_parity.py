@@ -261,6 +261,23 @@ def test_parity_4_ranks() -> None:
         assert r["zero2_accum"]["fsdp_per_micro"] == [(5, 0), (5, 5)] * 10, r["zero2_accum"]["fsdp_per_micro"]
         z3 = r["zero3_shared_root_accum"]["fsdp_per_micro"]
         assert z3 == [(10, 0), (10, 5)] * 10, z3
+    # under a pipeline (counted per schedule run of 2 micro-batches) every micro-batch's backward reduces -- no
+    # accumulation outside the schedule -- and a ZeRO-3 unit gathers for forward and backward, a ZeRO-2 one for
+    # forward only (the cost model's pp > 1 branch); a unit on a one-rank data group reduces without gathering. The
+    # first run gathers once more: the schedule's shape inference runs each stage's forward once.
+    def per_run(name: str, rank: int) -> list[tuple[int, int]]:
+        runs = results[rank][name]["fsdp_per_micro"]
+        assert runs and runs[0][1] == runs[1][1] and runs[0][0] >= runs[1][0], (name, rank, runs)
+        return runs[1:]
+    for rank in range(4):
+        # stage 0: one ZeRO-3 block over 2 ranks; stage 1: a tp=2 ZeRO-2 block on one-rank data groups
+        want = (4, 2) if rank < 2 else (0, 2)
+        assert per_run("sgd_foreach_pp2_zero3", rank) == [want] * 9, per_run("sgd_foreach_pp2_zero3", rank)
+        # MoE stage 1: ZeRO-2 over dp=2 for the dense part (gathers per micro-batch), 2 experts per rank each its own
+        # unit on a one-rank expert-data group (ep=2 of dp=2): 3 reductions per micro-batch
+        want = (0, 0) if rank < 2 else (2, 6)
+        runs = per_run("moe_pp2_ep2", rank)
+        assert runs and all(x == want for x in runs), ("moe_pp2_ep2", rank, runs)
     for name, _, _ in _cases_vocab_loss():
         # the loss really got vocab-sharded logits (every step; under pp only on the last stage's ranks)
         seen = [r[name]["sharded_seen"] for r in results]
