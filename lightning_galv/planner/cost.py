@@ -62,7 +62,7 @@ class LayerCost:
     states: float  # bytes: parameters, gradients, optimizer states
     act: float  # bytes of activations kept per in-flight micro-batch
     transient: float = 0.0  # bytes briefly alive: a block's recompute / FSDP2 peak (the largest counts), the head's
-    # FSDP2 bytes at the start of backward (stage_fixed adds them to the peak)
+    # FSDP2 bytes at the start of backward, the embedding's under a pipeline (stage_fixed adds them to the peak)
 
     def step_time(self, m: int) -> float:
         return m * (self.fwd + self.bwd) + self.step_extra
@@ -928,7 +928,7 @@ class GalvatronCostModel(CostModel):
         for c in costs:
             mb_t += c.fwd + c.bwd
             extra += c.step_extra
-            mem += c.memory(inflight) + c.transient  # an end's transient is the head's, alive at the peak (end_cost)
+            mem += c.memory(inflight) + c.transient  # an end's transient is alive at the peak (end_cost)
         if ctx.pp > 1:  # send activations forward and gradients backward across each stage boundary
             # p2p carries the boundary layer's local shard; use the stage size as the shard count bound
             sample = self.model.seq_len * self.model.shape.hidden * self.model.act_dtype_bytes
