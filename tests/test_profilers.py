@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import replace
 from datetime import timedelta
 
@@ -214,3 +215,32 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     assert layer_compute(moe_t, "forward", s_ep, 2, 16) == ep_fit["forward"](2, 16)
     assert layer_compute(moe_t, "backward", s_ep, 2, 16) == ep_fit["backward"](2, 16)
     assert layer_compute(moe_t, "forward", s_dp, 2, 16) == moe_t.sharded["tp1/none"]["forward"](2, 16)
+
+
+def test_sharded_profiler_times_variants_interleaved(one_rank_group) -> None:
+    """A slow spell of the shared machine must not land on every sample of one variant: each round times
+    every (block, batch) once, rotated, round 0 only warms up, and each entry's median is over its own rounds.
+    (Before, a variant's repeats ran back to back: a profile run could price one sharding 30 % slow.)"""
+    from lightning_galv.planner.profiles import HardwareProfile
+    from lightning_galv.profiling.profilers import ShardedLayerProfiler
+
+    calls: list[str] = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self, name: str, delay: float) -> None:
+            super().__init__()
+            self.name, self.delay, self.w = name, delay, torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(self.name)
+            time.sleep(self.delay)
+            return x * self.w
+
+    shape = ModelShape(1, 4, 1, 1, 8, 8, 2)
+    prof = ShardedLayerProfiler(lambda: torch.nn.Linear(4, 4), shape, HardwareProfile.uniform(1, 1, 1e9),
+                                batch_sizes=(1,), repeats=3, progress=False)
+    fast, slow = Probe("a", 0.0), Probe("b", 0.02)
+    out = prof._time_interleaved([(fast, 1), (slow, 2), (fast, 2)])
+    assert calls == ["a", "b", "a", "b", "a", "a", "a", "a", "b", "a", "b", "a"]
+    assert len(out) == 3 and all(len(t) == 4 for t in out)
+    assert out[1][0] >= 0.02 > out[0][0] and out[2][0] < 0.02  # each entry's own samples

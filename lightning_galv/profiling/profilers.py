@@ -350,9 +350,10 @@ class ShardedLayerProfiler:
         from ..planner.profiles import act_key, time_key
 
         factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
-        sharded: dict[str, dict[str, TimeFit]] = {}
         acts = dict(layer.activation_bytes)
         seq, h = self.shape.seq_len, self.shape.hidden
+        # every timed block is built first and timed afterwards, interleaved (see _time_interleaved)
+        blocks: dict[str, tuple[nn.Module, Callable[[int], tuple[float, float]]]] = {}
         for tp, sp in self.variants():
             _progress(f"sharded block tp={tp} sp={sp}", self.progress)
             s = LayerStrategy(tp=tp, dp=self.world // tp, sp=sp)
@@ -367,26 +368,73 @@ class ShardedLayerProfiler:
 
             block = build(False)
             el = next(block.parameters()).element_size()  # activations travel in the block's dtype
-            fwd, bwd = [], []
-            for b in self.batch_sizes:
-                tf, tb, cf, cb = self._time_passes(block, b)
-                comm = block_comm_time(self.hw, self.shape, s, b * seq * h * el, layer.moe)  # MoE: replicated over tp
-                # compute = wall minus the collectives' predicted share, but never below the rank's own CPU time
-                times = torch.tensor([max(tf - comm, cf), max(tb - comm, cb)], dtype=torch.float64)
-                dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                fwd.append((b, seq, float(times[0])))
-                bwd.append((b, seq, float(times[1])))
-            sharded[time_key(tp, sp)] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
+
+            def comm(b: int, s: LayerStrategy = s, el: int = el) -> tuple[float, float]:
+                t = block_comm_time(self.hw, self.shape, s, b * seq * h * el, layer.moe)  # MoE: replicated over tp
+                return t, t
+
+            blocks[time_key(tp, sp)] = (block, comm)
             b = max(self.batch_sizes)
             acts[act_key(tp, sp, False)] = self._saved_per_sample(block, b)
             ckpt = build(True)
             acts[act_key(tp, sp, True)] = self._saved_per_sample(ckpt, b)
             acts[transient_key(tp, sp)] = self._backward_peak_per_sample(ckpt, b)
+            del ckpt
         if layer.moe is not None:
-            sharded.update(self._ep_variants(layer))
+            blocks.update(self._ep_blocks(layer))
+        zero_blocks = self._zero_blocks()
+        _progress(f"timing {len(blocks) + len(zero_blocks)} blocks x {len(self.batch_sizes)} batch sizes, "
+                  f"{self.repeats} interleaved rounds", self.progress)
+        keys = list(blocks) + list(zero_blocks)
+        runs = [(k, b) for k in keys for b in self.batch_sizes]
+        walls = self._time_interleaved([(blocks[k][0] if k in blocks else zero_blocks[k][0], b) for k, b in runs])
+        measured = dict(zip(runs, walls))
+        sharded: dict[str, dict[str, TimeFit]] = {}
+        for key, (_, comm) in blocks.items():
+            fwd, bwd = [], []
+            for b in self.batch_sizes:
+                tf, tb, cf, cb = measured[(key, b)]
+                comm_f, comm_b = comm(b)
+                # compute = wall minus the collectives' predicted share, but never below the rank's own CPU time
+                times = torch.tensor([max(tf - comm_f, cf), max(tb - comm_b, cb)], dtype=torch.float64)
+                dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                fwd.append((b, seq, float(times[0])))
+                bwd.append((b, seq, float(times[1])))
+            sharded[key] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
+        zero = self._zero_overhead(sharded["tp1/none"], zero_blocks, measured)
+        del blocks, zero_blocks
         prof = replace(layer, sharded=sharded, activation_bytes=acts)
-        return replace(prof, zero_overhead=self._zero_overhead(sharded["tp1/none"]),
-                       optimizer_overhead=self._optimizer_overhead(layer))
+        return replace(prof, zero_overhead=zero, optimizer_overhead=self._optimizer_overhead(layer))
+
+    def _time_interleaved(self, runs: Sequence[tuple[nn.Module, int]]) -> list[tuple[float, float, float, float]]:
+        """Median (forward wall, backward wall, forward CPU, backward CPU) seconds of each ``(block, batch)``
+        in ``runs``, every rank starting each pass together. CPU = this thread's time: compute without the waits.
+
+        Why interleaved: the machine's speed drifts in spells of seconds (a shared host; the same block ran
+        45 and 75 ms per forward minutes apart). Timing one variant's repeats back to back put a whole
+        variant into one spell, so one profile run could price, say, the unsharded block 30 % slow and every
+        other variant normally, and plans using it moved against the rest. Here round ``r`` times every
+        entry once (in an order rotated by one each round), so a spell shorter than a round touches one
+        sample of each entry and the medians over rounds drop it. Round 0 warms every entry up.
+        """
+        rec: list[list[tuple[float, float, float, float]]] = [[] for _ in runs]
+        n = len(runs)
+        for r in range(self.repeats + 1):
+            for i in (list(range(n))[r % n:] + list(range(n))[:r % n]) if n else []:
+                block, b = runs[i]
+                x = torch.randn(b, self.shape.seq_len, self.shape.hidden, device=self.device, requires_grad=True)
+                dist.barrier()
+                c0, t0 = time.thread_time(), time.perf_counter()
+                y = block(x)
+                self._sync()
+                c1, t1 = time.thread_time(), time.perf_counter()
+                y.backward(torch.ones_like(y))
+                self._sync()
+                if r:
+                    rec[i].append((t1 - t0, time.perf_counter() - t1, c1 - c0, time.thread_time() - c1))
+                block.zero_grad(set_to_none=True)
+                del x, y
+        return [tuple(statistics.median(s[k] for s in samples) for k in range(4)) for samples in rec]  # type: ignore[misc]
 
     def _optimizer_overhead(self, layer: LayerTypeProfile, cap_params: int = 64 * 2**20) -> dict[str, float]:
         """``{"tp": s, "zero": s}`` for :class:`LayerTypeProfile`.optimizer_overhead: per layer, what an Adam
@@ -444,16 +492,16 @@ class ShardedLayerProfiler:
             return []
         return [e for e in divisors(self.world) if e > 1 and layer.moe.num_experts % e == 0]
 
-    def _ep_variants(self, layer: LayerTypeProfile) -> dict[str, dict[str, TimeFit]]:
-        """Per-rank compute of an MoE block with its experts split over ``ep`` ranks (tp 1), keyed
-        ``tp1/none/ep<k>``.
+    def _ep_blocks(self, layer: LayerTypeProfile) -> dict[str, tuple[nn.Module, Callable[[int], tuple[float, float]]]]:
+        """An MoE block with its experts split over ``ep`` ranks (tp 1) for every ep degree, keyed
+        ``tp1/none/ep<k>``, each with its predicted (forward, backward) all-to-all seconds at ``b`` samples.
 
         Why: balanced routing gives every rank ``tokens x top_k`` expert rows whatever ``ep`` is, so the cost
         model used to price ep as the unsharded block plus its all-to-alls -- but the dispatcher's own work
         (grouping rows by expert and rank, the index copies on both sides, the uneven split bookkeeping,
         waiting for the slowest sender) is none of those. The measured all-to-alls and count exchange are
-        subtracted as predicted, the way the tp variants subtract theirs, so the cost model still prices
-        them per placement."""
+        subtracted as predicted (in :meth:`fit`), the way the tp variants subtract theirs, so the cost model
+        still prices them per placement."""
         from ..layout import MeshFactory, RankLayout
         from ..parallel.expert import apply_ep
         from ..plan import LayerStrategy
@@ -461,27 +509,23 @@ class ShardedLayerProfiler:
         from ..planner.profiles import time_key
 
         moe = layer.moe
-        assert moe is not None  # callers pass MoE layer types only
+        if moe is None:
+            raise ValueError("layer.moe: None. HINT: expert-parallel variants exist for MoE layer types only.")
         factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
         seq = self.shape.seq_len
-        out: dict[str, dict[str, TimeFit]] = {}
+        out: dict[str, tuple[nn.Module, Callable[[int], tuple[float, float]]]] = {}
         for ep in self.ep_degrees(layer):
             _progress(f"sharded block ep={ep}", self.progress)
             s = LayerStrategy(dp=self.world, ep=ep)
             block = self.make_block().to(self.device)
             apply_ep(block, factory.expert_mesh(s), s, "profiled block")  # the runtime's own dispatch
             el = next(block.parameters()).element_size()
-            fwd, bwd = [], []
-            for b in self.batch_sizes:
-                tf, tb, cf, cb = self._time_passes(block, b)
+
+            def comm(b: int, ep: int = ep, el: int = el) -> tuple[float, float]:
                 nbytes = ep_alltoall_bytes(b * seq, moe, el)
-                comm_f = ep_forward_comm(self.hw, nbytes, moe.num_experts, ep, 1)
-                comm_b = ep_backward_comm(self.hw, nbytes, ep, 1)
-                times = torch.tensor([max(tf - comm_f, cf), max(tb - comm_b, cb)], dtype=torch.float64)
-                dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                fwd.append((b, seq, float(times[0])))
-                bwd.append((b, seq, float(times[1])))
-            out[time_key(1, "none", ep)] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
+                return ep_forward_comm(self.hw, nbytes, moe.num_experts, ep, 1), ep_backward_comm(self.hw, nbytes, ep, 1)
+
+            out[time_key(1, "none", ep)] = (block, comm)
         return out
 
     def _saved_per_sample(self, block: nn.Module, b: int) -> float:
@@ -515,13 +559,9 @@ class ShardedLayerProfiler:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    def _zero_overhead(self, plain: Mapping[str, TimeFit]) -> dict[str, dict[str, TimeFit]]:
-        """``{"zero2"|"zero3": {"forward": fit, "backward": fit}}`` for :class:`LayerTypeProfile`.zero_overhead.
-
-        The block under FSDP2 on the whole world as its data group, timed like the sharded variants;
-        minus the predicted all-gather / reduce-scatter and the unsharded compute ``plain`` (the
-        ``tp1/none`` fits), the rest is FSDP2's own work: flat-buffer copies and hooks.
-        """
+    def _zero_blocks(self) -> dict[str, tuple[nn.Module, tuple[float, float]]]:
+        """The block under FSDP2 with the whole world as its data group, ZeRO-2 and ZeRO-3, each with its
+        predicted (forward, backward) all-gather / reduce-scatter seconds."""
         from ..layout import MeshFactory, RankLayout
         from ..parallel.data_parallel import apply_fsdp
         from ..plan import LayerStrategy
@@ -529,7 +569,7 @@ class ShardedLayerProfiler:
         if self.world == 1:
             return {}
         factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
-        out: dict[str, dict[str, TimeFit]] = {}
+        out: dict[str, tuple[nn.Module, tuple[float, float]]] = {}
         for zero in (2, 3):
             _progress(f"sharded block zero={zero}", self.progress)
             s = LayerStrategy(dp=self.world, zero=zero)
@@ -538,36 +578,31 @@ class ShardedLayerProfiler:
             apply_fsdp(block, factory.data_mesh(s), s, self.world)
             gather = self.hw.collective_time("allgather", nbytes, self.world)
             scatter = self.hw.collective_time("reducescatter", nbytes, self.world)
-            comm_f, comm_b = gather, scatter + (gather if zero == 3 else 0.0)
-            seq = self.shape.seq_len
+            out[f"zero{zero}"] = (block, (gather, scatter + (gather if zero == 3 else 0.0)))
+        return out
+
+    def _zero_overhead(self, plain: Mapping[str, TimeFit], blocks: Mapping[str, tuple[nn.Module, tuple[float, float]]],
+                       measured: Mapping[tuple[str, int], tuple[float, float, float, float]]
+                       ) -> dict[str, dict[str, TimeFit]]:
+        """``{"zero2"|"zero3": {"forward": fit, "backward": fit}}`` for :class:`LayerTypeProfile`.zero_overhead.
+
+        The FSDP2 blocks of :meth:`_zero_blocks`, timed (in ``measured``) like the sharded variants; minus the
+        predicted all-gather / reduce-scatter and the unsharded compute ``plain`` (the ``tp1/none`` fits), the
+        rest is FSDP2's own work: flat-buffer copies and hooks.
+        """
+        seq = self.shape.seq_len
+        out: dict[str, dict[str, TimeFit]] = {}
+        for key, (_, (comm_f, comm_b)) in blocks.items():
             fwd, bwd = [], []
             for b in self.batch_sizes:
-                tf, tb, _, _ = self._time_passes(block, b)
+                tf, tb, _, _ = measured[(key, b)]
                 t = torch.tensor([max(0.0, tf - comm_f - plain["forward"](b, seq)),
                                   max(0.0, tb - comm_b - plain["backward"](b, seq))], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 fwd.append((b, seq, float(t[0])))
                 bwd.append((b, seq, float(t[1])))
-            out[f"zero{zero}"] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
+            out[key] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
         return out
-
-    def _time_passes(self, block: nn.Module, b: int) -> tuple[float, float, float, float]:
-        """Median (forward wall, backward wall, forward CPU, backward CPU) seconds of ``block`` on ``b``
-        samples, every rank starting together. CPU = this thread's time: compute without the waits."""
-        rec: list[tuple[float, float, float, float]] = []
-        for _ in range(self.repeats + 1):  # the first run warms up
-            x = torch.randn(b, self.shape.seq_len, self.shape.hidden, device=self.device, requires_grad=True)
-            dist.barrier()
-            c0, t0 = time.thread_time(), time.perf_counter()
-            y = block(x)
-            self._sync()
-            c1, t1 = time.thread_time(), time.perf_counter()
-            y.backward(torch.ones_like(y))
-            self._sync()
-            rec.append((t1 - t0, time.perf_counter() - t1, c1 - c0, time.thread_time() - c1))
-            block.zero_grad(set_to_none=True)
-        tf, tb, cf, cb = (statistics.median(r[k] for r in rec[1:]) for k in range(4))
-        return tf, tb, cf, cb
 
 
 class HardwareProfiler:
