@@ -499,9 +499,11 @@ block width, and activation bytes are profiled per sample at one sequence length
 to carry them to another).
 
 Speed correction: the VM's speed drifts (the same launch ran 45 ms and 75 ms per forward minutes apart), so a
-compute probe (one block fwd+bwd, 3 times on every rank at once; each rank's median, averaged over the ranks)
-runs right before every step and 7 times during profiling; "at profile speed" scales a plan's times by median probe at profiling / median probe before
-its steps ("load" = the inverse). Raw errors are shown too. Memory: "live-tensor peak" = per-rank peak (max over
+compute probe (the unsharded block's fwd+bwd at 2 samples, 3 times on every rank at once; each rank's median,
+then the slowest rank's) runs right before every step; "at profile speed" scales a plan's times by the profile's
+own time for that block and shape (its `tp1/none` fits at 2 samples, slowest rank; the ShardedLayerProfiler times
+it interleaved with every other variant, so it reflects the speed all the block fits were taken at) / the
+median probe before the plan's steps ("load" = the inverse). Raw errors are shown too. Memory: "live-tensor peak" = per-rank peak (max over
 ranks) of live tensor bytes during one step by torch's MemTracker (parameters + gradients kept between steps +
 optimizer states + activations + temporaries + buffers), which is what the prediction counts; "RSS peak growth"
 = the process's resident-set high-water mark during the plan's steps minus its RSS before the plan was built

@@ -107,9 +107,15 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     layer = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=5, progress=False).fit(model.layer(0))
     model = model.with_(layer_types=(layer,))
     probes += [probe(cfg, seq) for _ in range(4)]
-    probe_s = statistics.median(probes)
+    # the speed reference: the profile's own unsharded block at the probe's shape (fwd+bwd, b=2, slowest rank).
+    # The ShardedLayerProfiler times it interleaved with every variant over the whole sharded-profiling window,
+    # so it tells the speed those fits were taken at; the probes around the profile (kept for the record) did
+    # not: in the 10-launch run at b2346bf their median did not move with the predictions (correlation -0.4
+    # .. +0.7 per plan over the launches), and scaling by it made the 2-rank errors noisier than raw ones.
+    plain = layer.sharded["tp1/none"]
+    ref = plain["forward"](2, seq) + plain["backward"](2, seq)
     return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": prof.optimizer_bandwidth,
-            "probe_s": probe_s}
+            "probe_s": ref, "probes_around_s": probes}
 
 
 def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 3) -> float:
@@ -117,10 +123,12 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 3) -> float:
 
     The machine is shared, so the same probe is taken at profiling time and before each plan; the
     benchmark reports predictions with the profile's compute times scaled by the ratio (load
-    normalization) next to the raw ones. Each rank's median of ``repeats`` runs, *averaged* over the ranks:
-    the slowest rank of one short run (what this took before) mostly tells which ranks the scheduler put on
-    one core at that instant -- in the d33f7cb run the 4-rank hetero plan's step took 415-432 ms in all five
-    launches while its probe factor ranged 0.81-1.21.
+    normalization) next to the raw ones. Each rank's median of ``repeats`` runs, then the slowest rank's: the
+    way the ShardedLayerProfiler reports the profile's unsharded block, which is the reference this is
+    compared with (``profile_machine``). One probe's slowest rank mostly tells which ranks the scheduler put
+    on one core at that instant (in the d33f7cb run a factor from single probes ranged 0.81-1.21 while the
+    4-rank hetero plan's step stayed within 415-432 ms), so a plan's factor takes the median of the probes
+    before its steps.
     """
     from lightning_galv.models.common import Rotary
     from lightning_galv.models.llama import LlamaBlock
@@ -136,8 +144,8 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 3) -> float:
         blk(x).sum().backward()
         ts.append(time.perf_counter() - t0)
     t = torch.tensor([statistics.median(ts[1:])], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return float(t) / dist.get_world_size()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 def _train_step(model, opt, rt, x, y, micro_batches: int, between=None, marks: list | None = None,
