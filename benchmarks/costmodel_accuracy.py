@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -272,7 +273,11 @@ def main() -> None:
                 # the prediction's micro-batch part and per-step part (no pipeline: step = m x micro-batch + extra)
                 ph = [statistics.median(v) * f for v in zip(*r0["phases"])]
                 one = c.plan.pp == 1
-                per_launch[c.name].append(dict(launch=launch, raw=r0["step_s"], mt=statistics.median(r0["times"]) * f,
+                # each step scaled by the probes right before and right after it (geometric mean): the speed
+                # changes within a plan's steps too (one launch here: factors 0.92-1.35 a few seconds apart)
+                after = r0.get("probes_after") or r0["probes"]
+                mt = statistics.median(t * ref / math.sqrt(a * b) for t, a, b in zip(r0["times"], r0["probes"], after))
+                per_launch[c.name].append(dict(launch=launch, raw=r0["step_s"], mt=mt,
                                                load=1 / f, pred=pred.step_time_s, pm=pred.peak_memory_bytes, ph=ph,
                                                pfb=pred.stage_mb_time_s[0] * c.plan.micro_batches if one else None,
                                                pex=pred.stage_extra_s[0] if one else None))
@@ -474,7 +479,7 @@ def table(rows: list[dict], launches: int, steps: int, warmup: int, fresh: bool 
             if fresh else "one cached profile per world size")
     notes = (f"Each time: {launches} independent launches per world size (fresh processes, plan order rotated per "
              f"launch; {prof}), per launch the median of {steps} steps after {warmup} warm-up steps (slowest rank), "
-             f"scaled to the speed of the launch's profile; the table gives the median over launches and the 95 % "
+             f"each step scaled to the speed of the launch's profile; the table gives the median over launches and the 95 % "
              f"t-interval of their mean. Memory from the first launch.")
     return notes + "\n\n" + "\n".join(lines)
 
@@ -485,7 +490,7 @@ global batch 8, gloo, 1 thread per rank, 2 vCPUs (a VM on a shared host). Profil
 relative error), ModelProfiler (block at 1-4 samples x seq 64/128, head, optimizer bandwidth on the model's
 parameter volume) and ShardedLayerProfiler (the real parallelized block for every (tp, sp) at 2-8 samples:
 per-rank compute with the predicted collectives subtracted, saved activations with/without checkpointing, the
-recompute peak, FSDP2's own overhead per ZeRO stage). Each world's plans are predicted from that world's
+recompute peak, FSDP2's own overhead per ZeRO stage; all variants timed interleaved, 5 rounds). Each world's plans are predicted from that world's
 profiles with `GalvatronCostModel(..., runtime="native")`; nothing is fitted to the plans' step times except
 in the calibrated columns. A profile run shifts every prediction of its world alike (the same plan was
 predicted at 243, 303 and 492 ms from three profile runs in issue 17's re-measurement), so with `--fresh-profiles`
@@ -500,10 +505,11 @@ to carry them to another).
 
 Speed correction: the VM's speed drifts (the same launch ran 45 ms and 75 ms per forward minutes apart), so a
 compute probe (the unsharded block's fwd+bwd at 2 samples, 3 times on every rank at once; each rank's median,
-then the slowest rank's) runs right before every step; "at profile speed" scales a plan's times by the profile's
-own time for that block and shape (its `tp1/none` fits at 2 samples, slowest rank; the ShardedLayerProfiler times
-it interleaved with every other variant, so it reflects the speed all the block fits were taken at) / the
-median probe before the plan's steps ("load" = the inverse). Raw errors are shown too. Memory: "live-tensor peak" = per-rank peak (max over
+then the slowest rank's) runs before every step and after the last; "at profile speed" scales each step's time
+by the profile's own time for that block and shape (its `tp1/none` fits at 2 samples, slowest rank; the
+ShardedLayerProfiler times it interleaved with every other variant, so it reflects the speed all the block fits
+were taken at) / the geometric mean of the probes right before and right after that step, then takes the median
+over steps ("load" = median probe / profile reference; the phase columns use that one factor per plan). Raw errors are shown too. Memory: "live-tensor peak" = per-rank peak (max over
 ranks) of live tensor bytes during one step by torch's MemTracker (parameters + gradients kept between steps +
 optimizer states + activations + temporaries + buffers), which is what the prediction counts; "RSS peak growth"
 = the process's resident-set high-water mark during the plan's steps minus its RSS before the plan was built

@@ -221,12 +221,13 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
     b = plan.global_batch // nshards
     data = torch.randint(0, cfg["vocab_size"], (plan.global_batch, seq + 1), generator=gen)
     x, y = data[shard * b:(shard + 1) * b, :-1], data[shard * b:(shard + 1) * b, 1:]
-    times, probes, phases = [], [], []
+    times, probes, phases, every_probe = [], [], [], []
     marks_all: list[list[list[float]]] = []  # step -> rank -> [start, backward end, sync end, optimizer end]
     for i in range(warmup + steps):
         # the machine's speed drifts (a VM on a shared host: identical launches differ by up to 1.7x), so a
         # compute probe right before every step tells how fast the machine is at that moment
         p = probe(cfg, seq)
+        every_probe.append(p)
         dist.barrier()
         t0 = time.perf_counter()
         marks: list[float] = []
@@ -249,6 +250,7 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
             probes.append(p)
             phases.append([step - tail - opt_t, tail, opt_t])
             marks_all.append(every_t.tolist())
+    every_probe.append(probe(cfg, seq))  # so that every measured step has a probe after it too
     dist.barrier()
     rss_peak = _status_kib("VmHWM") - rss0 if track_memory else float("nan")  # before MemTracker's own bookkeeping
     by_kind: dict[str, float] = {}
@@ -262,7 +264,8 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
         cpu = next(iter(peak.values())) if peak else {}
         by_kind = {(k.name if hasattr(k, "name") else str(k)): float(v) for k, v in cpu.items()}
     del model, opt, rt
-    return {"step_s": statistics.median(times), "times": times, "probes": probes, "phases": phases, "marks": marks_all,
+    return {"step_s": statistics.median(times), "times": times, "probes": probes,
+            "probes_after": every_probe[warmup + 1:], "phases": phases, "marks": marks_all,
             "peak_bytes": by_kind.get("Total", float("nan")), "rss_peak_bytes": rss_peak,
             "by_kind": by_kind}
 
