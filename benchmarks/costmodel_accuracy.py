@@ -132,11 +132,16 @@ def profile_world(world: int, cfg: dict = CFG, seq: int = SEQ, fn: str = "profil
     model = ModelProfile.from_json(r["model"])
     hw = replace(HardwareProfile.from_json(r["hardware"]), memory_bandwidth=r["optimizer_bandwidth"],
                  name=f"cpu-gloo-{world}")
-    return model.with_(source=f"ModelProfiler probe_s={r['probe_s']}"), hw
+    return model.with_(source=f"ModelProfiler ref_s={r['probe_s']}"), hw
 
 
 def probe_of(model: ModelProfile) -> float:
-    return float(model.source.split("probe_s=")[1])
+    """The profile's speed reference (``ref_s``; a profile cached before 4b5ff4e carries ``probe_s``, a reference
+    taken another way -- the mean over ranks of probes around profiling -- so it is refused, not misread)."""
+    if "ref_s=" not in model.source:
+        raise ValueError(f"profile source {model.source!r}: no ref_s= speed reference (a cache from before 4b5ff4e). "
+                         "HINT: pass --reprofile or delete the --profiles cache.")
+    return float(model.source.split("ref_s=")[1])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -533,8 +538,9 @@ automatic mode takes them (HardwareProfiler incl. all-to-all, ModelProfiler per 
 then each block kind as the runtime shards it by the ShardedLayerProfiler, `auto.sharded_profile`, which for an
 MoE block also times every expert-parallel degree), both at the sample counts automatic mode takes
 (`auto.profile_batch_sizes`: 1, 2 and the loader's per-rank batch -- 1/2/4 samples at 2 ranks, 1/2 at 4);
-everything else as in the dense section above (probe normalization, MemTracker peak,
-leave-one-out calibration)."""
+everything else as in the dense section above (MemTracker peak, leave-one-out calibration), except the speed
+reference: the MoE decoder has no dense block to compare the probe with, so a profile's reference is the median of
+the probes taken around it (1 before, 4 after), each taken like the probes before the steps."""
 
 
 def write_results(report: str, moe: bool = False) -> None:

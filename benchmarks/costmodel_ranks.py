@@ -84,7 +84,6 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     from lightning_galv.profiling import HardwareProfiler, ModelProfiler
     from lightning_galv.profiling.profilers import ShardedLayerProfiler
 
-    probes = [probe(cfg, seq)]  # the same procedure as the probe before every measured step
     hw = HardwareProfiler(sizes_bytes=sizes, repeats=repeats, progress=False).fit()
     lcfg = LlamaConfig(**cfg)
 
@@ -101,21 +100,19 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     dist.barrier()
     prof = ModelProfiler(block, shape, batch_sizes=(1, 2, 4), seq_lens=(seq // 2, seq), repeats=3,
                          progress=False, make_head=head)
-    probes.append(probe(cfg, seq))
     model = prof.fit()
-    probes.append(probe(cfg, seq))
     layer = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=5, progress=False).fit(model.layer(0))
     model = model.with_(layer_types=(layer,))
-    probes += [probe(cfg, seq) for _ in range(4)]
-    # the speed reference: the profile's own unsharded block at the probe's shape (fwd+bwd, b=2, slowest rank).
-    # The ShardedLayerProfiler times it interleaved with every variant over the whole sharded-profiling window,
-    # so it tells the speed those fits were taken at; the probes around the profile (kept for the record) did
-    # not: in the 10-launch run at b2346bf their median did not move with the predictions (correlation -0.4
-    # .. +0.7 per plan over the launches), and scaling by it made the 2-rank errors noisier than raw ones.
+    # the speed reference: the profile's own unsharded block at the probe's shape (fwd+bwd, b=2). The
+    # ShardedLayerProfiler times it interleaved with every variant over the whole sharded-profiling window, so it
+    # tells the speed those fits were taken at; the probes around the profile did not: in the 10-launch run at
+    # b2346bf their median did not move with the predictions (correlation -0.6 .. +0.7 per plan over the
+    # launches), and scaling by it made the 2-rank errors noisier than raw ones. (The fits take the slowest rank
+    # of forward and of backward separately, the probe of their sum: the reference can only be a little higher.)
     plain = layer.sharded["tp1/none"]
     ref = plain["forward"](2, seq) + plain["backward"](2, seq)
     return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": prof.optimizer_bandwidth,
-            "probe_s": ref, "probes_around_s": probes}
+            "probe_s": ref}
 
 
 def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 3) -> float:
@@ -127,8 +124,8 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int = 3) -> float:
     way the ShardedLayerProfiler reports the profile's unsharded block, which is the reference this is
     compared with (``profile_machine``). One probe's slowest rank mostly tells which ranks the scheduler put
     on one core at that instant (in the d33f7cb run a factor from single probes ranged 0.81-1.21 while the
-    4-rank hetero plan's step stayed within 415-432 ms), so a plan's factor takes the median of the probes
-    before its steps.
+    4-rank hetero plan's step stayed within 415-432 ms), so each step is scaled by the probes before and after
+    it and the median over steps is taken (``costmodel_accuracy.py``).
     """
     from lightning_galv.models.common import Rotary
     from lightning_galv.models.llama import LlamaBlock

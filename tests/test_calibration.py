@@ -115,3 +115,26 @@ def test_per_sharding_factors_shrink_toward_their_layer_type() -> None:
     loose = Calibration.fit_plans(GalvatronCostModel, model, hw, measured, ridge=1e-6, variant_ridge=1e6)
     assert all(loose.compute_scale[k] == pytest.approx(1.0, abs=1e-3) for k in loose.compute_scale if "@" in k)
     assert 1.3 < loose.compute_scale[lt.name] < 1.3 * 1.5  # the common part of both shardings
+
+
+def test_a_calibration_fitted_against_another_cost_model_is_not_applied(tmp_path) -> None:
+    """Its memory slack absorbed bytes the old model did not price (e.g. FSDP2's sharded-end buffers before
+    COST_MODEL_VERSION 2): applied to a model that prices them now, it would count them twice. Such a file (or
+    one from before the field) is left on disk, not applied, and a warning says why and what to do."""
+    import json
+
+    from lightning_galv.planner.cost import COST_MODEL_VERSION
+
+    cal = Calibration({"block": 1.2}, comm_scale=1.5, memory_slack_bytes=3e8, observations=4)
+    assert cal.model_version == COST_MODEL_VERSION
+    path = tmp_path / "calibration.json"
+    cal.save(path)
+    assert Calibration.load(path) == cal
+    legacy = {k: v for k, v in json.loads(path.read_text()).items() if k != "model_version"}
+    path.write_text(json.dumps(legacy))
+    assert Calibration.from_json(path.read_text()).model_version == 1
+    with pytest.warns(UserWarning, match=r"version 1.*not applied.*HINT"):
+        assert Calibration.load(path) is None
+    assert path.is_file()  # kept: the next monitored run overwrites it
+    with pytest.raises(ValueError, match=r"model_version=0.*HINT"):
+        Calibration(model_version=0)

@@ -7,6 +7,7 @@ import time
 from dataclasses import replace
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -217,7 +218,7 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     assert layer_compute(moe_t, "forward", s_dp, 2, 16) == moe_t.sharded["tp1/none"]["forward"](2, 16)
 
 
-def test_sharded_profiler_times_variants_interleaved(one_rank_group) -> None:
+def test_sharded_profiler_times_variants_interleaved(one_rank_group: None) -> None:
     """A slow spell of the shared machine must not land on every sample of one variant: each round times
     every (block, batch) once, rotated, round 0 only warms up, and each entry's median is over its own rounds.
     (Before, a variant's repeats ran back to back: a profile run could price one sharding 30 % slow.)"""
@@ -227,20 +228,44 @@ def test_sharded_profiler_times_variants_interleaved(one_rank_group) -> None:
     calls: list[str] = []
 
     class Probe(torch.nn.Module):
-        def __init__(self, name: str, delay: float) -> None:
+        """Sleeps ``delays[k]`` on its k-th call (0.01 s once they run out)."""
+
+        def __init__(self, name: str, delays: list[float]) -> None:
             super().__init__()
-            self.name, self.delay, self.w = name, delay, torch.nn.Parameter(torch.ones(()))
+            self.name, self.delays, self.w = name, delays, torch.nn.Parameter(torch.ones(()))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             calls.append(self.name)
-            time.sleep(self.delay)
+            time.sleep(self.delays.pop(0) if self.delays else 0.01)
             return x * self.w
 
     shape = ModelShape(1, 4, 1, 1, 8, 8, 2)
     prof = ShardedLayerProfiler(lambda: torch.nn.Linear(4, 4), shape, HardwareProfile.uniform(1, 1, 1e9),
                                 batch_sizes=(1,), repeats=3, progress=False)
-    fast, slow = Probe("a", 0.0), Probe("b", 0.02)
-    out = prof._time_interleaved([(fast, 1), (slow, 2), (fast, 2)])
+    # a serves entries 0 and 2; its calls in order: e0 warm-up (slow), e2 warm-up, e2 round 1, e0 round 1 (slow),
+    # then fast. Counting the warm-up would make e0's median slow; b is slow throughout
+    a, b = Probe("a", [0.3, 0.01, 0.01, 0.3]), Probe("b", [0.06] * 4)
+    out = prof._time_interleaved([(a, 1), (b, 2), (a, 2)])
     assert calls == ["a", "b", "a", "b", "a", "a", "a", "a", "b", "a", "b", "a"]
     assert len(out) == 3 and all(len(t) == 4 for t in out)
-    assert out[1][0] >= 0.02 > out[0][0] and out[2][0] < 0.02  # each entry's own samples
+    fwd = [t[0] for t in out]
+    assert fwd[0] < 0.05 and fwd[2] < 0.05  # the warm-up does not count; one slow round of three does not move it
+    assert fwd[1] >= 0.06  # each entry's own samples
+
+    # interleave=False: every block timed as soon as it is built (its own repeats back to back), then freed
+    calls.clear()
+
+    def variant_blocks(layer, acts):  # stands in for the real (tp, sp) variants
+        for key, name in (("tp1/none", "x"), ("tp2/none", "y")):
+            yield key, Probe(name, []), (lambda n: (0.0, 0.0))
+
+    from lightning_galv.planner.profiles import ModelProfile
+
+    seq = ShardedLayerProfiler(lambda: torch.nn.Linear(4, 4), shape, HardwareProfile.uniform(1, 1, 1e9),
+                               batch_sizes=(1, 2), repeats=2, progress=False, interleave=False)
+    seq._variant_blocks = variant_blocks  # type: ignore[method-assign]
+    seq._optimizer_overhead = lambda layer: {}  # type: ignore[method-assign]
+    out_layer = seq.fit(ModelProfile.from_shape(shape).layer(0))
+    assert calls == ["x"] * 6 + ["y"] * 6  # 3 rounds (warm-up + 2) x 2 batch sizes each, one block after the other
+    assert set(out_layer.sharded) == {"tp1/none", "tp2/none"}
+    assert out_layer.sharded["tp1/none"]["forward"](2, 2) > 0.005

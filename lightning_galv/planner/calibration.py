@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ import numpy as np
 
 from ..errors import bad_value
 from ..plan import ParallelPlan
+from .cost import COST_MODEL_VERSION
 from .profiles import HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, TimeFit
 
 CALIBRATION_FILE = "calibration.json"
@@ -82,8 +84,12 @@ class Calibration:
     comm_scale: float = 1.0
     memory_slack_bytes: float = 0.0
     observations: int = 0
+    model_version: int = COST_MODEL_VERSION  # the cost model the factors were fitted against (see load)
 
     def __post_init__(self) -> None:
+        if isinstance(self.model_version, bool) or not isinstance(self.model_version, int) or self.model_version < 1:
+            raise bad_value(f"model_version={self.model_version!r}", "must be an integer >= 1",
+                            "write calibrations with Calibration.save.")
         for name, f in (*self.compute_scale.items(), ("comm_scale", self.comm_scale)):
             if not (math.isfinite(f) and f > 0):
                 raise bad_value(f"{name}={f}", "a time scale must be a positive finite factor",
@@ -208,11 +214,11 @@ class Calibration:
     @classmethod
     def from_json(cls, text: str) -> "Calibration":
         data = json.loads(text)
-        known = {"compute_scale", "comm_scale", "memory_slack_bytes", "observations"}
+        known = {"compute_scale", "comm_scale", "memory_slack_bytes", "observations", "model_version"}
         if not isinstance(data, dict) or set(data) - known:
             raise bad_value(sorted(data) if isinstance(data, dict) else data, f"calibration keys must be {sorted(known)}",
                             "write calibrations with Calibration.save.")
-        return cls(**data)
+        return cls(**{"model_version": 1, **data})  # files from before the field: fitted against version 1
 
     def save(self, path: str | Path) -> None:
         p = Path(path)
@@ -223,15 +229,25 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration | None":
+        """The calibration saved at ``path``; None when there is none, or when it was fitted against another
+        version of the cost model (it is then left on disk and a warning says so: its corrections would
+        double count what the model now prices itself, and the next monitored run overwrites it)."""
         p = Path(path)
         if not p.is_file():
             return None
         try:
-            return cls.from_json(p.read_text())
+            cal = cls.from_json(p.read_text())
         except (ValueError, TypeError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
             raise bad_value(str(p), f"calibration file is corrupt ({type(exc).__name__}: {exc})",
                             f"delete it (the next monitored run writes a new one); it lives in the profile cache "
                             f"folder {str(p.parent)!r} ($GALV_CACHE_DIR)") from exc
+        if cal.model_version != COST_MODEL_VERSION:
+            warnings.warn(f"calibration {str(p)!r}: fitted against cost model version {cal.model_version}, this is "
+                          f"version {COST_MODEL_VERSION}; not applied (its corrections would count twice what the "
+                          f"model now prices). HINT: a run with PlanMonitor(save_calibration=True) writes a current "
+                          f"one; delete the file to silence this.", stacklevel=2)
+            return None
+        return cal
 
 
 def _scale_layer_type(lt: LayerTypeProfile, f: float, per_variant: Mapping[str, float] | None = None) -> LayerTypeProfile:

@@ -31,6 +31,12 @@ from ..errors import bad_value
 from ..plan import LayerStrategy, ModelShape, ParallelPlan, Prediction
 from .profiles import HardwareProfile, LayerTypeProfile, MoELayerFacts, ModelProfile, act_key, transient_key
 
+# Bumped whenever a change moves the predictions of plans that were priced before. A ``Calibration`` records the
+# version it was fitted against: its factors and memory slack absorb what that model got wrong, so applied to
+# a model that now prices the same bytes or seconds itself they would count them twice (version 2: the
+# embedding and head priced with FSDP2's own bytes, 7870610 -- a slack fitted before it covers those bytes).
+COST_MODEL_VERSION = 2
+
 
 # ---------------------------------------------------------------------------------------------------
 # results

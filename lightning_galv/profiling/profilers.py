@@ -11,11 +11,12 @@ Both cache their result by a fingerprint of what was measured.
 from __future__ import annotations
 
 import copy
+import itertools
 import statistics
 import sys
 import time
 from dataclasses import replace
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,9 @@ from torch import nn
 from ..plan import ModelShape, divisors
 from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, MoELayerFacts,
                                 ProfileCache, TimeFit, act_key, fingerprint, link_key, transient_key)
+
+
+Comm = Callable[[int], tuple[float, float]]  # samples -> predicted (forward, backward) collective seconds
 
 
 def _progress(msg: str, enabled: bool) -> None:
@@ -311,12 +315,17 @@ class ShardedLayerProfiler:
 
     def __init__(self, make_block: Callable[[], nn.Module], shape: ModelShape, hw: HardwareProfile,
                  batch_sizes: Sequence[int] = (1, 2, 4), repeats: int = 3, device: str = "cpu",
-                 sp_kinds: Sequence[str] = ("none", "megatron", "ulysses"), progress: bool = True) -> None:
+                 sp_kinds: Sequence[str] = ("none", "megatron", "ulysses"), progress: bool = True,
+                 interleave: bool = True) -> None:
+        """``interleave``: time all variants interleaved over rounds (see :meth:`_time_interleaved`), which keeps
+        every variant's block alive at once (about 3 blocks' worth per rank at 8 ranks, more for an MoE block,
+        whose experts are replicated over tp); False times each as soon as it is built and frees it -- one
+        block's memory, at the price of a slow spell of a shared machine landing on one variant only."""
         if not dist.is_initialized():
             raise ValueError("process group: not initialized. HINT: call torch.distributed.init_process_group first.")
         self.make_block, self.shape, self.hw = make_block, shape, hw
         self.batch_sizes, self.repeats, self.device = tuple(batch_sizes), repeats, device
-        self.sp_kinds = tuple(sp_kinds)
+        self.sp_kinds, self.interleave = tuple(sp_kinds), interleave
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.progress = progress and self.rank == 0
 
@@ -342,18 +351,57 @@ class ShardedLayerProfiler:
     def fit(self, layer: LayerTypeProfile) -> LayerTypeProfile:
         """``layer`` (from :class:`ModelProfiler`) with ``sharded``, ``activation_bytes`` for every
         (tp, sp, checkpoint), the recompute transients, and ``zero_overhead`` filled in from real runs."""
+        acts = dict(layer.activation_bytes)
+        seq = self.shape.seq_len
+        blocks = itertools.chain(self._variant_blocks(layer, acts),
+                                 self._ep_blocks(layer) if layer.moe is not None else (), self._zero_blocks())
+        comms: dict[str, Comm] = {}
+        held: list[tuple[str, nn.Module]] = []
+        measured: dict[tuple[str, int], tuple[float, float, float, float]] = {}
+        for key, block, comm in blocks:  # the same keys in the same order on every rank
+            comms[key] = comm
+            if self.interleave:
+                held.append((key, block))
+            else:
+                measured.update(self._time_blocks([(key, block)]))
+            del block
+        if held:
+            _progress(f"timing {len(held)} blocks x {len(self.batch_sizes)} batch sizes, {self.repeats} interleaved "
+                      "rounds", self.progress)
+            measured.update(self._time_blocks(held))
+        del held
+        sharded: dict[str, dict[str, TimeFit]] = {}
+        for key, comm_of in comms.items():
+            if key.startswith("zero"):
+                continue
+            fwd, bwd = [], []
+            for b in self.batch_sizes:
+                tf, tb, cf, cb = measured[(key, b)]
+                comm_f, comm_b = comm_of(b)
+                # compute = wall minus the collectives' predicted share, but never below the rank's own CPU time
+                times = torch.tensor([max(tf - comm_f, cf), max(tb - comm_b, cb)], dtype=torch.float64)
+                dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                fwd.append((b, seq, float(times[0])))
+                bwd.append((b, seq, float(times[1])))
+            sharded[key] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
+        zero = self._zero_overhead(sharded["tp1/none"], {k: c for k, c in comms.items() if k.startswith("zero")},
+                                   measured)
+        prof = replace(layer, sharded=sharded, activation_bytes=acts)
+        return replace(prof, zero_overhead=zero, optimizer_overhead=self._optimizer_overhead(layer))
+
+    def _variant_blocks(self, layer: LayerTypeProfile, acts: dict[str, float]) -> Iterator[tuple[str, nn.Module, Comm]]:
+        """The block as the runtime shards it for every (tp, sp) of :meth:`variants`, keyed like
+        ``LayerTypeProfile.sharded``, with its predicted collective seconds; records into ``acts`` the saved
+        activations with and without checkpointing and the recompute peak of each (measured as it is built)."""
         from ..layout import MeshFactory, RankLayout
-        from ..parallel.block import apply_block
         from ..parallel.activation_checkpoint import apply_checkpointing
+        from ..parallel.block import apply_block
         from ..plan import LayerStrategy
         from ..planner.cost import block_comm_time
         from ..planner.profiles import act_key, time_key
 
         factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
-        acts = dict(layer.activation_bytes)
         seq, h = self.shape.seq_len, self.shape.hidden
-        # every timed block is built first and timed afterwards, interleaved (see _time_interleaved)
-        blocks: dict[str, tuple[nn.Module, Callable[[int], tuple[float, float]]]] = {}
         for tp, sp in self.variants():
             _progress(f"sharded block tp={tp} sp={sp}", self.progress)
             s = LayerStrategy(tp=tp, dp=self.world // tp, sp=sp)
@@ -373,38 +421,21 @@ class ShardedLayerProfiler:
                 t = block_comm_time(self.hw, self.shape, s, b * seq * h * el, layer.moe)  # MoE: replicated over tp
                 return t, t
 
-            blocks[time_key(tp, sp)] = (block, comm)
             b = max(self.batch_sizes)
             acts[act_key(tp, sp, False)] = self._saved_per_sample(block, b)
             ckpt = build(True)
             acts[act_key(tp, sp, True)] = self._saved_per_sample(ckpt, b)
             acts[transient_key(tp, sp)] = self._backward_peak_per_sample(ckpt, b)
             del ckpt
-        if layer.moe is not None:
-            blocks.update(self._ep_blocks(layer))
-        zero_blocks = self._zero_blocks()
-        _progress(f"timing {len(blocks) + len(zero_blocks)} blocks x {len(self.batch_sizes)} batch sizes, "
-                  f"{self.repeats} interleaved rounds", self.progress)
-        keys = list(blocks) + list(zero_blocks)
-        runs = [(k, b) for k in keys for b in self.batch_sizes]
-        walls = self._time_interleaved([(blocks[k][0] if k in blocks else zero_blocks[k][0], b) for k, b in runs])
-        measured = dict(zip(runs, walls))
-        sharded: dict[str, dict[str, TimeFit]] = {}
-        for key, (_, comm) in blocks.items():
-            fwd, bwd = [], []
-            for b in self.batch_sizes:
-                tf, tb, cf, cb = measured[(key, b)]
-                comm_f, comm_b = comm(b)
-                # compute = wall minus the collectives' predicted share, but never below the rank's own CPU time
-                times = torch.tensor([max(tf - comm_f, cf), max(tb - comm_b, cb)], dtype=torch.float64)
-                dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                fwd.append((b, seq, float(times[0])))
-                bwd.append((b, seq, float(times[1])))
-            sharded[key] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
-        zero = self._zero_overhead(sharded["tp1/none"], zero_blocks, measured)
-        del blocks, zero_blocks
-        prof = replace(layer, sharded=sharded, activation_bytes=acts)
-        return replace(prof, zero_overhead=zero, optimizer_overhead=self._optimizer_overhead(layer))
+            yield time_key(tp, sp), block, comm
+            del block
+
+    def _time_blocks(self, blocks: Sequence[tuple[str, nn.Module]]
+                     ) -> dict[tuple[str, int], tuple[float, float, float, float]]:
+        """:meth:`_time_interleaved` over every block at every batch size, keyed ``(key, batch)``."""
+        runs = [(key, block, b) for key, block in blocks for b in self.batch_sizes]
+        walls = self._time_interleaved([(block, b) for _, block, b in runs])
+        return {(key, b): w for (key, _, b), w in zip(runs, walls)}
 
     def _time_interleaved(self, runs: Sequence[tuple[nn.Module, int]]) -> list[tuple[float, float, float, float]]:
         """Median (forward wall, backward wall, forward CPU, backward CPU) seconds of each ``(block, batch)``
@@ -492,7 +523,7 @@ class ShardedLayerProfiler:
             return []
         return [e for e in divisors(self.world) if e > 1 and layer.moe.num_experts % e == 0]
 
-    def _ep_blocks(self, layer: LayerTypeProfile) -> dict[str, tuple[nn.Module, Callable[[int], tuple[float, float]]]]:
+    def _ep_blocks(self, layer: LayerTypeProfile) -> Iterator[tuple[str, nn.Module, Comm]]:
         """An MoE block with its experts split over ``ep`` ranks (tp 1) for every ep degree, keyed
         ``tp1/none/ep<k>``, each with its predicted (forward, backward) all-to-all seconds at ``b`` samples.
 
@@ -513,7 +544,6 @@ class ShardedLayerProfiler:
             raise ValueError("layer.moe: None. HINT: expert-parallel variants exist for MoE layer types only.")
         factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
         seq = self.shape.seq_len
-        out: dict[str, tuple[nn.Module, Callable[[int], tuple[float, float]]]] = {}
         for ep in self.ep_degrees(layer):
             _progress(f"sharded block ep={ep}", self.progress)
             s = LayerStrategy(dp=self.world, ep=ep)
@@ -525,8 +555,8 @@ class ShardedLayerProfiler:
                 nbytes = ep_alltoall_bytes(b * seq, moe, el)
                 return ep_forward_comm(self.hw, nbytes, moe.num_experts, ep, 1), ep_backward_comm(self.hw, nbytes, ep, 1)
 
-            out[time_key(1, "none", ep)] = (block, comm)
-        return out
+            yield time_key(1, "none", ep), block, comm
+            del block
 
     def _saved_per_sample(self, block: nn.Module, b: int) -> float:
         """Bytes autograd keeps for backward per sample (this rank's shard), parameters/buffers excluded."""
@@ -559,7 +589,7 @@ class ShardedLayerProfiler:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    def _zero_blocks(self) -> dict[str, tuple[nn.Module, tuple[float, float]]]:
+    def _zero_blocks(self) -> Iterator[tuple[str, nn.Module, Comm]]:
         """The block under FSDP2 with the whole world as its data group, ZeRO-2 and ZeRO-3, each with its
         predicted (forward, backward) all-gather / reduce-scatter seconds."""
         from ..layout import MeshFactory, RankLayout
@@ -567,9 +597,8 @@ class ShardedLayerProfiler:
         from ..plan import LayerStrategy
 
         if self.world == 1:
-            return {}
+            return
         factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
-        out: dict[str, tuple[nn.Module, tuple[float, float]]] = {}
         for zero in (2, 3):
             _progress(f"sharded block zero={zero}", self.progress)
             s = LayerStrategy(dp=self.world, zero=zero)
@@ -578,10 +607,11 @@ class ShardedLayerProfiler:
             apply_fsdp(block, factory.data_mesh(s), s, self.world)
             gather = self.hw.collective_time("allgather", nbytes, self.world)
             scatter = self.hw.collective_time("reducescatter", nbytes, self.world)
-            out[f"zero{zero}"] = (block, (gather, scatter + (gather if zero == 3 else 0.0)))
-        return out
+            backward = scatter + (gather if zero == 3 else 0.0)
+            yield f"zero{zero}", block, (lambda b, f=gather, bw=backward: (f, bw))
+            del block
 
-    def _zero_overhead(self, plain: Mapping[str, TimeFit], blocks: Mapping[str, tuple[nn.Module, tuple[float, float]]],
+    def _zero_overhead(self, plain: Mapping[str, TimeFit], comms: Mapping[str, Comm],
                        measured: Mapping[tuple[str, int], tuple[float, float, float, float]]
                        ) -> dict[str, dict[str, TimeFit]]:
         """``{"zero2"|"zero3": {"forward": fit, "backward": fit}}`` for :class:`LayerTypeProfile`.zero_overhead.
@@ -592,10 +622,11 @@ class ShardedLayerProfiler:
         """
         seq = self.shape.seq_len
         out: dict[str, dict[str, TimeFit]] = {}
-        for key, (_, (comm_f, comm_b)) in blocks.items():
+        for key, comm in comms.items():
             fwd, bwd = [], []
             for b in self.batch_sizes:
                 tf, tb, _, _ = measured[(key, b)]
+                comm_f, comm_b = comm(b)
                 t = torch.tensor([max(0.0, tf - comm_f - plain["forward"](b, seq)),
                                   max(0.0, tb - comm_b - plain["backward"](b, seq))], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
