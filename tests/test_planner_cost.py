@@ -494,3 +494,29 @@ def test_native_embedding_gradient_sync_waits_for_the_end_of_backward() -> None:
     z2, z0 = cm.end_cost(LayerStrategy(dp=2, zero=2), ctx, True, False), cm.end_cost(zero0, ctx, True, False)
     assert z2.step_extra == pytest.approx(half)
     assert z2.fwd - z0.fwd == pytest.approx(0.5 * half) and z2.bwd == pytest.approx(z0.bwd)
+
+
+def test_native_prefetched_gathers_overlap_compute_on_an_inline_backend() -> None:
+    """gloo runs collectives inline, but the native runtime issues FSDP2's prefetched all-gathers asynchronously
+    (``_overlap_all_gathers``: unit i+1's during unit i's forward, unit i-1's during unit i's backward), so a
+    block's gathers run beside its neighbour's compute at the profiled slowdown, like the bucketed all-reduces;
+    the first unit of each direction has nothing before it: each of the 4 layers pays 1/4 of its gathers in
+    full. Reduce-scatters stay inline; under a pipeline (not prefetched across stages) nothing changes, and on
+    an async backend the whole collective overlaps as before."""
+    inline = HardwareProfile.from_dict({**hardware(bw=1e8, slowdown=1.5).to_dict(), "async_collectives": False})
+    cm = GalvatronCostModel(profile(), inline, runtime="native")
+    fwd, bwd, comm = 4 * MS, 8 * MS, 10 * MS  # 1 / 2 ms per sample, b = 4; bf16 1 M params over 2 ranks: 10 ms
+    first, tail = comm / 4, comm / 4  # the unhidden gather share; the last unit's reduce-scatter share
+    one = StageContext(2, 8, 1)
+    z3 = cm.layer_cost(0, LayerStrategy(dp=2, zero=3), one)
+    assert z3.fwd == pytest.approx(overlapped(fwd, comm - first, 1.5) + first)
+    assert z3.bwd == pytest.approx(overlapped(bwd, comm - first, 1.5) + first + comm - tail)
+    z2 = cm.layer_cost(0, LayerStrategy(dp=2, zero=2), one)
+    assert z2.fwd == pytest.approx(z3.fwd) and z2.bwd == pytest.approx(bwd + comm - tail)  # no gather in backward
+    for s in (LayerStrategy(dp=2, zero=3), LayerStrategy(dp=2, zero=2)):  # a pipeline stage: inline as before
+        piped = cm.layer_cost(0, s, StageContext(2, 8, 4, pp=2))
+        assert piped.fwd == pytest.approx(fwd + comm)
+    z3_galvatron = GalvatronCostModel(profile(), inline).layer_cost(0, LayerStrategy(dp=2, zero=3), one)
+    assert z3_galvatron.fwd == pytest.approx(fwd + comm)  # Galvatron's runtime: no such prefetch
+    asynchronous = GalvatronCostModel(profile(), hardware(bw=1e8, slowdown=1.5), runtime="native")
+    assert asynchronous.layer_cost(0, LayerStrategy(dp=2, zero=3), one).fwd == pytest.approx(overlapped(fwd, comm, 1.5))

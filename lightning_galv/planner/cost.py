@@ -34,8 +34,9 @@ from .profiles import HardwareProfile, LayerTypeProfile, MoELayerFacts, ModelPro
 # Bumped whenever a change moves the predictions of plans that were priced before. A ``Calibration`` records the
 # version it was fitted against: its factors and memory slack absorb what that model got wrong, so applied to
 # a model that now prices the same bytes or seconds itself they would count them twice (version 2: the
-# embedding and head priced with FSDP2's own bytes, 7870610 -- a slack fitted before it covers those bytes).
-COST_MODEL_VERSION = 2
+# embedding and head priced with FSDP2's own bytes, 7870610 -- a slack fitted before it covers those bytes;
+# version 3: the native runtime's prefetched FSDP2 all-gathers priced as overlapped on inline backends).
+COST_MODEL_VERSION = 3
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -713,7 +714,8 @@ class GalvatronCostModel(CostModel):
         groups = self._param_groups(lt, s, d, dp_stride)
         local_params = groups[0][0] if len(groups) == 1 else groups[0][0] + groups[1][0]
         precision = "fp32" if m.precision == "fp32" else "mixed"
-        fwd_t, bwd_t, extra = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t, overlap_sync, accumulates)
+        fwd_t, bwd_t, extra = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t, overlap_sync, accumulates,
+                                                         prefetched=True)
         native = self.runtime == "native"
         over = lt.zero_overhead.get(f"zero{s.zero}") if native and d > 1 else None
         if over is not None:  # FSDP2's own work around its collectives, on this rank's share of the layer
@@ -767,8 +769,8 @@ class GalvatronCostModel(CostModel):
 
     def _data_parallel_groups(self, groups: list[tuple[float, int, int, int]], zero: int, fwd: float,
                               bwd: float, overlap_sync: bool = False,
-                              accumulates: bool = False, tail_share: float | None = None
-                              ) -> tuple[float, float, float]:
+                              accumulates: bool = False, tail_share: float | None = None,
+                              prefetched: bool = False) -> tuple[float, float, float]:
         """(fwd, bwd, per-step extra) of parameter groups each data parallel over its own ranks, given as
         (parameters, ranks, stride, separate collectives): the collectives of all groups share one overlap
         with the compute (they queue on the same link), each pays its own latency. ``overlap_sync``: the
@@ -779,7 +781,12 @@ class GalvatronCostModel(CostModel):
         one's backward (FSDP2's ``set_requires_gradient_sync``), so that reduce-scatter is a per-step cost,
         not a per-micro-batch one.
         ``tail_share``: the share of these collectives that waits for the end of backward, when the caller knows
-        it (the embedding's: all); default: a block's (:func:`last_bucket_share`, 1/layers under FSDP2)."""
+        it (the embedding's: all); default: a block's (:func:`last_bucket_share`, 1/layers under FSDP2).
+        ``prefetched``: a block's FSDP2 all-gathers, which the native runtime prefetches (no pipeline): where the
+        backend runs collectives inline (gloo), ``parallel.data_parallel._overlap_all_gathers`` issues them
+        asynchronously, unit ``i+1``'s during unit ``i``'s forward and unit ``i-1``'s during unit ``i``'s backward,
+        so they overlap compute at the profiled slowdown like the bucketed all-reduces; the first unit of each
+        direction has nothing before it, so each block pays 1/layers of its gathers in full."""
         hw = self.hw
         native = self.runtime == "native"
         el = 4.0 if self.model.precision == "fp32" else 2.0
@@ -795,6 +802,11 @@ class GalvatronCostModel(CostModel):
         rs_tail_share = (1.0 / self.model.num_layers if tail_share is None else tail_share) \
             if (native and overlap_sync) else 0.0
         exposed = 0.0
+        # gathers run beside compute (async prefetch on an inline backend; see ``prefetched``), and their share
+        # that nothing hides
+        hide = prefetched and native and overlap_sync and not hw.async_collectives
+        first_share = 1.0 / self.model.num_layers
+        fwd_hidden = bwd_hidden = 0.0
         for params, d, stride, pieces in groups:
             extra += self._optimizer_time(params, zero, d)
             if d == 1 or params == 0:
@@ -812,11 +824,14 @@ class GalvatronCostModel(CostModel):
                     gather = pieces * zero3_gather_time(hw, nb, d, stride)
                 else:
                     gather = pieces * hw.collective_time("allgather", nb, d, stride)
-                fwd_comm += gather
+                inline = gather * first_share if hide else gather
+                fwd_comm += inline
+                fwd_hidden += gather - inline
                 scatter = pieces * hw.collective_time("reducescatter", nb, d, stride)
                 tail = scatter * rs_tail_share
                 exposed += tail
-                bwd_comm += (gather if zero == 3 else 0.0) + (0.0 if accumulates else scatter - tail)
+                bwd_comm += (inline if zero == 3 else 0.0) + (0.0 if accumulates else scatter - tail)
+                bwd_hidden += gather - inline if zero == 3 else 0.0
                 last_rs += scatter - tail if accumulates else 0.0
                 gathered = True
             elif native and zero <= 1:  # data.GradientSync: bucketed all-reduces, during or after the last backward
@@ -837,6 +852,10 @@ class GalvatronCostModel(CostModel):
             extra += tail + overlapped(bwd, sync_comm - tail, hw.overlap_slowdown) - bwd
         extra += exposed
         if gathered:
+            if fwd_hidden > 0:  # prefetched gathers beside compute (Galvatron VLDB'23's overlap slowdown)
+                fwd = overlapped(fwd, fwd_hidden, hw.overlap_slowdown)
+            if bwd_hidden > 0:
+                bwd = overlapped(bwd, bwd_hidden, hw.overlap_slowdown)
             bwd_mb = self._overlap(bwd, bwd_comm)
             if last_rs > 0:  # the last micro-batch's backward also reduce-scatters: its increment, once per step
                 extra += self._overlap(bwd, bwd_comm + last_rs) - bwd_mb
