@@ -501,8 +501,8 @@ def test_native_prefetched_gathers_overlap_compute_on_an_inline_backend() -> Non
     (``_overlap_all_gathers``: unit i+1's during unit i's forward, unit i-1's during unit i's backward), so a
     block's gathers run beside its neighbour's compute at the profiled slowdown, like the bucketed all-reduces;
     the first unit of each direction has nothing before it: each of the 4 layers pays 1/4 of its gathers in
-    full. Reduce-scatters stay inline; under a pipeline (not prefetched across stages) nothing changes, and on
-    an async backend the whole collective overlaps as before."""
+    full. Reduce-scatters stay inline; under a pipeline (each unit its own FSDP2 root: no prefetch) nothing
+    changes, and on an async backend the whole collective overlaps as before."""
     inline = HardwareProfile.from_dict({**hardware(bw=1e8, slowdown=1.5).to_dict(), "async_collectives": False})
     cm = GalvatronCostModel(profile(), inline, runtime="native")
     fwd, bwd, comm = 4 * MS, 8 * MS, 10 * MS  # 1 / 2 ms per sample, b = 4; bf16 1 M params over 2 ranks: 10 ms

@@ -445,3 +445,15 @@ def test_native_zero2_experts_gather_per_expert_every_micro_batch() -> None:
     assert acc2.bwd == pytest.approx(acc0.bwd, rel=1e-9)  # no reduce-scatter before the last micro-batch
     single2 = cm.layer_cost(0, LayerStrategy(dp=64, ep=ep, zero=2), one)
     assert single2.bwd > cm.layer_cost(0, LayerStrategy(dp=64, ep=ep), one).bwd  # ... but every one without accumulation
+    # an inline backend (gloo): the dense part's gather is prefetched beside compute, all but the first unit's
+    # 1/layers share; the routed experts' nested FSDP2 states are outside the forward prefetch chain, so theirs
+    # stay inline in forward
+    inline = HardwareProfile.from_dict({**hw.to_dict(), "async_collectives": False})
+    cpu = GalvatronCostModel(mixtral(), inline, runtime="native")
+    z0 = cpu.layer_cost(0, LayerStrategy(dp=64, ep=ep), one)
+    z2 = cpu.layer_cost(0, LayerStrategy(dp=64, ep=ep, zero=2), one)
+    dense_gather = hw.collective_time("allgather", el * dense, 64, 1)
+    expert_gather = pieces * hw.collective_time("allgather", el * experts / pieces, 64 // ep, ep)
+    first = dense_gather / mixtral().num_layers
+    assert z2.fwd == pytest.approx(overlapped(z0.fwd, dense_gather - first, inline.overlap_slowdown) + first
+                                   + expert_gather, rel=1e-9)

@@ -786,7 +786,11 @@ class GalvatronCostModel(CostModel):
         backend runs collectives inline (gloo), ``parallel.data_parallel._overlap_all_gathers`` issues them
         asynchronously, unit ``i+1``'s during unit ``i``'s forward and unit ``i-1``'s during unit ``i``'s backward,
         so they overlap compute at the profiled slowdown like the bucketed all-reduces; the first unit of each
-        direction has nothing before it, so each block pays 1/layers of its gathers in full."""
+        direction has nothing before it, so each block pays 1/layers of its gathers in full (exact when every
+        block is a ZeRO-2/3 unit and the ends are not). Assumed, not seen from one layer: that the runtime made
+        a shared FSDP2 root, which it does for two or more ZeRO-2/3 units under the model's container
+        (``shared_root_container``); with a single such unit its gathers run inline and are priced low here.
+        Routed experts' nested states are outside the forward chain (inline in forward, hidden in backward)."""
         hw = self.hw
         native = self.runtime == "native"
         el = 4.0 if self.model.precision == "fp32" else 2.0
@@ -807,7 +811,7 @@ class GalvatronCostModel(CostModel):
         hide = prefetched and native and overlap_sync and not hw.async_collectives
         first_share = 1.0 / self.model.num_layers
         fwd_hidden = bwd_hidden = 0.0
-        for params, d, stride, pieces in groups:
+        for i, (params, d, stride, pieces) in enumerate(groups):
             extra += self._optimizer_time(params, zero, d)
             if d == 1 or params == 0:
                 continue
@@ -825,8 +829,12 @@ class GalvatronCostModel(CostModel):
                 else:
                     gather = pieces * hw.collective_time("allgather", nb, d, stride)
                 inline = gather * first_share if hide else gather
-                fwd_comm += inline
-                fwd_hidden += gather - inline
+                # routed experts (group 1) have FSDP2 states of their own, nested in the block's: the forward
+                # prefetch chain names the blocks' states only, so they gather inline in forward; backward's
+                # implicit prefetch follows every state's post-forward order, theirs included
+                fwd_inline = gather if i > 0 else inline
+                fwd_comm += fwd_inline
+                fwd_hidden += gather - fwd_inline
                 scatter = pieces * hw.collective_time("reducescatter", nb, d, stride)
                 tail = scatter * rs_tail_share
                 exposed += tail
