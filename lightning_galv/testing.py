@@ -117,7 +117,7 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
                                        "to start ranks as fresh interpreters.")
                 bad = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in may_die]
                 if bad:
-                    failed = bad[0]
+                    failed = _culprit(procs, may_die)
                     break
                 if all(c == 0 or (c is not None and r in may_die) for r, c in enumerate(codes)):
                     break
@@ -147,6 +147,24 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
         for log in logs:
             log.close()
         return results
+
+
+def _culprit(procs: list[Any], may_die: Collection[int], grace_s: float = 2.0) -> int:
+    """The rank to blame once one has failed: give the others ``grace_s`` to exit too, then prefer a rank a
+    signal killed (an abort, a segfault) over ranks that raised because that peer vanished.
+
+    Why: a rank dying of SIGABRT can take longer to go (the abort handler, a core dump) than its peer takes to
+    see the closed connection and exit with a Python error; naming the first exit seen then blamed the peer,
+    and the tuner, which relaunches only signal deaths before the first step, failed a trial it should have
+    relaunched.
+    """
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    codes = [p.poll() for p in procs]
+    bad = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in may_die]
+    by_signal = [r for r in bad if codes[r] < 0]
+    return (by_signal or bad)[0]
 
 
 class _LineFollower:

@@ -54,6 +54,29 @@ def _crash(how: str) -> None:
     time.sleep(600)  # rank 0 waits: the launch must end at once when rank 1 dies
 
 
+def _slow_abort() -> None:
+    """Rank 1 dies of a signal a moment after rank 0 has exited with a Python error (as a peer does when the
+    aborting rank's connection closes before the abort finishes)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        print("rank 1 aborting slowly")
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise ConnectionError("rank 0: peer closed the connection")
+
+
+@pytest.mark.distributed
+def test_a_signal_death_is_blamed_over_a_peer_that_exited_first() -> None:
+    """The tuner relaunches a trial only when a rank died of a signal before its first step; naming the first
+    rank seen to exit (here rank 0, whose Python error is a consequence) made such a trial fail instead
+    (tests/test_tuning.py::test_a_rank_killed_by_a_signal_before_its_first_step_is_relaunched_once, a CI run)."""
+    with pytest.raises(RankCrashed) as e:
+        run_distributed(HERE + "::_slow_abort", 2, (), timeout=120)
+    assert e.value.rank == 1 and e.value.by_signal and "rank 1 aborting slowly" in e.value.own_log
+    assert leftover_ranks() == 0
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("method", ["fork", "subprocess"])
 def test_a_forked_rank_sees_what_a_fresh_interpreter_sees(method: str, tmp_path: Path,
