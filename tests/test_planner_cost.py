@@ -189,6 +189,34 @@ def test_measured_sharded_compute_replaces_division() -> None:
     assert ck.bwd == pytest.approx(5 * MS + 3 * MS)  # recomputation = one more measured sharded forward
 
 
+def test_a_timed_checkpointed_variant_prices_its_own_forward_and_recompute() -> None:
+    """Where the profiler timed the variant checkpointed, a checkpointed layer takes that forward and, as the
+    recompute, what its backward added -- not one more plain forward (non-reentrant checkpointing stops at the
+    last saved tensor); the plain layer and other variants keep their fits; the recompute repeats the forward's
+    collectives all the same."""
+    base = profile()
+    lt = base.layer(0)
+    measured = {"tp2/none": {"forward": TimeFit(3 * MS, 0.0), "backward": TimeFit(5 * MS, 0.0),
+                             "checkpoint_forward": TimeFit(3.5 * MS, 0.0), "recompute": TimeFit(2 * MS, 0.0)},
+                "tp2/megatron": {"forward": TimeFit(4 * MS, 0.0), "backward": TimeFit(6 * MS, 0.0)}}
+    prof = base.with_(layer_types=(LayerTypeProfile(lt.name, lt.forward, lt.backward, lt.params, lt.activation_bytes,
+                                                    lt.hidden, sharded=measured),))
+    free = GalvatronCostModel(prof, hardware(bw=1e30))
+    ck = _layer_cost(free, LayerStrategy(tp=2, checkpoint=True))
+    assert ck.fwd == pytest.approx(3.5 * MS) and ck.bwd == pytest.approx(5 * MS + 2 * MS)
+    plain = _layer_cost(free, LayerStrategy(tp=2))
+    assert plain.fwd == pytest.approx(3 * MS) and plain.bwd == pytest.approx(5 * MS)
+    sp = _layer_cost(free, LayerStrategy(tp=2, sp="megatron", checkpoint=True))  # not timed checkpointed
+    assert sp.fwd == pytest.approx(4 * MS) and sp.bwd == pytest.approx(6 * MS + 4 * MS)
+    slow = GalvatronCostModel(prof, hardware(bw=1e6))  # collectives: forward once, backward + recompute again
+    comm = _layer_cost(slow, LayerStrategy(tp=2)).fwd - 3 * MS
+    assert comm > 0
+    assert _layer_cost(slow, LayerStrategy(tp=2, checkpoint=True)).bwd == pytest.approx(7 * MS + 2 * comm)
+    with pytest.raises(ValueError, match="together or neither"):
+        LayerTypeProfile(lt.name, lt.forward, lt.backward, lt.params, lt.activation_bytes, lt.hidden,
+                         sharded={"tp2/none": {"forward": TimeFit(), "backward": TimeFit(), "recompute": TimeFit()}})
+
+
 def test_synchronous_collectives_add_instead_of_overlapping() -> None:
     """ZeRO-3: the parameter all-gather before forward either hides under compute or adds to it."""
     s = LayerStrategy(dp=2, zero=3)

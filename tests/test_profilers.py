@@ -183,6 +183,8 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     assert set(layer.sharded) == {"tp1/none", "tp2/none", "tp2/megatron", "tp2/ulysses"}
     for fits in layer.sharded.values():
         assert fits["forward"](2, 16) > 0 and fits["backward"](2, 16) > 0
+        # each variant also timed checkpointed: its forward, and the recompute its backward adds
+        assert fits["checkpoint_forward"](2, 16) > 0 and fits["recompute"](2, 16) >= 0
     seq, h = 16, 32
     # same block, same saved-tensor counter: identical to the unsharded profiler's count
     assert layer.activation_bytes[act_key(1, "none", False)] == plain.activation_bytes[act_key(1, "none", False)]

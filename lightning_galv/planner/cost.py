@@ -35,8 +35,9 @@ from .profiles import HardwareProfile, LayerTypeProfile, MoELayerFacts, ModelPro
 # version it was fitted against: its factors and memory slack absorb what that model got wrong, so applied to
 # a model that now prices the same bytes or seconds itself they would count them twice (version 2: the
 # embedding and head priced with FSDP2's own bytes, 7870610 -- a slack fitted before it covers those bytes;
-# version 3: the native runtime's prefetched FSDP2 all-gathers priced as overlapped on inline backends).
-COST_MODEL_VERSION = 3
+# version 3: the native runtime's prefetched FSDP2 all-gathers priced as overlapped on inline backends;
+# version 4: a checkpointed layer priced from its own timed variant, forward and recompute).
+COST_MODEL_VERSION = 4
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -444,8 +445,18 @@ def moe_layer_comm(hw: HardwareProfile, lt: LayerTypeProfile, s: LayerStrategy, 
 def layer_compute(lt: LayerTypeProfile, kind: str, s: LayerStrategy, b: float, seq: int) -> float:
     """Per-rank compute of one ``"forward"`` / ``"backward"`` / ``"recompute"`` pass of a layer under ``s``: the
     measured sharded fit if profiled, else the unsharded fit divided by tp (:func:`sharded_compute`; an MoE
-    layer's own share undivided under TP / Megatron-SP, :func:`moe_sharded_compute`)."""
-    fit = lt.sharded_fit("forward" if kind == "recompute" else kind, s.tp, s.sp if s.tp > 1 else "none", s.ep)
+    layer's own share undivided under TP / Megatron-SP, :func:`moe_sharded_compute`).
+
+    A checkpointed layer (``s.checkpoint``) takes the fits of its checkpointed variant where it was timed: its
+    forward, and as the recompute what its backward takes beyond the plain one (non-reentrant checkpointing
+    skips the ops after the last saved tensor: a sharded block's recompute ran 64-90 % of its forward on 2-4
+    CPU ranks); else a recompute costs one more forward (Chen et al. 2016, sublinear memory)."""
+    sp = s.sp if s.tp > 1 else "none"
+    if s.checkpoint and kind in ("forward", "recompute"):
+        ck = lt.sharded_fit("checkpoint_forward" if kind == "forward" else "recompute", s.tp, sp, s.ep)
+        if ck is not None:
+            return ck(b, seq)
+    fit = lt.sharded_fit("forward" if kind == "recompute" else kind, s.tp, sp, s.ep)
     if fit is not None:
         return fit(b, seq)
     full = {"forward": lt.forward, "backward": lt.backward, "recompute": lt.recompute_fit()}[kind]
@@ -694,11 +705,7 @@ class GalvatronCostModel(CostModel):
         seq = m.seq_len
         fwd = layer_compute(lt, "forward", s, b, seq)
         bwd = layer_compute(lt, "backward", s, b, seq)
-        if s.checkpoint:
-            measured = lt.sharded_fit("forward", t, s.sp if t > 1 else "none", s.ep) is not None
-            rec = layer_compute(lt, "forward" if measured or lt.recompute is None else "recompute", s, b, seq)
-        else:
-            rec = 0.0
+        rec = layer_compute(lt, "recompute", s, b, seq) if s.checkpoint else 0.0
         act_bytes = b * m.seq_len * lt.hidden * m.act_dtype_bytes
         fwd_passes = 2 if s.checkpoint else 1  # recomputation repeats the forward collectives
         fwd_comm = block_comm_time(hw, m.shape, s, act_bytes, lt.moe)

@@ -428,7 +428,9 @@ class LayerTypeProfile:
     # time_key(tp, sp) -> {"forward": fit, "backward": fit}: per-rank compute of the layer *as the runtime
     # shards it* (framework dispatch included, collectives excluded) vs the samples of one data shard.
     # Measured because dispatch overhead does not shrink with 1/tp (large on CPU); missing entries fall
-    # back to dividing the unsharded fit (cost.sharded_compute).
+    # back to dividing the unsharded fit (cost.sharded_compute). Optionally also, from the same variant
+    # checkpointed: "checkpoint_forward" (its forward) and "recompute" (its backward minus the plain one's);
+    # without them a recompute is priced as one more forward.
     sharded: Mapping[str, Mapping[str, TimeFit]] = field(default_factory=dict)
     # "zero2"/"zero3" -> {"forward": fit, "backward": fit}: what FSDP2 adds to one pass of the whole
     # (unsharded) layer beyond the collectives themselves -- copy-in/out of the flat buffers, hooks
@@ -465,9 +467,10 @@ class LayerTypeProfile:
         object.__setattr__(self, "activation_bytes", dict(self.activation_bytes))
         sharded = {}
         for key, fits in dict(self.sharded).items():
-            if set(fits) != {"forward", "backward"}:
-                raise bad_value(f"sharded[{key!r}]", "needs exactly 'forward' and 'backward' fits",
-                                "record both passes of the sharded layer (ShardedLayerProfiler).")
+            if set(fits) not in ({"forward", "backward"}, {"forward", "backward", "checkpoint_forward", "recompute"}):
+                raise bad_value(f"sharded[{key!r}]={sorted(fits)}", "needs exactly 'forward' and 'backward' fits, "
+                                "plus 'checkpoint_forward' and 'recompute' together or neither",
+                                "record the passes of the sharded layer with ShardedLayerProfiler.")
             sharded[key] = {k: v if isinstance(v, TimeFit) else TimeFit(**v) for k, v in fits.items()}
         object.__setattr__(self, "sharded", sharded)
         over = {}
@@ -486,12 +489,13 @@ class LayerTypeProfile:
         object.__setattr__(self, "optimizer_overhead", {k: float(v) for k, v in dict(self.optimizer_overhead).items()})
 
     def sharded_fit(self, kind: str, tp: int, sp: str, ep: int = 1) -> TimeFit | None:
-        """The measured per-rank ``"forward"``/``"backward"`` fit under (tp, sp, ep), if profiled; an ep
+        """The measured per-rank fit of ``kind`` (``"forward"``/``"backward"``, or ``"checkpoint_forward"``/
+        ``"recompute"`` where the checkpointed variant was timed) under (tp, sp, ep), if profiled; an ep
         without its own measurement falls back to the (tp, sp) one (profiles from before ep variants)."""
         hit = self.sharded.get(time_key(tp, sp, ep)) if ep > 1 else None
         if hit is None:
             hit = self.sharded.get(time_key(tp, sp))
-        return hit[kind] if hit is not None else None
+        return hit.get(kind) if hit is not None else None
 
     def recompute_fit(self) -> TimeFit:
         return self.recompute if self.recompute is not None else self.forward

@@ -28,6 +28,7 @@ from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, 
 
 
 Comm = Callable[[int], tuple[float, float]]  # samples -> predicted (forward, backward) collective seconds
+CKPT_SUFFIX = "/ckpt"  # a timed block's key + this: the same variant, checkpointed
 
 
 def _progress(msg: str, enabled: bool) -> None:
@@ -316,16 +317,18 @@ class ShardedLayerProfiler:
     def __init__(self, make_block: Callable[[], nn.Module], shape: ModelShape, hw: HardwareProfile,
                  batch_sizes: Sequence[int] = (1, 2, 4), repeats: int = 3, device: str = "cpu",
                  sp_kinds: Sequence[str] = ("none", "megatron", "ulysses"), progress: bool = True,
-                 interleave: bool = True) -> None:
+                 interleave: bool = True, checkpoint: bool = True) -> None:
         """``interleave``: time all variants interleaved over rounds (see :meth:`_time_interleaved`), which keeps
-        every variant's block alive at once (about 3 blocks' worth per rank at 8 ranks, more for an MoE block,
-        whose experts are replicated over tp); False times each as soon as it is built and frees it -- one
-        block's memory, at the price of a slow spell of a shared machine landing on one variant only."""
+        every variant's block alive at once (about 6 blocks' worth per rank at 8 ranks with ``checkpoint``, more
+        for an MoE block, whose experts are replicated over tp); False times each as soon as it is built and
+        frees it -- one block's memory, at the price of a slow spell of a shared machine landing on one variant
+        only. ``checkpoint``: also time each (tp, sp) variant checkpointed, for the ``checkpoint_forward`` and
+        ``recompute`` fits (False leaves them out, and the cost model prices a recompute as one more forward)."""
         if not dist.is_initialized():
             raise ValueError("process group: not initialized. HINT: call torch.distributed.init_process_group first.")
         self.make_block, self.shape, self.hw = make_block, shape, hw
         self.batch_sizes, self.repeats, self.device = tuple(batch_sizes), repeats, device
-        self.sp_kinds, self.interleave = tuple(sp_kinds), interleave
+        self.sp_kinds, self.interleave, self.checkpoint = tuple(sp_kinds), interleave, checkpoint
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.progress = progress and self.rank == 0
 
@@ -370,20 +373,32 @@ class ShardedLayerProfiler:
                       "rounds", self.progress)
             measured.update(self._time_blocks(held))
         del held
-        sharded: dict[str, dict[str, TimeFit]] = {}
+        computed: dict[tuple[str, int], tuple[float, float]] = {}
         for key, comm_of in comms.items():
             if key.startswith("zero"):
                 continue
-            fwd, bwd = [], []
             for b in self.batch_sizes:
                 tf, tb, cf, cb = measured[(key, b)]
                 comm_f, comm_b = comm_of(b)
                 # compute = wall minus the collectives' predicted share, but never below the rank's own CPU time
                 times = torch.tensor([max(tf - comm_f, cf), max(tb - comm_b, cb)], dtype=torch.float64)
                 dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                fwd.append((b, seq, float(times[0])))
-                bwd.append((b, seq, float(times[1])))
-            sharded[key] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
+                computed[(key, b)] = (float(times[0]), float(times[1]))
+        sharded: dict[str, dict[str, TimeFit]] = {}
+        for key in comms:
+            if key.startswith("zero") or key.endswith(CKPT_SUFFIX):
+                continue
+            fits = {"forward": TimeFit.fit([(b, seq, computed[(key, b)][0]) for b in self.batch_sizes]),
+                    "backward": TimeFit.fit([(b, seq, computed[(key, b)][1]) for b in self.batch_sizes])}
+            if key + CKPT_SUFFIX in comms:
+                # the checkpointed block's forward, and what its backward takes beyond the plain one's: the
+                # recompute as it really runs (non-reentrant checkpointing stops once the last saved tensor is
+                # back, and adds bookkeeping of its own), rather than one more plain forward
+                ck = [computed[(key + CKPT_SUFFIX, b)] for b in self.batch_sizes]
+                fits["checkpoint_forward"] = TimeFit.fit([(b, seq, f) for b, (f, _) in zip(self.batch_sizes, ck)])
+                fits["recompute"] = TimeFit.fit([(b, seq, max(0.0, bw - computed[(key, b)][1]))
+                                                 for b, (_, bw) in zip(self.batch_sizes, ck)])
+            sharded[key] = fits
         zero = self._zero_overhead(sharded["tp1/none"], {k: c for k, c in comms.items() if k.startswith("zero")},
                                    measured)
         prof = replace(layer, sharded=sharded, activation_bytes=acts)
@@ -391,8 +406,9 @@ class ShardedLayerProfiler:
 
     def _variant_blocks(self, layer: LayerTypeProfile, acts: dict[str, float]) -> Iterator[tuple[str, nn.Module, Comm]]:
         """The block as the runtime shards it for every (tp, sp) of :meth:`variants`, keyed like
-        ``LayerTypeProfile.sharded``, with its predicted collective seconds; records into ``acts`` the saved
-        activations with and without checkpointing and the recompute peak of each (measured as it is built)."""
+        ``LayerTypeProfile.sharded``, with its predicted collective seconds, each followed by the same variant
+        checkpointed (key + ``/ckpt``; unless ``checkpoint`` is off); records into ``acts`` the saved activations
+        with and without checkpointing and the recompute peak of each (measured as it is built)."""
         from ..layout import MeshFactory, RankLayout
         from ..parallel.activation_checkpoint import apply_checkpointing
         from ..parallel.block import apply_block
@@ -421,14 +437,20 @@ class ShardedLayerProfiler:
                 t = block_comm_time(self.hw, self.shape, s, b * seq * h * el, layer.moe)  # MoE: replicated over tp
                 return t, t
 
+            def comm_ckpt(b: int, comm: Comm = comm) -> tuple[float, float]:
+                f, bw = comm(b)
+                return f, bw + f  # the cost model's rule: a recompute repeats the forward's collectives
+
             b = max(self.batch_sizes)
             acts[act_key(tp, sp, False)] = self._saved_per_sample(block, b)
             ckpt = build(True)
             acts[act_key(tp, sp, True)] = self._saved_per_sample(ckpt, b)
             acts[transient_key(tp, sp)] = self._backward_peak_per_sample(ckpt, b)
-            del ckpt
             yield time_key(tp, sp), block, comm
             del block
+            if self.checkpoint:
+                yield time_key(tp, sp) + CKPT_SUFFIX, ckpt, comm_ckpt
+            del ckpt
 
     def _time_blocks(self, blocks: Sequence[tuple[str, nn.Module]]
                      ) -> dict[tuple[str, int], tuple[float, float, float, float]]:
