@@ -430,8 +430,9 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # v3: and the optimizer step's DTensor overhead (LayerTypeProfile.optimizer_overhead); v4: timed after a backward;
     # v5: timed as the runtime steps DTensors (on their local shards, parallel/optim.py); v6: variants timed
     # interleaved over rounds (a slow spell of a shared machine no longer prices one sharding alone); v7: each
-    # variant also timed checkpointed (its own forward and recompute fits)
-    what = {"v": 7, "profile": profile.to_dict(), "hw": links, "world": world}
+    # variant also timed checkpointed (its own forward and recompute fits); v8: an MoE block timed with its router
+    # statistics all-reduced over the variant's data group, as parallelize() wires them
+    what = {"v": 8, "profile": profile.to_dict(), "hw": links, "world": world}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
     if tuple(batch_sizes) != (1, 2):

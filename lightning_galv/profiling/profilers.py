@@ -357,7 +357,7 @@ class ShardedLayerProfiler:
         acts = dict(layer.activation_bytes)
         seq = self.shape.seq_len
         blocks = itertools.chain(self._variant_blocks(layer, acts),
-                                 self._ep_blocks(layer) if layer.moe is not None else (), self._zero_blocks())
+                                 self._ep_blocks(layer) if layer.moe is not None else (), self._zero_blocks(layer))
         comms: dict[str, Comm] = {}
         held: list[tuple[str, nn.Module]] = []
         measured: dict[tuple[str, int], tuple[float, float, float, float]] = {}
@@ -413,7 +413,7 @@ class ShardedLayerProfiler:
         from ..parallel.activation_checkpoint import apply_checkpointing
         from ..parallel.block import apply_block
         from ..plan import LayerStrategy
-        from ..planner.cost import block_comm_time
+        from ..planner.cost import block_comm_time, moe_layer_comm
         from ..planner.profiles import act_key, time_key
 
         factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
@@ -426,6 +426,7 @@ class ShardedLayerProfiler:
                 block = self.make_block().to(self.device)
                 # the very code parallelize() runs; no mesh for tp=1 (building one is a collective)
                 apply_block(block, factory.mesh(s) if tp > 1 else None, s)
+                self._global_router_stats(block, layer, factory, s)
                 if checkpointed:
                     apply_checkpointing(block)
                 return block
@@ -435,7 +436,9 @@ class ShardedLayerProfiler:
 
             def comm(b: int, s: LayerStrategy = s, el: int = el) -> tuple[float, float]:
                 t = block_comm_time(self.hw, self.shape, s, b * seq * h * el, layer.moe)  # MoE: replicated over tp
-                return t, t
+                stride = 1 if (s.ulysses or s.tp == 1 or not s.tp_consecutive) else s.tp  # as the cost model's
+                stats, _ = moe_layer_comm(self.hw, layer, s, b, seq, el, stride)  # router statistics (MoE only)
+                return t + stats, t
 
             def comm_ckpt(b: int, comm: Comm = comm) -> tuple[float, float]:
                 f, bw = comm(b)
@@ -558,7 +561,7 @@ class ShardedLayerProfiler:
         from ..layout import MeshFactory, RankLayout
         from ..parallel.expert import apply_ep
         from ..plan import LayerStrategy
-        from ..planner.cost import ep_alltoall_bytes, ep_backward_comm, ep_forward_comm
+        from ..planner.cost import moe_layer_comm
         from ..planner.profiles import time_key
 
         moe = layer.moe
@@ -570,15 +573,31 @@ class ShardedLayerProfiler:
             _progress(f"sharded block ep={ep}", self.progress)
             s = LayerStrategy(dp=self.world, ep=ep)
             block = self.make_block().to(self.device)
+            self._global_router_stats(block, layer, factory, s)
             apply_ep(block, factory.expert_mesh(s), s, "profiled block")  # the runtime's own dispatch
             el = next(block.parameters()).element_size()
 
-            def comm(b: int, ep: int = ep, el: int = el) -> tuple[float, float]:
-                nbytes = ep_alltoall_bytes(b * seq, moe, el)
-                return ep_forward_comm(self.hw, nbytes, moe.num_experts, ep, 1), ep_backward_comm(self.hw, nbytes, ep, 1)
+            def comm(b: int, s: LayerStrategy = s, el: int = el) -> tuple[float, float]:
+                # the count exchange and all-to-alls, and the router statistics, as the cost model prices them
+                return moe_layer_comm(self.hw, layer, s, b, seq, el, 1)
 
             yield time_key(1, "none", ep), block, comm
             del block
+
+    @staticmethod
+    def _global_router_stats(block: nn.Module, layer: LayerTypeProfile, factory: object, s: object) -> None:
+        """An MoE block's router statistics summed over the variant's data group, as ``parallelize()`` wires
+        them (``GlobalRouterStats``): the all-reduce is a sync point in every MoE layer's forward, where each
+        rank waits for the slowest. Timed without it, the blocks of the MoE accuracy benchmark's data-parallel
+        plans ran 14-19 % slower in training than their profile said (a 2 and a 4-rank run at a2e181e); the
+        collective itself is subtracted as the cost model prices it (``cost.router_stats_time``)."""
+        if layer.moe is None:
+            return
+        from ..parallel.expert import GlobalRouterStats, moe_layers
+
+        data_mesh = factory.data_mesh(s)  # type: ignore[attr-defined]
+        for moe_layer in moe_layers(block):
+            moe_layer.stats_reducer = GlobalRouterStats(data_mesh.get_group(), data_mesh.size(), s.dp)  # type: ignore[attr-defined]
 
     def _saved_per_sample(self, block: nn.Module, b: int) -> float:
         """Bytes autograd keeps for backward per sample (this rank's shard), parameters/buffers excluded."""
@@ -611,12 +630,14 @@ class ShardedLayerProfiler:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    def _zero_blocks(self) -> Iterator[tuple[str, nn.Module, Comm]]:
+    def _zero_blocks(self, layer: LayerTypeProfile | None = None) -> Iterator[tuple[str, nn.Module, Comm]]:
         """The block under FSDP2 with the whole world as its data group, ZeRO-2 and ZeRO-3, each with its
-        predicted (forward, backward) all-gather / reduce-scatter seconds."""
+        predicted (forward, backward) all-gather / reduce-scatter seconds (an MoE block's router statistics
+        over that group too, as in its ``tp1/none`` variant, which :meth:`_zero_overhead` subtracts)."""
         from ..layout import MeshFactory, RankLayout
         from ..parallel.data_parallel import apply_fsdp
         from ..plan import LayerStrategy
+        from ..planner.cost import moe_layer_comm
 
         if self.world == 1:
             return
@@ -626,11 +647,20 @@ class ShardedLayerProfiler:
             s = LayerStrategy(dp=self.world, zero=zero)
             block = self.make_block().to(self.device)
             nbytes = sum(p.numel() * p.element_size() for p in block.parameters())
+            el = next(block.parameters()).element_size()
+            if layer is not None:
+                self._global_router_stats(block, layer, factory, s)
             apply_fsdp(block, factory.data_mesh(s), s, self.world)
             gather = self.hw.collective_time("allgather", nbytes, self.world)
             scatter = self.hw.collective_time("reducescatter", nbytes, self.world)
             backward = scatter + (gather if zero == 3 else 0.0)
-            yield f"zero{zero}", block, (lambda b, f=gather, bw=backward: (f, bw))
+
+            def comm(b: int, f: float = gather, bw: float = backward, s: LayerStrategy = s,
+                     el: int = el) -> tuple[float, float]:
+                stats = moe_layer_comm(self.hw, layer, s, b, self.shape.seq_len, el, 1)[0] if layer is not None else 0.0
+                return f + stats, bw
+
+            yield f"zero{zero}", block, comm
             del block
 
     def _zero_overhead(self, plain: Mapping[str, TimeFit], comms: Mapping[str, Comm],
