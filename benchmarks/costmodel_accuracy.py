@@ -539,9 +539,10 @@ then each block kind as the runtime shards it by the ShardedLayerProfiler, `auto
 MoE block also times every expert-parallel degree), both at the sample counts automatic mode takes
 (`auto.profile_batch_sizes`: 1, 2 and the loader's per-rank batch -- 1/2/4 samples at 2 ranks, 1/2 at 4);
 everything else as in the dense section above (MemTracker peak, leave-one-out calibration, speed correction),
-except that the probe times the decoder's own MoE block (unsharded, every expert local) and a profile's reference
-is that block type's `tp1/none` fit at the probe's shape (until 0a74b18 it was the median of probes taken around
-profiling, a dense block's; in that run the raw errors were smaller than the corrected ones)."""
+except that the probe times the decoder's own MoE block (unsharded, every expert local, its router statistics
+all-reduced over the world as the profiler times it) and a profile's reference is that block type's `tp1/none`
+fit at the probe's shape plus the statistics all-reduce as priced (until 0a74b18 it was the median of probes
+taken around profiling, a dense block's; in that run the raw errors were smaller than the corrected ones)."""
 
 
 def write_results(report: str, moe: bool = False) -> None:

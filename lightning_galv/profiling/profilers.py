@@ -588,9 +588,10 @@ class ShardedLayerProfiler:
     def _global_router_stats(block: nn.Module, layer: LayerTypeProfile, factory: object, s: object) -> None:
         """An MoE block's router statistics summed over the variant's data group, as ``parallelize()`` wires
         them (``GlobalRouterStats``): the all-reduce is a sync point in every MoE layer's forward, where each
-        rank waits for the slowest. Timed without it, the blocks of the MoE accuracy benchmark's data-parallel
-        plans ran 14-19 % slower in training than their profile said (a 2 and a 4-rank run at a2e181e); the
-        collective itself is subtracted as the cost model prices it (``cost.router_stats_time``)."""
+        rank waits for the slowest. Timed without it, the MoE accuracy benchmark's data-parallel plans ran their
+        forward + backward 14 % (2 ranks) and 19 % (4 ranks) slower than predicted (10-launch run at a2e181e);
+        with it, 7 % and 4 % (at dd67226). The collective itself is subtracted as the cost model prices it
+        (``cost.router_stats_time``)."""
         if layer.moe is None:
             return
         from ..parallel.expert import GlobalRouterStats, moe_layers
