@@ -271,3 +271,42 @@ def test_sharded_profiler_times_variants_interleaved(one_rank_group: None) -> No
     assert calls == ["x"] * 6 + ["y"] * 6  # 3 rounds (warm-up + 2) x 2 batch sizes each, one block after the other
     assert set(out_layer.sharded) == {"tp1/none", "tp2/none"}
     assert out_layer.sharded["tp1/none"]["forward"](2, 2) > 0.005
+
+
+def test_an_moe_block_is_profiled_with_its_router_statistics_over_the_data_group(one_rank_group: None) -> None:
+    """The runtime all-reduces an MoE layer's router statistics over its data group (GlobalRouterStats, wired by
+    parallelize()); every rank waits for the slowest there, once per MoE layer forward. The profiled block must
+    run the same way, plain and checkpointed variants and the FSDP2 blocks alike, or the fits miss that wait (the
+    MoE benchmark's data-parallel plans ran 14-19 % slower than their profiles said); a dense block is untouched."""
+    import copy
+
+    from lightning_galv.auto import profile_model
+    from lightning_galv.models import MoEConfig, MoEDecoder
+    from lightning_galv.models.moe import LocalStatsReducer
+    from lightning_galv.models.protocol import find_parts
+    from lightning_galv.parallel.expert import GlobalRouterStats, moe_layers
+    from lightning_galv.planner.profiles import HardwareProfile
+    from lightning_galv.profiling.profilers import ShardedLayerProfiler
+
+    torch.manual_seed(0)
+    model = MoEDecoder(MoEConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                                 max_seq_len=16, num_experts=4, top_k=2, expert_hidden=48, moe_every=2))
+    parts = find_parts(model)
+    prof = profile_model(model, parts)
+    dense_t, moe_t = prof.layer_types
+    assert dense_t.moe is None and moe_t.moe is not None
+    hw = HardwareProfile.uniform(1, 1, 1e9)
+    blocks = {i: model.layers[i] for i in (0, 1)}  # layer 1 is the MoE one (moe_every=2)
+    for lt, block in ((moe_t, blocks[1]), (dense_t, blocks[0])):
+        sp = ShardedLayerProfiler(lambda b=block: copy.deepcopy(b), prof.shape, hw, batch_sizes=(1,), repeats=1,
+                                  progress=False)
+        built = [(key, blk) for key, blk, _ in sp._variant_blocks(lt, {})]
+        built += [(key, blk) for key, blk, _ in sp._zero_blocks(lt)]  # none on one rank
+        assert [k for k, _ in built] == ["tp1/none", "tp1/none/ckpt"]
+        for key, blk in built:
+            layers = moe_layers(blk)
+            assert bool(layers) == (lt.moe is not None)
+            for layer in layers:
+                assert isinstance(layer.stats_reducer, GlobalRouterStats), key
+                assert layer.stats_reducer.size == 1
+    assert isinstance(moe_layers(blocks[1])[0].stats_reducer, LocalStatsReducer)  # the model's own block untouched
