@@ -212,6 +212,13 @@ def test_a_timed_checkpointed_variant_prices_its_own_forward_and_recompute() -> 
     comm = _layer_cost(slow, LayerStrategy(tp=2)).fwd - 3 * MS
     assert comm > 0
     assert _layer_cost(slow, LayerStrategy(tp=2, checkpoint=True)).bwd == pytest.approx(7 * MS + 2 * comm)
+    # a checkpointed forward fitted below the plain one (noise, extrapolation) is priced as the plain one:
+    # checkpointing never makes a layer cheaper
+    low = {"tp2/none": {**measured["tp2/none"], "checkpoint_forward": TimeFit(1 * MS, 0.0)}}
+    low_prof = base.with_(layer_types=(LayerTypeProfile(lt.name, lt.forward, lt.backward, lt.params,
+                                                        lt.activation_bytes, lt.hidden, sharded=low),))
+    ck_low = _layer_cost(GalvatronCostModel(low_prof, hardware(bw=1e30)), LayerStrategy(tp=2, checkpoint=True))
+    assert ck_low.fwd == pytest.approx(3 * MS) and ck_low.fwd + ck_low.bwd >= plain.fwd + plain.bwd
     with pytest.raises(ValueError, match="together or neither"):
         LayerTypeProfile(lt.name, lt.forward, lt.backward, lt.params, lt.activation_bytes, lt.hidden,
                          sharded={"tp2/none": {"forward": TimeFit(), "backward": TimeFit(), "recompute": TimeFit()}})

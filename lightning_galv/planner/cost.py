@@ -455,7 +455,11 @@ def layer_compute(lt: LayerTypeProfile, kind: str, s: LayerStrategy, b: float, s
     if s.checkpoint and kind in ("forward", "recompute"):
         ck = lt.sharded_fit("checkpoint_forward" if kind == "forward" else "recompute", s.tp, sp, s.ep)
         if ck is not None:
-            return ck(b, seq)
+            # a checkpointed forward runs the same math as the plain one: never priced below it (fitted apart
+            # from few batch sizes, the two can cross where extrapolated, and the search would then pick
+            # checkpointing for speed)
+            plain = lt.sharded_fit("forward", s.tp, sp, s.ep)
+            return max(ck(b, seq), plain(b, seq)) if kind == "forward" and plain is not None else ck(b, seq)
     fit = lt.sharded_fit("forward" if kind == "recompute" else kind, s.tp, sp, s.ep)
     if fit is not None:
         return fit(b, seq)
