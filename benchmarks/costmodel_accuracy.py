@@ -60,7 +60,11 @@ def moe_plans() -> list[tuple[str, ParallelPlan]]:
             ("2r moe ep2·zero1", uni(2, S(dp=2, ep=2, zero=1))), ("2r moe tp2 attn", uni(2, S(tp=2))),
             ("4r moe dp4", uni(4, S(dp=4))), ("4r moe ep2", uni(4, S(dp=4, ep=2))),
             ("4r moe ep4", uni(4, S(dp=4, ep=4))), ("4r moe ep4·zero3", uni(4, S(dp=4, ep=4, zero=3))),
-            ("4r moe ep2·tp2 attn", uni(4, S(tp=2, dp=2, ep=2)))]
+            ("4r moe ep2·tp2 attn", uni(4, S(tp=2, dp=2, ep=2))),
+            # checkpointed expert-parallel blocks: priced from their own checkpointed run (the profiler times ep
+            # variants checkpointed too), not as one more forward
+            ("2r moe ep2·ckpt", uni(2, S(dp=2, ep=2, checkpoint=True))),
+            ("4r moe ep4·ckpt", uni(4, S(dp=4, ep=4, checkpoint=True)))]
 
 
 def shape() -> ModelShape:

@@ -431,8 +431,9 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # v5: timed as the runtime steps DTensors (on their local shards, parallel/optim.py); v6: variants timed
     # interleaved over rounds (a slow spell of a shared machine no longer prices one sharding alone); v7: each
     # variant also timed checkpointed (its own forward and recompute fits); v8: an MoE block timed with its router
-    # statistics all-reduced over the variant's data group, as parallelize() wires them
-    what = {"v": 8, "profile": profile.to_dict(), "hw": links, "world": world}
+    # statistics all-reduced over the variant's data group, as parallelize() wires them; v9: the recompute fit net
+    # of the collectives a recompute really repeats (counted), and expert-parallel variants timed checkpointed
+    what = {"v": 9, "profile": profile.to_dict(), "hw": links, "world": world}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
     if tuple(batch_sizes) != (1, 2):

@@ -29,18 +29,23 @@ def toy_hw(world: int = 8) -> HardwareProfile:
 
 
 def rich_profile(precision: str = "bf16") -> ModelProfile:
-    """Two layer types; the second with measured sharded compute, FSDP2 overheads and a recompute peak, so
-    the native runtime's extra terms are all exercised."""
+    """Two layer types; the second with measured sharded compute (plain and checkpointed, the checkpointed
+    forward fitted below the plain one, as separately fitted variants can come out: the cost model must not
+    price checkpointing faster -- ``checkpointing_costs_time`` fails without its guard), counted
+    recompute collectives, FSDP2 overheads and a recompute peak, so the native runtime's extra terms are all
+    exercised."""
     shape = ModelShape(5, 8, 4, 4, 16, 64, 8)
     plain = LayerTypeProfile("attn", TimeFit(2e-5, MS / 8), TimeFit(4e-5, 2 * MS / 8), 2_000_000,
                              {act_key(1, "none", False): 4e6, act_key(2, "none", False): 2.5e6,
                               act_key(1, "none", True): 5e5}, 8)
     over = {"zero3": {"forward": TimeFit(MS, 0.0), "backward": TimeFit(2 * MS, 0.0)},
             "zero2": {"forward": TimeFit(0.5 * MS, 0.0), "backward": TimeFit(0.5 * MS, 0.0)}}
-    measured = {"tp2/none": {"forward": TimeFit(MS, 1e-4), "backward": TimeFit(2 * MS, 2e-4)}}
+    measured = {"tp2/none": {"forward": TimeFit(MS, 1e-4), "backward": TimeFit(2 * MS, 2e-4),
+                             "checkpoint_forward": TimeFit(0.5 * MS, 0.5e-4), "recompute": TimeFit(0.0, 0.1e-4)}}
     heavy = LayerTypeProfile("mlp", TimeFit(1e-5, 2 * MS / 8), TimeFit(2e-5, 4 * MS / 8), 3_000_000,
                              {act_key(1, "none", False): 6e6, act_key(1, "none", True): 1e6,
-                              transient_key(1, "none"): 8e6}, 8, sharded=measured, zero_overhead=over)
+                              transient_key(1, "none"): 8e6}, 8, sharded=measured, zero_overhead=over,
+                             recompute_comm={"tp2/none": 0.5})
     return ModelProfile("rich", shape, (plain, heavy), (0, 1, 1, 0, 1), precision, embed_params=50_000,
                         head_params=80_000, head_forward=TimeFit(1e-5, 0.5 * MS / 8), head_act_bytes=2e5,
                         framework_bytes=1e6)
@@ -228,6 +233,8 @@ BREAKS: dict[str, tuple] = {  # what breaks -> (the rule that must catch it, the
     "time depends on the layer index": (
         "layer_cost_depends_on_type_and_stage_shape_only",
         dict(layer=lambda i, s, ctx, c: replace(c, fwd=c.fwd * (1 + i)))),
+    "checkpointing priced faster": (
+        "checkpointing_costs_time", dict(layer=lambda i, s, ctx, c: replace(c, bwd=0.5 * c.bwd) if s.checkpoint else c)),
     "ZeRO-3 keeps more states": (
         "model_states_shrink_with_zero",
         dict(layer=lambda i, s, ctx, c: replace(c, states=c.states * (4 if s.zero == 3 else 1)))),

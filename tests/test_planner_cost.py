@@ -212,6 +212,21 @@ def test_a_timed_checkpointed_variant_prices_its_own_forward_and_recompute() -> 
     comm = _layer_cost(slow, LayerStrategy(tp=2)).fwd - 3 * MS
     assert comm > 0
     assert _layer_cost(slow, LayerStrategy(tp=2, checkpoint=True)).bwd == pytest.approx(7 * MS + 2 * comm)
+    # where the profiler counted which of them a recompute repeats (early stop skips a Megatron block's closing
+    # all-reduce: half of them), only that share is repeated; other variants keep repeating all
+    counted = base.with_(layer_types=(LayerTypeProfile(lt.name, lt.forward, lt.backward, lt.params,
+                                                       lt.activation_bytes, lt.hidden, sharded=measured,
+                                                       recompute_comm={"tp2/none": 0.5}),))
+    half = GalvatronCostModel(counted, hardware(bw=1e6))
+    assert _layer_cost(half, LayerStrategy(tp=2, checkpoint=True)).bwd == pytest.approx(7 * MS + 1.5 * comm)
+    assert _layer_cost(half, LayerStrategy(tp=2)).bwd == pytest.approx(5 * MS + comm)  # not checkpointed: no recompute
+    sp_comm = _layer_cost(half, LayerStrategy(tp=2, sp="megatron")).fwd - 4 * MS
+    assert _layer_cost(half, LayerStrategy(tp=2, sp="megatron", checkpoint=True)).bwd == \
+        pytest.approx(10 * MS + 2 * sp_comm)
+    assert ModelProfile.from_json(counted.to_json()) == counted
+    with pytest.raises(ValueError, match=r"recompute_comm\['tp2/none'\]=1.5.*HINT"):
+        LayerTypeProfile(lt.name, lt.forward, lt.backward, lt.params, lt.activation_bytes, lt.hidden,
+                         recompute_comm={"tp2/none": 1.5})
     # a checkpointed forward fitted below the plain one (noise, extrapolation) is priced as the plain one:
     # checkpointing never makes a layer cheaper
     low = {"tp2/none": {**measured["tp2/none"], "checkpoint_forward": TimeFit(1 * MS, 0.0)}}

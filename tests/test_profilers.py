@@ -185,6 +185,11 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
         assert fits["forward"](2, 16) > 0 and fits["backward"](2, 16) > 0
         # each variant also timed checkpointed: its forward, and the recompute its backward adds
         assert fits["checkpoint_forward"](2, 16) > 0 and fits["recompute"](2, 16) >= 0
+    # the recompute of a checkpointed variant repeats its forward's collectives only up to the last tensor the
+    # backward needs (torch's early stop): a Megatron-TP block skips its closing row-parallel all-reduce (1 of 2),
+    # a Megatron-SP block its closing reduce-scatter (1 of 4: all-gather, reduce-scatter x 2), Ulysses' all-to-alls
+    # all feed the attention output projection, which saves its input; tp=1 has no collectives to count
+    assert layer.recompute_comm == {"tp2/none": 0.5, "tp2/megatron": 0.75, "tp2/ulysses": 1.0}, layer.recompute_comm
     seq, h = 16, 32
     # same block, same saved-tensor counter: identical to the unsharded profiler's count
     assert layer.activation_bytes[act_key(1, "none", False)] == plain.activation_bytes[act_key(1, "none", False)]
@@ -214,6 +219,11 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     assert "tp1/none/ep2" in moe_t.sharded and not any("/ep" in k for k in dense_t.sharded)
     ep_fit = moe_t.sharded["tp1/none/ep2"]
     assert ep_fit["forward"](2, 16) > 0 and ep_fit["backward"](2, 16) > 0
+    # timed checkpointed too, so ep > 1 prices its recompute from its own run, as ep = 1 does
+    assert ep_fit["checkpoint_forward"](2, 16) > 0 and ep_fit["recompute"](2, 16) >= 0
+    assert 0.0 < moe_t.recompute_comm["tp1/none/ep2"] <= 1.0, moe_t.recompute_comm
+    s_ep_ck = LayerStrategy(dp=2, ep=2, checkpoint=True)
+    assert layer_compute(moe_t, "recompute", s_ep_ck, 2, 16) == ep_fit["recompute"](2, 16)
     s_ep, s_dp = LayerStrategy(dp=2, ep=2), LayerStrategy(dp=2)
     assert layer_compute(moe_t, "forward", s_ep, 2, 16) == ep_fit["forward"](2, 16)
     assert layer_compute(moe_t, "backward", s_ep, 2, 16) == ep_fit["backward"](2, 16)
@@ -257,7 +267,7 @@ def test_sharded_profiler_times_variants_interleaved(one_rank_group: None) -> No
     # interleave=False: every block timed as soon as it is built (its own repeats back to back), then freed
     calls.clear()
 
-    def variant_blocks(layer, acts):  # stands in for the real (tp, sp) variants
+    def variant_blocks(layer, acts, repeated):  # stands in for the real (tp, sp) variants
         for key, name in (("tp1/none", "x"), ("tp2/none", "y")):
             yield key, Probe(name, []), (lambda n: (0.0, 0.0))
 
@@ -300,7 +310,7 @@ def test_an_moe_block_is_profiled_with_its_router_statistics_over_the_data_group
     for lt, block in ((moe_t, blocks[1]), (dense_t, blocks[0])):
         sp = ShardedLayerProfiler(lambda b=block: copy.deepcopy(b), prof.shape, hw, batch_sizes=(1,), repeats=1,
                                   progress=False)
-        built = [(key, blk) for key, blk, _ in sp._variant_blocks(lt, {})]
+        built = [(key, blk) for key, blk, _ in sp._variant_blocks(lt, {}, {})]
         built += [(key, blk) for key, blk, _ in sp._zero_blocks(lt)]  # none on one rank
         assert [k for k, _ in built] == ["tp1/none", "tp1/none/ckpt"]
         for key, blk in built:

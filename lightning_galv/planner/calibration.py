@@ -266,8 +266,8 @@ def layer_observations(plan: ParallelPlan, model: ModelProfile, hw: HardwareProf
     the measured forward + backward (+ recompute) seconds of block i on this rank; blocks absent from it (other
     pipeline stages) are skipped. Predictions follow the cost model's split (``cost.sharded_compute`` /
     the measured sharded fits for compute, ``cost.block_comm_time`` for the block's collectives, repeated by
-    the backward and by a recompute; an MoE block's own collectives, ``cost.moe_layer_comm``, as priced)."""
-    from .cost import block_comm_time, layer_compute, moe_layer_comm
+    the backward and, their ``cost.recompute_comm_share``, by a recompute; an MoE block's own collectives, ``cost.moe_layer_comm``, as priced)."""
+    from .cost import block_comm_time, layer_compute, moe_layer_comm, recompute_comm_share
 
     out = []
     seq = model.seq_len
@@ -282,11 +282,12 @@ def layer_observations(plan: ParallelPlan, model: ModelProfile, hw: HardwareProf
         for kind in kinds:
             compute += layer_compute(lt, kind, s, b, seq)
         act_bytes = b * seq * lt.hidden * model.act_dtype_bytes
-        comm = block_comm_time(hw, model.shape, s, act_bytes, lt.moe) * (3 if s.checkpoint else 2)
-        if lt.moe is not None:  # router statistics, and under ep the all-to-alls (repeated by a recompute)
+        repeated = recompute_comm_share(lt, s)
+        comm = block_comm_time(hw, model.shape, s, act_bytes, lt.moe) * (2.0 + repeated)
+        if lt.moe is not None:  # router statistics, and under ep the all-to-alls (their share repeated too)
             stride = 1 if (s.ulysses or s.tp == 1 or not s.tp_consecutive) else s.tp
             moe_f, moe_b = moe_layer_comm(hw, lt, s, b, seq, model.act_dtype_bytes, stride)
-            comm += moe_f * (2 if s.checkpoint else 1) + moe_b
+            comm += moe_f * (1.0 + repeated) + moe_b
         out.append(LayerObservation(lt.name, compute, comm, float(measured)))
     return out
 

@@ -180,6 +180,27 @@ def model_states_shrink_with_zero(p: Probe) -> Iterator[str]:
             yield from _check_zero_ladder(costs, f"end_cost(..., first={first})")
 
 
+def checkpointing_costs_time(p: Probe) -> Iterator[str]:
+    """Checkpointing a layer never makes it faster, per micro-batch or per step: its forward runs the same
+    math and the recompute adds work (Chen et al. 2016). The search takes checkpointing as memory bought with
+    time, and ``explain`` says so of a checkpointed winner; a model pricing it cheaper -- say, a checkpointed
+    forward and a plain one fitted apart, crossing where extrapolated -- would have the search checkpoint for
+    speed."""
+    ctx = p.table_ctx
+    options = set(p.layers)
+    for t, layer in p.first_of_type().items():
+        for s in p.layers:
+            ck = replace(s, checkpoint=True)
+            if s.checkpoint or ck not in options or not p.applies(layer, s):
+                continue
+            a, b = p.cost.layer_cost(layer, s, ctx), p.cost.layer_cost(layer, ck, ctx)
+            if not (_at_most(a.fwd + a.bwd, b.fwd + b.bwd)
+                    and _at_most(a.fwd + a.bwd + a.step_extra, b.fwd + b.bwd + b.step_extra)):
+                yield (f"layer_cost(layer {layer}, {ck.short()}) = {b.fwd + b.bwd:.6g} s per micro-batch, "
+                       f"{b.step_extra:.6g} s per step: cheaper than without checkpointing ({a.fwd + a.bwd:.6g}, "
+                       f"{a.step_extra:.6g})")
+
+
 def _check_zero_ladder(costs: list[tuple[LayerStrategy, LayerCost]], what: str) -> Iterator[str]:
     for (a, ca), (b, cb) in zip(costs, costs[1:]):
         if not _at_most(cb.states, ca.states):
@@ -377,6 +398,7 @@ def predict_fills_the_prediction(p: Probe) -> Iterator[str]:
 
 RULES: tuple[Callable[[Probe], Iterator[str]], ...] = (
     finite_and_non_negative, layer_cost_depends_on_type_and_stage_shape_only, model_states_shrink_with_zero,
+    checkpointing_costs_time,
     transitions_follow_batch_layout, stage_fixed_sees_only_its_ends, dominated_ends_stay_dominated,
     backward_freed_is_the_heads, evaluate_is_the_sum_of_its_parts, predict_fills_the_prediction,
     expert_parallelism_only_where_experts_are, expert_states_do_not_grow_with_ep)

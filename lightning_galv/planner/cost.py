@@ -36,8 +36,9 @@ from .profiles import HardwareProfile, LayerTypeProfile, MoELayerFacts, ModelPro
 # a model that now prices the same bytes or seconds itself they would count them twice (version 2: the
 # embedding and head priced with FSDP2's own bytes, 7870610 -- a slack fitted before it covers those bytes;
 # version 3: the native runtime's prefetched FSDP2 all-gathers priced as overlapped on inline backends;
-# version 4: a checkpointed layer priced from its own timed variant, forward and recompute).
-COST_MODEL_VERSION = 4
+# version 4: a checkpointed layer priced from its own timed variant, forward and recompute; version 5: a
+# recompute repeats only the share of the forward's collectives the profiler counted).
+COST_MODEL_VERSION = 5
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -470,6 +471,16 @@ def layer_compute(lt: LayerTypeProfile, kind: str, s: LayerStrategy, b: float, s
     return sharded_compute(full.const, full(b, seq), s.tp)
 
 
+def recompute_comm_share(lt: LayerTypeProfile, s: LayerStrategy) -> float:
+    """Share of a layer's forward collectives its recompute repeats: 0 unless checkpointed; measured per
+    variant (non-reentrant checkpointing stops at the last tensor the backward needs, so a block's closing
+    row-parallel collective is skipped: 1/2 of a Megatron-TP block's all-reduces, 3/4 of a Megatron-SP block's
+    collectives on 2-4 CPU ranks), else all of them (Chen et al. 2016, sublinear memory: one more forward)."""
+    if not s.checkpoint:
+        return 0.0
+    return lt.recompute_comm_share(s.tp, s.sp if s.tp > 1 else "none", s.ep)
+
+
 def vocab_parallel_head(hw: HardwareProfile, logit_bytes: float, tokens: float, tp: int, stride: int,
                         vocab_parallel_loss: bool) -> tuple[float, float]:
     """(forward seconds, share of the logits a rank saves) of a tp-way head: vocab-parallel loss = MAX all-reduce of b*s fp32 maxima + SUM all-reduce of 2*b*s fp32 (sum-exp, target logit), logits /tp; else an all-gather of the full logits (Megatron-LM, Shoeybi et al. 2019, vocab-parallel cross entropy)."""
@@ -711,17 +722,17 @@ class GalvatronCostModel(CostModel):
         bwd = layer_compute(lt, "backward", s, b, seq)
         rec = layer_compute(lt, "recompute", s, b, seq) if s.checkpoint else 0.0
         act_bytes = b * m.seq_len * lt.hidden * m.act_dtype_bytes
-        fwd_passes = 2 if s.checkpoint else 1  # recomputation repeats the forward collectives
+        repeated = recompute_comm_share(lt, s)  # of the forward's collectives, run again by a recompute
         fwd_comm = block_comm_time(hw, m.shape, s, act_bytes, lt.moe)
         fwd_t = fwd + fwd_comm
-        bwd_t = bwd + rec + fwd_comm * fwd_passes  # backward mirrors the forward collectives
+        bwd_t = bwd + rec + fwd_comm * (1.0 + repeated)  # backward mirrors the forward collectives
         # data parallel: gradients of this rank's weight shard over the data group
         d = s.data_group
         dp_stride = 1 if (s.ulysses or t == 1 or not s.tp_consecutive) else t
         if lt.moe is not None:  # synchronous in the forward path: added, never overlapped
             moe_f, moe_b = self._moe_comm(lt, s, b, dp_stride)
             fwd_t += moe_f
-            bwd_t += moe_b + (moe_f if s.checkpoint else 0.0)
+            bwd_t += moe_b + moe_f * repeated
         groups = self._param_groups(lt, s, d, dp_stride)
         local_params = groups[0][0] if len(groups) == 1 else groups[0][0] + groups[1][0]
         precision = "fp32" if m.precision == "fp32" else "mixed"

@@ -450,6 +450,12 @@ class LayerTypeProfile:
     # against ~20 us for a plain tensor, which for small shards outweighs the traffic the sharding saves
     # (ShardedLayerProfiler measures it; missing = free, as in profiles from before it did).
     optimizer_overhead: Mapping[str, float] = field(default_factory=dict)
+    # time_key(tp, sp[, ep]) -> share (0..1) of the forward's collectives that a recompute of the checkpointed
+    # variant runs again. Non-reentrant checkpointing stops once the last tensor the backward needs is back, so
+    # a collective after it -- a dense block's final row-parallel all-reduce or reduce-scatter -- is not
+    # repeated, unless the block saves something after it (dropout's mask does). ShardedLayerProfiler counts
+    # the collectives; missing = 1.0 (all repeated, Galvatron's assumption).
+    recompute_comm: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, Mapping):
@@ -487,6 +493,12 @@ class LayerTypeProfile:
                                 "keys are 'tp'/'zero', each a finite number of seconds >= 0",
                                 "record it with ShardedLayerProfiler (or leave it out: unmeasured = free).")
         object.__setattr__(self, "optimizer_overhead", {k: float(v) for k, v in dict(self.optimizer_overhead).items()})
+        for key, share in dict(self.recompute_comm).items():
+            if not (isinstance(share, (int, float)) and math.isfinite(share) and 0.0 <= share <= 1.0):
+                raise bad_value(f"recompute_comm[{key!r}]={share!r}", "a share of the forward's collectives, "
+                                "a number in [0, 1]", "let ShardedLayerProfiler count them (or leave the entry "
+                                "out: unmeasured = every collective repeated).")
+        object.__setattr__(self, "recompute_comm", {k: float(v) for k, v in dict(self.recompute_comm).items()})
 
     def sharded_fit(self, kind: str, tp: int, sp: str, ep: int = 1) -> TimeFit | None:
         """The measured per-rank fit of ``kind`` (``"forward"``/``"backward"``, or ``"checkpoint_forward"``/
@@ -496,6 +508,14 @@ class LayerTypeProfile:
         if hit is None:
             hit = self.sharded.get(time_key(tp, sp))
         return hit.get(kind) if hit is not None else None
+
+    def recompute_comm_share(self, tp: int, sp: str, ep: int = 1) -> float:
+        """Share of the forward's collectives a recompute under (tp, sp, ep) repeats: measured, else the
+        (tp, sp) one for an unmeasured ep, else 1.0 (every one)."""
+        hit = self.recompute_comm.get(time_key(tp, sp, ep)) if ep > 1 else None
+        if hit is None:
+            hit = self.recompute_comm.get(time_key(tp, sp))
+        return 1.0 if hit is None else hit
 
     def recompute_fit(self) -> TimeFit:
         return self.recompute if self.recompute is not None else self.forward
@@ -735,6 +755,8 @@ class ModelProfile:
                 lt.pop("params_sp", None)
             if not lt.get("optimizer_overhead"):  # and profiles without a measured DTensor optimizer overhead
                 lt.pop("optimizer_overhead", None)
+            if not lt.get("recompute_comm"):  # and profiles without counted recompute collectives
+                lt.pop("recompute_comm", None)
         if self.ends is None:  # so do profiles without Galvatron's end tables
             d.pop("ends")
         else:

@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..plan import ModelShape, divisors
 from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, MoELayerFacts,
@@ -28,6 +29,21 @@ from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, 
 
 
 Comm = Callable[[int], tuple[float, float]]  # samples -> predicted (forward, backward) collective seconds
+
+
+class _CollectiveCount(TorchDispatchMode):
+    """Counts the collectives dispatched while active (c10d and functional ones, waits excluded): a dispatch
+    mode sees those DTensor issues inside its own ops too, and those autograd runs in backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func)
+        if "c10d" in name and "wait_tensor" not in name and "wrap_tensor" not in name:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 CKPT_SUFFIX = "/ckpt"  # a timed block's key + this: the same variant, checkpointed
 
 
@@ -355,9 +371,11 @@ class ShardedLayerProfiler:
         """``layer`` (from :class:`ModelProfiler`) with ``sharded``, ``activation_bytes`` for every
         (tp, sp, checkpoint), the recompute transients, and ``zero_overhead`` filled in from real runs."""
         acts = dict(layer.activation_bytes)
+        repeated: dict[str, float] = {}  # time_key -> share of the forward's collectives a recompute repeats
         seq = self.shape.seq_len
-        blocks = itertools.chain(self._variant_blocks(layer, acts),
-                                 self._ep_blocks(layer) if layer.moe is not None else (), self._zero_blocks(layer))
+        blocks = itertools.chain(self._variant_blocks(layer, acts, repeated),
+                                 self._ep_blocks(layer, repeated) if layer.moe is not None else (),
+                                 self._zero_blocks(layer))
         comms: dict[str, Comm] = {}
         held: list[tuple[str, nn.Module]] = []
         measured: dict[tuple[str, int], tuple[float, float, float, float]] = {}
@@ -401,14 +419,17 @@ class ShardedLayerProfiler:
             sharded[key] = fits
         zero = self._zero_overhead(sharded["tp1/none"], {k: c for k, c in comms.items() if k.startswith("zero")},
                                    measured)
-        prof = replace(layer, sharded=sharded, activation_bytes=acts)
+        prof = replace(layer, sharded=sharded, activation_bytes=acts,
+                       recompute_comm={**layer.recompute_comm, **repeated})
         return replace(prof, zero_overhead=zero, optimizer_overhead=self._optimizer_overhead(layer))
 
-    def _variant_blocks(self, layer: LayerTypeProfile, acts: dict[str, float]) -> Iterator[tuple[str, nn.Module, Comm]]:
+    def _variant_blocks(self, layer: LayerTypeProfile, acts: dict[str, float], repeated: dict[str, float]
+                        ) -> Iterator[tuple[str, nn.Module, Comm]]:
         """The block as the runtime shards it for every (tp, sp) of :meth:`variants`, keyed like
         ``LayerTypeProfile.sharded``, with its predicted collective seconds, each followed by the same variant
         checkpointed (key + ``/ckpt``; unless ``checkpoint`` is off); records into ``acts`` the saved activations
-        with and without checkpointing and the recompute peak of each (measured as it is built)."""
+        with and without checkpointing and the recompute peak of each (measured as it is built), and into
+        ``repeated`` the share of the forward's collectives a recompute runs again (:meth:`_repeated_share`)."""
         from ..layout import MeshFactory, RankLayout
         from ..parallel.activation_checkpoint import apply_checkpointing
         from ..parallel.block import apply_block
@@ -440,20 +461,58 @@ class ShardedLayerProfiler:
                 stats, _ = moe_layer_comm(self.hw, layer, s, b, seq, el, stride)  # router statistics (MoE only)
                 return t + stats, t
 
-            def comm_ckpt(b: int, comm: Comm = comm) -> tuple[float, float]:
-                f, bw = comm(b)
-                return f, bw + f  # the cost model's rule: a recompute repeats the forward's collectives
-
             b = max(self.batch_sizes)
             acts[act_key(tp, sp, False)] = self._saved_per_sample(block, b)
             ckpt = build(True)
             acts[act_key(tp, sp, True)] = self._saved_per_sample(ckpt, b)
             acts[transient_key(tp, sp)] = self._backward_peak_per_sample(ckpt, b)
             yield time_key(tp, sp), block, comm
-            del block
             if self.checkpoint:
-                yield time_key(tp, sp) + CKPT_SUFFIX, ckpt, comm_ckpt
-            del ckpt
+                # a sequence-sharding mode gathers the block's output at exit (the boundary contract): compute in
+                # the fits, not a priced collective, and last, so never repeated
+                exit_gathers = 1 if tp > 1 and sp != "none" else 0
+                yield time_key(tp, sp) + CKPT_SUFFIX, ckpt, self._recompute_comm(block, ckpt, comm, time_key(tp, sp),
+                                                                             repeated, exit_gathers)
+            del block, ckpt
+
+    def _recompute_comm(self, plain: nn.Module, ckpt: nn.Module, comm: Comm, key: str,
+                        repeated: dict[str, float], exit_gathers: int = 0) -> Comm:
+        """The predicted collectives of ``ckpt`` (``plain`` checkpointed): the backward's, plus the share of the
+        forward's that its recompute repeats, counted now (:meth:`_repeated_share`) and recorded in
+        ``repeated[key]`` -- the very rule the cost model prices a checkpointed layer by, so the recompute fit
+        left after subtracting them is compute only."""
+        share = self._repeated_share(plain, ckpt, exit_gathers)
+        if share is not None:
+            repeated[key] = share
+        r = 1.0 if share is None else share
+
+        def comm_ckpt(b: int) -> tuple[float, float]:
+            f, bw = comm(b)
+            return f, bw + r * f
+
+        return comm_ckpt
+
+    def _repeated_share(self, plain: nn.Module, ckpt: nn.Module, exit_gathers: int = 0) -> float | None:
+        """Share of the forward's priced collectives (all but the last ``exit_gathers``, which the cost model
+        does not price as the block's) that the checkpointed block's backward issues beyond the plain one's, i.e.
+        that its recompute repeats (None: the block has none). Counted, not assumed: non-reentrant
+        checkpointing stops once the last saved tensor is back, so a collective after it is skipped -- a Megatron
+        block's closing row-parallel all-reduce -- unless something saved for backward follows it (dropout's
+        mask), and an MoE block's attention collectives are repeated because the MoE layer after them saves."""
+        x = torch.randn(1, self.shape.seq_len, self.shape.hidden, device=self.device, requires_grad=True)
+        counts = []
+        for block in (plain, ckpt):
+            with _CollectiveCount() as fwd:
+                y = block(x)
+            with _CollectiveCount() as bwd:
+                y.backward(torch.ones_like(y))
+            block.zero_grad(set_to_none=True)
+            counts.append((fwd.count, bwd.count))
+        (forward, plain_bwd), (_, ckpt_bwd) = counts
+        forward -= exit_gathers
+        if forward <= 0:
+            return None
+        return min(1.0, max(0.0, (ckpt_bwd - plain_bwd) / forward))
 
     def _time_blocks(self, blocks: Sequence[tuple[str, nn.Module]]
                      ) -> dict[tuple[str, int], tuple[float, float, float, float]]:
@@ -548,9 +607,10 @@ class ShardedLayerProfiler:
             return []
         return [e for e in divisors(self.world) if e > 1 and layer.moe.num_experts % e == 0]
 
-    def _ep_blocks(self, layer: LayerTypeProfile) -> Iterator[tuple[str, nn.Module, Comm]]:
+    def _ep_blocks(self, layer: LayerTypeProfile, repeated: dict[str, float]) -> Iterator[tuple[str, nn.Module, Comm]]:
         """An MoE block with its experts split over ``ep`` ranks (tp 1) for every ep degree, keyed
-        ``tp1/none/ep<k>``, each with its predicted (forward, backward) all-to-all seconds at ``b`` samples.
+        ``tp1/none/ep<k>``, each with its predicted (forward, backward) all-to-all seconds at ``b`` samples, and
+        followed by the same block checkpointed (unless ``checkpoint`` is off; as :meth:`_variant_blocks`).
 
         Why: balanced routing gives every rank ``tokens x top_k`` expert rows whatever ``ep`` is, so the cost
         model used to price ep as the unsharded block plus its all-to-alls -- but the dispatcher's own work
@@ -559,6 +619,7 @@ class ShardedLayerProfiler:
         subtracted as predicted (in :meth:`fit`), the way the tp variants subtract theirs, so the cost model
         still prices them per placement."""
         from ..layout import MeshFactory, RankLayout
+        from ..parallel.activation_checkpoint import apply_checkpointing
         from ..parallel.expert import apply_ep
         from ..plan import LayerStrategy
         from ..planner.cost import moe_layer_comm
@@ -572,16 +633,28 @@ class ShardedLayerProfiler:
         for ep in self.ep_degrees(layer):
             _progress(f"sharded block ep={ep}", self.progress)
             s = LayerStrategy(dp=self.world, ep=ep)
-            block = self.make_block().to(self.device)
-            self._global_router_stats(block, layer, factory, s)
-            apply_ep(block, factory.expert_mesh(s), s, "profiled block")  # the runtime's own dispatch
+
+            def build(checkpointed: bool, s: LayerStrategy = s) -> nn.Module:
+                block = self.make_block().to(self.device)
+                self._global_router_stats(block, layer, factory, s)
+                apply_ep(block, factory.expert_mesh(s), s, "profiled block")  # the runtime's own dispatch
+                if checkpointed:
+                    apply_checkpointing(block)
+                return block
+
+            block = build(False)
             el = next(block.parameters()).element_size()
 
             def comm(b: int, s: LayerStrategy = s, el: int = el) -> tuple[float, float]:
                 # the count exchange and all-to-alls, and the router statistics, as the cost model prices them
                 return moe_layer_comm(self.hw, layer, s, b, seq, el, 1)
 
-            yield time_key(1, "none", ep), block, comm
+            key = time_key(1, "none", ep)
+            yield key, block, comm
+            if self.checkpoint:
+                ckpt = build(True)
+                yield key + CKPT_SUFFIX, ckpt, self._recompute_comm(block, ckpt, comm, key, repeated)
+                del ckpt
             del block
 
     @staticmethod
