@@ -54,6 +54,19 @@ def test_observations_from_a_measured_step_and_round_trip(tmp_path) -> None:
     obs = layer_observations(plan, model, hw, samples=16, layer_times={"layers.0": 0.5, "layers.2": 0.4})
     assert [o.measured_s for o in obs] == [0.5, 0.4]
     assert obs[0].comm_s == 0.0 and obs[1].comm_s > 0  # dp has no block collectives; tp+sp does
+    # checkpointed: forward, backward and the recompute's share of them (all, unless the profiler counted
+    # fewer; Megatron-SP's closing reduce-scatter is skipped by early stop: 3 of 4)
+    from dataclasses import replace
+
+    from lightning_galv.planner.cost import block_comm_time
+
+    s = plan.layers[2]
+    act_bytes = 16 / s.dp * SHAPE.seq_len * SHAPE.hidden * model.act_dtype_bytes
+    once = block_comm_time(hw, SHAPE, s, act_bytes)
+    assert obs[1].comm_s == pytest.approx(3 * once)
+    counted = model.with_(layer_types=(replace(model.layer(0), recompute_comm={"tp4/megatron": 0.75}),))
+    three_quarters = layer_observations(plan, counted, hw, samples=16, layer_times={"layers.2": 0.4})[0]
+    assert three_quarters.comm_s == pytest.approx(2.75 * once)
     cal = Calibration.fit(obs)
     path = tmp_path / "calibration.json"
     cal.save(path)

@@ -390,13 +390,24 @@ def test_recompute_levels_are_per_layer_type(budget: float) -> None:
 @pytest.mark.parametrize("s", [LayerStrategy(dp=64, ep=4), LayerStrategy(dp=64, ep=8, checkpoint=True),
                                LayerStrategy(tp=2, dp=32, sp="megatron", ep=2),
                                LayerStrategy(tp=4, dp=16, sp="ulysses", ep=8, checkpoint=True)])
-def test_calibration_observations_split_moe_layers_like_the_cost_model(s: LayerStrategy) -> None:
+@pytest.mark.parametrize("counted", [None, 0.25])
+def test_calibration_observations_split_moe_layers_like_the_cost_model(s: LayerStrategy, counted: float | None
+                                                                       ) -> None:
     """The online calibration predicts a measured block as compute + collectives: for an MoE block those are
     the cost model's own (tp-replicated MoE compute, all-to-alls, router statistics), so without data
-    parallel terms (ZeRO-0: gradient sync is per step) they add up to the layer's fwd + bwd."""
+    parallel terms (ZeRO-0: gradient sync is per step) they add up to the layer's fwd + bwd -- also where the
+    profiler counted that a recompute repeats only a share of the forward's collectives (``counted``)."""
+    from dataclasses import replace
+
     from lightning_galv.planner.calibration import layer_observations
+    from lightning_galv.planner.profiles import time_key
 
     prof, hw = mixtral(MIXED), a100()
+    if counted is not None:
+        moe_type = prof.layer_type_of[1]
+        lt = replace(prof.layer_types[moe_type],
+                     recompute_comm={time_key(s.tp, s.sp if s.tp > 1 else "none", s.ep): counted})
+        prof = prof.with_(layer_types=tuple(lt if j == moe_type else t for j, t in enumerate(prof.layer_types)))
     plan = ParallelPlan(64, tuple(s if i % 2 else LayerStrategy(dp=64) for i in range(32)), global_batch=64)
     obs = layer_observations(plan, prof, hw, 64, {"layers.1": 1.0, "layers.2": 1.0})
     cm = GalvatronCostModel(prof, hw)
@@ -404,6 +415,9 @@ def test_calibration_observations_split_moe_layers_like_the_cost_model(s: LayerS
         c = cm.layer_cost(layer, plan.layers[layer], CTX)
         assert o.compute_s + o.comm_s == pytest.approx(c.fwd + c.bwd, rel=1e-12)
     assert obs[0].comm_s > 0
+    if counted is not None and s.checkpoint:  # the share moved both alike: fewer repeated collectives
+        full = layer_observations(plan, mixtral(MIXED), hw, 64, {"layers.1": 1.0})[0]
+        assert obs[0].comm_s < full.comm_s and obs[0].compute_s == pytest.approx(full.compute_s)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -2,8 +2,12 @@
 
 The block's ``forward`` is replaced (on the instance) by a non-reentrant ``torch.utils.checkpoint``
 call around the original. Unlike ``checkpoint_wrapper`` this leaves the module tree and therefore the
-state-dict keys untouched, and module hooks (FSDP2's all-gather, the layout re-distribution) stay
-outside the recomputed region, so a recompute never repeats a collective. The recompute runs with the
+state-dict keys untouched, and the block's own module hooks (FSDP2's all-gather of the block, the layout
+re-distribution) stay outside the recomputed region, so a recompute does not repeat their collectives. It
+does repeat the block's tensor/sequence-parallel collectives up to the last tensor the backward needs
+(non-reentrant early stop: not a Megatron block's closing all-reduce); the sharded-layer profiler measures
+that share for the cost model (``LayerTypeProfile.recompute_comm``). Hooks of modules *inside* the block --
+the FSDP2 states of routed experts under ZeRO-2/3 -- are inside the region. The recompute runs with the
 keyed-dropout coordinates of the original forward (:mod:`lightning_galv.models.dropout`).
 """
 

@@ -186,19 +186,19 @@ def checkpointing_costs_time(p: Probe) -> Iterator[str]:
     time, and ``explain`` says so of a checkpointed winner; a model pricing it cheaper -- say, a checkpointed
     forward and a plain one fitted apart, crossing where extrapolated -- would have the search checkpoint for
     speed."""
-    ctx = p.table_ctx
     options = set(p.layers)
-    for t, layer in p.first_of_type().items():
-        for s in p.layers:
-            ck = replace(s, checkpoint=True)
-            if s.checkpoint or ck not in options or not p.applies(layer, s):
-                continue
-            a, b = p.cost.layer_cost(layer, s, ctx), p.cost.layer_cost(layer, ck, ctx)
-            if not (_at_most(a.fwd + a.bwd, b.fwd + b.bwd)
-                    and _at_most(a.fwd + a.bwd + a.step_extra, b.fwd + b.bwd + b.step_extra)):
-                yield (f"layer_cost(layer {layer}, {ck.short()}) = {b.fwd + b.bwd:.6g} s per micro-batch, "
-                       f"{b.step_extra:.6g} s per step: cheaper than without checkpointing ({a.fwd + a.bwd:.6g}, "
-                       f"{a.step_extra:.6g})")
+    for ctx in [p.table_ctx, *p.contexts()]:  # pipelines and accumulation change what a layer overlaps
+        for t, layer in p.first_of_type().items():
+            for s in p.layers:
+                ck = replace(s, checkpoint=True)
+                if s.checkpoint or ck not in options or not p.applies(layer, s):
+                    continue
+                a, b = p.cost.layer_cost(layer, s, ctx), p.cost.layer_cost(layer, ck, ctx)
+                if not (_at_most(a.fwd + a.bwd, b.fwd + b.bwd)
+                        and _at_most(a.fwd + a.bwd + a.step_extra, b.fwd + b.bwd + b.step_extra)):
+                    yield (f"layer_cost(layer {layer}, {ck.short()}) at {ctx} = {b.fwd + b.bwd:.6g} s per "
+                           f"micro-batch, {b.step_extra:.6g} s per step: cheaper than without checkpointing "
+                           f"({a.fwd + a.bwd:.6g}, {a.step_extra:.6g})")
 
 
 def _check_zero_ladder(costs: list[tuple[LayerStrategy, LayerCost]], what: str) -> Iterator[str]:

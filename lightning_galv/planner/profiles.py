@@ -494,7 +494,8 @@ class LayerTypeProfile:
                                 "record it with ShardedLayerProfiler (or leave it out: unmeasured = free).")
         object.__setattr__(self, "optimizer_overhead", {k: float(v) for k, v in dict(self.optimizer_overhead).items()})
         for key, share in dict(self.recompute_comm).items():
-            if not (isinstance(share, (int, float)) and math.isfinite(share) and 0.0 <= share <= 1.0):
+            if isinstance(share, bool) or not (isinstance(share, (int, float)) and math.isfinite(share)
+                                                   and 0.0 <= share <= 1.0):
                 raise bad_value(f"recompute_comm[{key!r}]={share!r}", "a share of the forward's collectives, "
                                 "a number in [0, 1]", "let ShardedLayerProfiler count them (or leave the entry "
                                 "out: unmeasured = every collective repeated).")

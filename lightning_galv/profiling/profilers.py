@@ -16,12 +16,14 @@ import statistics
 import sys
 import time
 from dataclasses import replace
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..plan import ModelShape, divisors
 from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, MoELayerFacts,
@@ -31,19 +33,33 @@ from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, 
 Comm = Callable[[int], tuple[float, float]]  # samples -> predicted (forward, backward) collective seconds
 
 
-class _CollectiveCount(TorchDispatchMode):
-    """Counts the collectives dispatched while active (c10d and functional ones, waits excluded): a dispatch
-    mode sees those DTensor issues inside its own ops too, and those autograd runs in backward."""
+class _CollectiveBytes(TorchDispatchMode):
+    """Records the payload bytes of every collective dispatched while active -- c10d and
+    functional ones, waits excluded -- in order, including those DTensor issues inside its ops: a DTensor op is
+    handed back to DTensor (``NotImplemented``, as torch's ``CommDebugMode`` does), whose local ops and
+    collectives then come through here; and those autograd runs in backward (the mode is thread state the
+    engine carries to its workers)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
+        self.ops: list[float] = []  # payload bytes per collective, in dispatch order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
         name = str(func)
         if "c10d" in name and "wait_tensor" not in name and "wrap_tensor" not in name:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+            # the larger of what goes in and what comes out: the unsharded tensor for an all-gather (its input
+            # is a shard) and a reduce-scatter (its output is), the one the cost model prices both by
+            self.ops.append(max(_tensor_bytes((args, kwargs or {})), _tensor_bytes(out)))
+        return out
+
+
+def _tensor_bytes(tree: Any) -> float:
+    return float(sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)))
+
+
 CKPT_SUFFIX = "/ckpt"  # a timed block's key + this: the same variant, checkpointed
 
 
@@ -336,10 +352,12 @@ class ShardedLayerProfiler:
                  interleave: bool = True, checkpoint: bool = True) -> None:
         """``interleave``: time all variants interleaved over rounds (see :meth:`_time_interleaved`), which keeps
         every variant's block alive at once (about 6 blocks' worth per rank at 8 ranks with ``checkpoint``, more
-        for an MoE block, whose experts are replicated over tp); False times each as soon as it is built and
+        for an MoE block, whose experts are replicated over tp, and which adds two blocks per expert-parallel
+        degree, plain and checkpointed); False times each as soon as it is built and
         frees it -- one block's memory, at the price of a slow spell of a shared machine landing on one variant
         only. ``checkpoint``: also time each (tp, sp) variant checkpointed, for the ``checkpoint_forward`` and
-        ``recompute`` fits (False leaves them out, and the cost model prices a recompute as one more forward)."""
+        ``recompute`` fits and the share of collectives a recompute repeats (False leaves them out, and the cost
+        model prices a recompute as one more forward, collectives and all)."""
         if not dist.is_initialized():
             raise ValueError("process group: not initialized. HINT: call torch.distributed.init_process_group first.")
         self.make_block, self.shape, self.hw = make_block, shape, hw
@@ -419,8 +437,7 @@ class ShardedLayerProfiler:
             sharded[key] = fits
         zero = self._zero_overhead(sharded["tp1/none"], {k: c for k, c in comms.items() if k.startswith("zero")},
                                    measured)
-        prof = replace(layer, sharded=sharded, activation_bytes=acts,
-                       recompute_comm={**layer.recompute_comm, **repeated})
+        prof = replace(layer, sharded=sharded, activation_bytes=acts, recompute_comm=repeated)
         return replace(prof, zero_overhead=zero, optimizer_overhead=self._optimizer_overhead(layer))
 
     def _variant_blocks(self, layer: LayerTypeProfile, acts: dict[str, float], repeated: dict[str, float]
@@ -493,23 +510,28 @@ class ShardedLayerProfiler:
         return comm_ckpt
 
     def _repeated_share(self, plain: nn.Module, ckpt: nn.Module, exit_gathers: int = 0) -> float | None:
-        """Share of the forward's priced collectives (all but the last ``exit_gathers``, which the cost model
-        does not price as the block's) that the checkpointed block's backward issues beyond the plain one's, i.e.
-        that its recompute repeats (None: the block has none). Counted, not assumed: non-reentrant
-        checkpointing stops once the last saved tensor is back, so a collective after it is skipped -- a Megatron
-        block's closing row-parallel all-reduce -- unless something saved for backward follows it (dropout's
-        mask), and an MoE block's attention collectives are repeated because the MoE layer after them saves."""
+        """Share, by payload bytes, of the forward's priced collectives (all but the last ``exit_gathers``, which
+        the cost model does not price as the block's) that the checkpointed block's backward issues beyond the
+        plain one's, i.e. that its recompute repeats (None: the block has none). Measured, not assumed:
+        non-reentrant checkpointing stops once the last saved tensor is back, so a collective after it is
+        skipped -- a Megatron block's closing row-parallel all-reduce -- unless something saved for backward
+        follows it (dropout's mask), and an MoE block's attention collectives are repeated because the MoE layer
+        after them saves. Bytes rather than counts: an MoE block mixes tiny statistics all-reduces with
+        activation-sized all-to-alls. The bytes are maxed over ranks, so every rank records one share (ranks
+        that priced checkpointing apart could pick different plans)."""
         x = torch.randn(1, self.shape.seq_len, self.shape.hidden, device=self.device, requires_grad=True)
-        counts = []
+        sums = []
         for block in (plain, ckpt):
-            with _CollectiveCount() as fwd:
+            with _CollectiveBytes() as fwd:
                 y = block(x)
-            with _CollectiveCount() as bwd:
+            with _CollectiveBytes() as bwd:
                 y.backward(torch.ones_like(y))
             block.zero_grad(set_to_none=True)
-            counts.append((fwd.count, bwd.count))
-        (forward, plain_bwd), (_, ckpt_bwd) = counts
-        forward -= exit_gathers
+            priced = fwd.ops[:len(fwd.ops) - exit_gathers] if exit_gathers else fwd.ops
+            sums += [sum(priced), sum(bwd.ops)]
+        t = torch.tensor(sums, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        forward, plain_bwd, _, ckpt_bwd = (float(v) for v in t)
         if forward <= 0:
             return None
         return min(1.0, max(0.0, (ckpt_bwd - plain_bwd) / forward))
