@@ -420,6 +420,39 @@ def test_calibration_observations_split_moe_layers_like_the_cost_model(s: LayerS
         assert obs[0].comm_s < full.comm_s and obs[0].compute_s == pytest.approx(full.compute_s)
 
 
+def test_activations_measured_under_ep_are_priced_never_below_the_experts_whole_figure() -> None:
+    """The all-to-all dispatcher saves buffers of its own, so the profiler measures an MoE block's activations
+    and recompute peak per ep (the MoE benchmark's checkpointed ep plans had been 8 % over their predicted peak);
+    the cost model takes them -- but never below the experts-whole figure, which balanced routing guarantees
+    (a noisy smaller measurement would have the search buy ep for memory it does not save)."""
+    from dataclasses import replace
+
+    from lightning_galv.planner.profiles import act_key, transient_key
+
+    prof, hw = mixtral(MIXED), a100()
+    moe_type = prof.layer_type_of[1]
+    lt = prof.layer_types[moe_type]
+    s, ck = LayerStrategy(dp=64, ep=8), LayerStrategy(dp=64, ep=8, checkpoint=True)
+    whole = GalvatronCostModel(prof, hw).layer_cost(1, s, CTX)
+
+    def with_acts(**acts: float) -> ModelProfile:
+        t = replace(lt, activation_bytes={**lt.activation_bytes, **acts})
+        return prof.with_(layer_types=tuple(t if j == moe_type else x for j, x in enumerate(prof.layer_types)))
+
+    full = lt.activation_bytes[act_key(1, "none", False)]
+    more = GalvatronCostModel(with_acts(**{act_key(1, "none", False, 8): 1.2 * full}), hw)
+    assert more.layer_cost(1, s, CTX).act == pytest.approx(1.2 * whole.act)
+    assert more.layer_cost(1, LayerStrategy(dp=64, ep=4), CTX).act == pytest.approx(whole.act)  # ep 4: not measured
+    less = GalvatronCostModel(with_acts(**{act_key(1, "none", False, 8): 0.5 * full}), hw)
+    assert less.layer_cost(1, s, CTX).act == pytest.approx(whole.act)
+    # checkpointed: the recompute peak measured at this ep sets the transient
+    kept = lt.activation(1, "none", True)
+    peaked = GalvatronCostModel(with_acts(**{transient_key(1, "none", 8): 2.0 * full}), hw).layer_cost(1, ck, CTX)
+    b = 1  # one sample per rank (CTX)
+    assert peaked.act == pytest.approx(kept * b) and peaked.transient == pytest.approx((2.0 * full - kept) * b)
+    assert GalvatronCostModel(prof, hw).layer_cost(1, ck, CTX).transient == pytest.approx((full - kept) * b)
+
+
 # ---------------------------------------------------------------------------------------------------
 # contract, plan show
 # ---------------------------------------------------------------------------------------------------

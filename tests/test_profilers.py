@@ -224,6 +224,10 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     # its forward's collectives (statistics all-reduce, count exchange, dispatch and combine all-to-alls) all
     # come before tensors the backward needs, so the recompute repeats every one
     assert moe_t.recompute_comm["tp1/none/ep2"] == 1.0, moe_t.recompute_comm
+    # and its saved activations and recompute peak at ep 2 (the dispatcher's buffers), which the cost model takes
+    for key in (act_key(1, "none", False, 2), act_key(1, "none", True, 2), transient_key(1, "none", 2)):
+        assert moe_t.activation_bytes[key] > 0, key
+    assert moe_t.activation(1, "none", False, 2) == moe_t.activation_bytes["tp1/none/ep2"]
     s_ep_ck = LayerStrategy(dp=2, ep=2, checkpoint=True)
     assert layer_compute(moe_t, "recompute", s_ep_ck, 2, 16) == ep_fit["recompute"](2, 16)
     s_ep, s_dp = LayerStrategy(dp=2, ep=2), LayerStrategy(dp=2)

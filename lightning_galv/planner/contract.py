@@ -316,9 +316,10 @@ def expert_parallelism_only_where_experts_are(p: Probe) -> Iterator[str]:
 def expert_states_do_not_grow_with_ep(p: Probe) -> Iterator[str]:
     """For an MoE layer type, at fixed tp, dp, sp, ZeRO stage, checkpointing and rank order, a larger ep
     never keeps more bytes of model states (each rank holds E/ep experts, ZeRO shards them over the
-    |D|/ep expert-data ranks: at worst equal, under ZeRO-3) and never changes the activations kept
-    (balanced routing hands every rank tokens x top_k rows whatever ep is). A model breaking it would make
-    the search buy expert parallelism for memory it does not save."""
+    |D|/ep expert-data ranks: at worst equal, under ZeRO-3) and never keeps fewer bytes of activations
+    (balanced routing hands every rank tokens x top_k rows whatever ep is; the all-to-all dispatcher can
+    only add buffers of its own, which the profiler measures per ep). A model breaking it would make the
+    search buy expert parallelism for memory it does not save."""
     ctx = p.table_ctx
     for t, layer in p.first_of_type().items():
         if p.profile.layer(layer).moe is None:
@@ -333,9 +334,9 @@ def expert_states_do_not_grow_with_ep(p: Probe) -> Iterator[str]:
                 if not _at_most(cb.states, ca.states):
                     yield (f"layer_cost(layer {layer}, ...): {b.short()} keeps {cb.states:.6g} bytes of states, "
                            f"more than {a.short()} ({ca.states:.6g})")
-                if not _close(ca.act, cb.act):
-                    yield (f"layer_cost(layer {layer}, ...): activations differ between {a.short()} ({ca.act:.6g}) "
-                           f"and {b.short()} ({cb.act:.6g})")
+                if not _at_most(ca.act, cb.act):
+                    yield (f"layer_cost(layer {layer}, ...): {b.short()} keeps {cb.act:.6g} bytes of activations, "
+                           f"fewer than {a.short()} ({ca.act:.6g})")
 
 
 def evaluate_is_the_sum_of_its_parts(p: Probe) -> Iterator[str]:

@@ -675,14 +675,21 @@ class GalvatronCostModel(CostModel):
         return hit
 
     def _activation(self, lt: LayerTypeProfile, s: LayerStrategy, checkpoint: bool) -> float:
-        """Activation bytes per local sample (MoE layer types: :func:`moe_block_activation`)."""
+        """Activation bytes per local sample (MoE layer types: measured at the plan's ep where profiled -- the
+        dispatcher saves buffers of its own --, else :func:`moe_block_activation`)."""
         if lt.moe is None:
             return lt.activation(s.tp, s.sp, checkpoint)
-        return moe_block_activation(lt, s.tp, s.sp, checkpoint, self.model.seq_len, self.model.act_dtype_bytes)
+        whole = moe_block_activation(lt, s.tp, s.sp, checkpoint, self.model.seq_len, self.model.act_dtype_bytes)
+        if s.ep > 1 and act_key(s.tp, s.sp, checkpoint, s.ep) in lt.activation_bytes:
+            # never below the experts-whole figure: the rows a rank's experts see do not shrink with ep, and
+            # a search trusting a noisy smaller measurement would buy ep for memory it does not save
+            return max(lt.activation(s.tp, s.sp, checkpoint, s.ep), whole)
+        return whole
 
     def _recompute_peak(self, lt: LayerTypeProfile, s: LayerStrategy) -> float:
-        if lt.moe is None or transient_key(s.tp, s.sp) in lt.activation_bytes:
-            return lt.recompute_peak(s.tp, s.sp)
+        if lt.moe is None or transient_key(s.tp, s.sp) in lt.activation_bytes \
+                or (s.ep > 1 and transient_key(s.tp, s.sp, s.ep) in lt.activation_bytes):
+            return lt.recompute_peak(s.tp, s.sp, s.ep)
         return self._activation(lt, s, False)
 
     def _moe_comm(self, lt: LayerTypeProfile, s: LayerStrategy, b: float, stride: int) -> tuple[float, float]:

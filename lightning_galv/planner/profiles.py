@@ -318,14 +318,15 @@ def time_key(tp: int, sp: str, ep: int = 1) -> str:
     return f"tp{tp}/{sp}" + (f"/ep{ep}" if ep > 1 else "")
 
 
-def transient_key(tp: int, sp: str) -> str:
+def transient_key(tp: int, sp: str, ep: int = 1) -> str:
     """Key of the measured recompute peak of a checkpointed layer, e.g. ``tp2/ulysses/ckpt/peak``."""
-    return act_key(tp, sp, True) + "/peak"
+    return act_key(tp, sp, True, ep) + "/peak"
 
 
-def act_key(tp: int, sp: str, checkpoint: bool) -> str:
-    """Key of an activation measurement, e.g. ``tp2/none`` or ``tp1/none/ckpt``."""
-    return f"tp{tp}/{sp}" + ("/ckpt" if checkpoint else "")
+def act_key(tp: int, sp: str, checkpoint: bool, ep: int = 1) -> str:
+    """Key of an activation measurement, e.g. ``tp2/none``, ``tp1/none/ckpt`` or, for an MoE block with its
+    experts over 2 ranks, ``tp1/none/ep2/ckpt``."""
+    return time_key(tp, sp, ep) + ("/ckpt" if checkpoint else "")
 
 
 @dataclass(frozen=True)
@@ -521,15 +522,23 @@ class LayerTypeProfile:
     def recompute_fit(self) -> TimeFit:
         return self.recompute if self.recompute is not None else self.forward
 
-    def recompute_peak(self, tp: int, sp: str) -> float:
+    def recompute_peak(self, tp: int, sp: str, ep: int = 1) -> float:
         """Bytes per local sample alive while a checkpointed layer recomputes and runs backward
-        (activations + gradient temporaries); unmeasured: its full activations."""
-        hit = self.activation_bytes.get(transient_key(tp, sp))
-        return hit if hit is not None else self.activation(tp, sp, False)
+        (activations + gradient temporaries); an ep without its own measurement takes the (tp, sp) one;
+        unmeasured: its full activations."""
+        hit = self.activation_bytes.get(transient_key(tp, sp, ep)) if ep > 1 else None
+        if hit is None:
+            hit = self.activation_bytes.get(transient_key(tp, sp))
+        return hit if hit is not None else self.activation(tp, sp, False, ep)
 
-    def activation(self, tp: int, sp: str, checkpoint: bool) -> float:
-        """Bytes per local sample; missing entries follow Korthikanti et al. '22 (Table 2)."""
+    def activation(self, tp: int, sp: str, checkpoint: bool, ep: int = 1) -> float:
+        """Bytes per local sample; an ep without its own measurement takes the (tp, sp) one (balanced routing
+        hands a rank tokens x top_k expert rows whatever ep is); missing entries follow Korthikanti et al. '22
+        (Table 2)."""
         table = self.activation_bytes
+        hit = table.get(act_key(tp, sp, checkpoint, ep)) if ep > 1 else None
+        if hit is not None:
+            return hit
         hit = table.get(act_key(tp, sp, checkpoint))
         if hit is not None:
             return hit

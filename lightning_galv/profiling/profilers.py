@@ -392,7 +392,7 @@ class ShardedLayerProfiler:
         repeated: dict[str, float] = {}  # time_key -> share of the forward's collectives a recompute repeats
         seq = self.shape.seq_len
         blocks = itertools.chain(self._variant_blocks(layer, acts, repeated),
-                                 self._ep_blocks(layer, repeated) if layer.moe is not None else (),
+                                 self._ep_blocks(layer, acts, repeated) if layer.moe is not None else (),
                                  self._zero_blocks(layer))
         comms: dict[str, Comm] = {}
         held: list[tuple[str, nn.Module]] = []
@@ -629,10 +629,12 @@ class ShardedLayerProfiler:
             return []
         return [e for e in divisors(self.world) if e > 1 and layer.moe.num_experts % e == 0]
 
-    def _ep_blocks(self, layer: LayerTypeProfile, repeated: dict[str, float]) -> Iterator[tuple[str, nn.Module, Comm]]:
+    def _ep_blocks(self, layer: LayerTypeProfile, acts: dict[str, float], repeated: dict[str, float]
+                   ) -> Iterator[tuple[str, nn.Module, Comm]]:
         """An MoE block with its experts split over ``ep`` ranks (tp 1) for every ep degree, keyed
         ``tp1/none/ep<k>``, each with its predicted (forward, backward) all-to-all seconds at ``b`` samples, and
-        followed by the same block checkpointed (unless ``checkpoint`` is off; as :meth:`_variant_blocks`).
+        followed by the same block checkpointed (unless ``checkpoint`` is off); records into ``acts`` and
+        ``repeated`` what :meth:`_variant_blocks` does, under ep keys.
 
         Why: balanced routing gives every rank ``tokens x top_k`` expert rows whatever ``ep`` is, so the cost
         model used to price ep as the unsharded block plus its all-to-alls -- but the dispatcher's own work
@@ -671,13 +673,24 @@ class ShardedLayerProfiler:
                 # the count exchange and all-to-alls, and the router statistics, as the cost model prices them
                 return moe_layer_comm(self.hw, layer, s, b, seq, el, 1)
 
+            # saved activations and the recompute peak at this ep (the dispatcher keeps buffers of its own); the
+            # largest over ranks, which routing loads unevenly, so every rank records the same profile
+            b = max(self.batch_sizes)
+            ckpt = build(True)
+            acts[act_key(1, "none", False, ep)] = self._max_over_ranks(self._saved_per_sample(block, b))
+            acts[act_key(1, "none", True, ep)] = self._max_over_ranks(self._saved_per_sample(ckpt, b))
+            acts[transient_key(1, "none", ep)] = self._backward_peak_per_sample(ckpt, b)
             key = time_key(1, "none", ep)
             yield key, block, comm
             if self.checkpoint:
-                ckpt = build(True)
                 yield key + CKPT_SUFFIX, ckpt, self._recompute_comm(block, ckpt, comm, key, repeated)
-                del ckpt
-            del block
+            del block, ckpt
+
+    @staticmethod
+    def _max_over_ranks(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
 
     @staticmethod
     def _global_router_stats(block: nn.Module, layer: LayerTypeProfile, factory: object, s: object) -> None:
