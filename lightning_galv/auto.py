@@ -432,9 +432,10 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # interleaved over rounds (a slow spell of a shared machine no longer prices one sharding alone); v7: each
     # variant also timed checkpointed (its own forward and recompute fits); v8: an MoE block timed with its router
     # statistics all-reduced over the variant's data group, as parallelize() wires them; v9: the recompute fit net
-    # of the collectives a recompute really repeats (counted), and expert-parallel variants timed checkpointed, with
-    # their own saved activations and recompute peak
-    what = {"v": 9, "profile": profile.to_dict(), "hw": links, "world": world}
+    # of the collectives a recompute really repeats (counted), and expert-parallel variants timed checkpointed;
+    # v10: that share weighted by payload bytes, and an MoE block's saved activations and recompute peak measured
+    # per expert-parallel degree
+    what = {"v": 10, "profile": profile.to_dict(), "hw": links, "world": world}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
     if tuple(batch_sizes) != (1, 2):

@@ -445,12 +445,18 @@ def test_activations_measured_under_ep_are_priced_never_below_the_experts_whole_
     assert more.layer_cost(1, LayerStrategy(dp=64, ep=4), CTX).act == pytest.approx(whole.act)  # ep 4: not measured
     less = GalvatronCostModel(with_acts(**{act_key(1, "none", False, 8): 0.5 * full}), hw)
     assert less.layer_cost(1, s, CTX).act == pytest.approx(whole.act)
+    # nor below a smaller ep's measurement that divides it (ep 4 measured higher than ep 8: ep 8 priced at ep 4's)
+    noisy = GalvatronCostModel(with_acts(**{act_key(1, "none", False, 8): 1.1 * full,
+                                            act_key(1, "none", False, 4): 1.3 * full}), hw)
+    assert noisy.layer_cost(1, s, CTX).act == pytest.approx(1.3 * whole.act)
     # checkpointed: the recompute peak measured at this ep sets the transient
     kept = lt.activation(1, "none", True)
     peaked = GalvatronCostModel(with_acts(**{transient_key(1, "none", 8): 2.0 * full}), hw).layer_cost(1, ck, CTX)
     b = 1  # one sample per rank (CTX)
     assert peaked.act == pytest.approx(kept * b) and peaked.transient == pytest.approx((2.0 * full - kept) * b)
     assert GalvatronCostModel(prof, hw).layer_cost(1, ck, CTX).transient == pytest.approx((full - kept) * b)
+    low = GalvatronCostModel(with_acts(**{transient_key(1, "none", 8): 0.5 * full}), hw).layer_cost(1, ck, CTX)
+    assert low.transient == pytest.approx((full - kept) * b)  # a measured ep peak never below the experts-whole one
 
 
 # ---------------------------------------------------------------------------------------------------

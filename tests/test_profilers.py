@@ -174,7 +174,13 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     from lightning_galv.planner.profiles import HardwareProfile, ModelProfile, transient_key
     from lightning_galv.testing import run_distributed
 
-    r = run_distributed(f"{Path(__file__).parent / 'dist_profiler_checks.py'}::sharded_profile", 2, ())[0]
+    ranks = run_distributed(f"{Path(__file__).parent / 'dist_profiler_checks.py'}::sharded_profile", 2, ())
+    r = ranks[0]
+    # what the profiler takes the largest of over ranks is the same on both (the MoE block's ep activations vary
+    # with routing; the repeated shares could)
+    for key in ("layer", "moe"):
+        for a, b in zip(*(ModelProfile.from_dict(x[key]).layer_types for x in ranks)):
+            assert a.recompute_comm == b.recompute_comm and a.activation_bytes == b.activation_bytes, key
     hw = HardwareProfile.from_dict(r["hw"])
     assert hw.async_collectives is False  # CPU: FSDP2 / DTensor collectives run inline
     plain = ModelProfile.from_dict(r["plain"]).layer(0)
@@ -234,6 +240,23 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     assert layer_compute(moe_t, "forward", s_ep, 2, 16) == ep_fit["forward"](2, 16)
     assert layer_compute(moe_t, "backward", s_ep, 2, 16) == ep_fit["backward"](2, 16)
     assert layer_compute(moe_t, "forward", s_dp, 2, 16) == moe_t.sharded["tp1/none"]["forward"](2, 16)
+
+
+def test_collectives_are_sized_as_the_cost_model_prices_them(one_rank_group: None) -> None:
+    """The recompute share weights each collective by its unsharded size, however it is called: a functional
+    all-reduce (returns its result), a c10d all-to-all (writes its output argument: counting input and output
+    would double it) and an all-gather (reads a shard, writes the whole)."""
+    import torch.distributed._functional_collectives as funcol
+
+    from lightning_galv.profiling.profilers import _CollectiveBytes
+
+    x = torch.ones(256)  # 1 KiB
+    with _CollectiveBytes() as seen:
+        funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+        dist.all_to_all_single(torch.empty(256), x)
+        dist.all_gather([torch.empty(256)], x)
+        dist.all_reduce(x)
+    assert seen.ops == [1024.0] * 4, seen.ops
 
 
 def test_sharded_profiler_times_variants_interleaved(one_rank_group: None) -> None:

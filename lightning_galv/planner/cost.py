@@ -37,8 +37,9 @@ from .profiles import HardwareProfile, LayerTypeProfile, MoELayerFacts, ModelPro
 # embedding and head priced with FSDP2's own bytes, 7870610 -- a slack fitted before it covers those bytes;
 # version 3: the native runtime's prefetched FSDP2 all-gathers priced as overlapped on inline backends;
 # version 4: a checkpointed layer priced from its own timed variant, forward and recompute; version 5: a
-# recompute repeats only the share of the forward's collectives the profiler counted).
-COST_MODEL_VERSION = 5
+# recompute repeats only the share of the forward's collectives the profiler counted; version 6: an MoE block's
+# activations and recompute peak at the plan's ep where measured -- a slack fitted before covers those bytes).
+COST_MODEL_VERSION = 6
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -680,17 +681,21 @@ class GalvatronCostModel(CostModel):
         if lt.moe is None:
             return lt.activation(s.tp, s.sp, checkpoint)
         whole = moe_block_activation(lt, s.tp, s.sp, checkpoint, self.model.seq_len, self.model.act_dtype_bytes)
-        if s.ep > 1 and act_key(s.tp, s.sp, checkpoint, s.ep) in lt.activation_bytes:
-            # never below the experts-whole figure: the rows a rank's experts see do not shrink with ep, and
-            # a search trusting a noisy smaller measurement would buy ep for memory it does not save
-            return max(lt.activation(s.tp, s.sp, checkpoint, s.ep), whole)
-        return whole
+        # never below the figure of a smaller ep dividing this one (experts whole included): the rows a rank's
+        # experts see do not shrink with ep, and a search trusting a noisy smaller measurement would buy ep for
+        # memory it does not save
+        return max([whole] + [lt.activation_bytes[k] for e in range(2, s.ep + 1) if s.ep % e == 0
+                              if (k := act_key(s.tp, s.sp, checkpoint, e)) in lt.activation_bytes])
 
     def _recompute_peak(self, lt: LayerTypeProfile, s: LayerStrategy) -> float:
-        if lt.moe is None or transient_key(s.tp, s.sp) in lt.activation_bytes \
-                or (s.ep > 1 and transient_key(s.tp, s.sp, s.ep) in lt.activation_bytes):
-            return lt.recompute_peak(s.tp, s.sp, s.ep)
-        return self._activation(lt, s, False)
+        """Bytes per local sample while a checkpointed layer recomputes and runs backward: measured at (tp, sp)
+        and, for an MoE block, at every ep dividing the plan's (never below a smaller ep's, as activations)."""
+        if lt.moe is None:
+            return lt.recompute_peak(s.tp, s.sp)
+        base = lt.recompute_peak(s.tp, s.sp) if transient_key(s.tp, s.sp) in lt.activation_bytes \
+            else self._activation(lt, s, False)
+        return max([base] + [lt.activation_bytes[k] for e in range(2, s.ep + 1) if s.ep % e == 0
+                             if (k := transient_key(s.tp, s.sp, e)) in lt.activation_bytes])
 
     def _moe_comm(self, lt: LayerTypeProfile, s: LayerStrategy, b: float, stride: int) -> tuple[float, float]:
         """(forward, backward) seconds of an MoE layer's own collectives per micro-batch (:func:`moe_layer_comm`)."""

@@ -454,8 +454,8 @@ class LayerTypeProfile:
     # time_key(tp, sp[, ep]) -> share (0..1) of the forward's collectives that a recompute of the checkpointed
     # variant runs again. Non-reentrant checkpointing stops once the last tensor the backward needs is back, so
     # a collective after it -- a dense block's final row-parallel all-reduce or reduce-scatter -- is not
-    # repeated, unless the block saves something after it (dropout's mask does). ShardedLayerProfiler counts
-    # the collectives; missing = 1.0 (all repeated, Galvatron's assumption).
+    # repeated, unless the block saves something after it (dropout's mask does). ShardedLayerProfiler measures
+    # it by the collectives' payload bytes; missing = 1.0 (all repeated, Galvatron's assumption).
     recompute_comm: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -765,7 +765,7 @@ class ModelProfile:
                 lt.pop("params_sp", None)
             if not lt.get("optimizer_overhead"):  # and profiles without a measured DTensor optimizer overhead
                 lt.pop("optimizer_overhead", None)
-            if not lt.get("recompute_comm"):  # and profiles without counted recompute collectives
+            if not lt.get("recompute_comm"):  # and profiles without measured recompute collectives
                 lt.pop("recompute_comm", None)
         if self.ends is None:  # so do profiles without Galvatron's end tables
             d.pop("ends")

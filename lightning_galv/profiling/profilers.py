@@ -50,14 +50,20 @@ class _CollectiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = str(func)
         if "c10d" in name and "wait_tensor" not in name and "wrap_tensor" not in name:
-            # the larger of what goes in and what comes out: the unsharded tensor for an all-gather (its input
-            # is a shard) and a reduce-scatter (its output is), the one the cost model prices both by
-            self.ops.append(max(_tensor_bytes((args, kwargs or {})), _tensor_bytes(out)))
+            self.ops.append(_payload_bytes(args, kwargs or {}, out))
         return out
 
 
 def _tensor_bytes(tree: Any) -> float:
     return float(sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)))
+
+
+def _payload_bytes(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> float:
+    """A collective's size as the cost model prices it, the unsharded tensor: the largest single argument (each
+    summed over its tensors) or the result. c10d ops take their output buffers as arguments
+    (``alltoall_base_(output, input)``, ``allgather_(outputs, inputs)``), so summing all arguments would count an
+    all-to-all twice; an all-gather's input and a reduce-scatter's output are shards, the other side whole."""
+    return max([_tensor_bytes(out)] + [_tensor_bytes(a) for a in (*args, *kwargs.values())])
 
 
 CKPT_SUFFIX = "/ckpt"  # a timed block's key + this: the same variant, checkpointed
@@ -387,7 +393,9 @@ class ShardedLayerProfiler:
 
     def fit(self, layer: LayerTypeProfile) -> LayerTypeProfile:
         """``layer`` (from :class:`ModelProfiler`) with ``sharded``, ``activation_bytes`` for every
-        (tp, sp, checkpoint), the recompute transients, and ``zero_overhead`` filled in from real runs."""
+        (tp, sp, checkpoint) and, for an MoE block, every (ep, checkpoint) at tp 1, the recompute transients, the
+        share of collectives a recompute repeats (``recompute_comm``) and ``zero_overhead`` filled in from real
+        runs."""
         acts = dict(layer.activation_bytes)
         repeated: dict[str, float] = {}  # time_key -> share of the forward's collectives a recompute repeats
         seq = self.shape.seq_len
@@ -517,8 +525,7 @@ class ShardedLayerProfiler:
         skipped -- a Megatron block's closing row-parallel all-reduce -- unless something saved for backward
         follows it (dropout's mask), and an MoE block's attention collectives are repeated because the MoE layer
         after them saves. Bytes rather than counts: an MoE block mixes tiny statistics all-reduces with
-        activation-sized all-to-alls. The bytes are maxed over ranks, so every rank records one share (ranks
-        that priced checkpointing apart could pick different plans)."""
+        activation-sized all-to-alls. Each rank's share, maxed over ranks, so every rank records one number."""
         x = torch.randn(1, self.shape.seq_len, self.shape.hidden, device=self.device, requires_grad=True)
         sums = []
         for block in (plain, ckpt):
@@ -529,12 +536,11 @@ class ShardedLayerProfiler:
             block.zero_grad(set_to_none=True)
             priced = fwd.ops[:len(fwd.ops) - exit_gathers] if exit_gathers else fwd.ops
             sums += [sum(priced), sum(bwd.ops)]
-        t = torch.tensor(sums, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        forward, plain_bwd, _, ckpt_bwd = (float(v) for v in t)
-        if forward <= 0:
-            return None
-        return min(1.0, max(0.0, (ckpt_bwd - plain_bwd) / forward))
+        forward, plain_bwd, _, ckpt_bwd = sums
+        share = min(1.0, max(0.0, (ckpt_bwd - plain_bwd) / forward)) if forward > 0 else -1.0
+        t = torch.tensor([share], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # each rank's own share, the largest: one number everywhere
+        return None if float(t) < 0 else float(t)
 
     def _time_blocks(self, blocks: Sequence[tuple[str, nn.Module]]
                      ) -> dict[tuple[str, int], tuple[float, float, float, float]]:
