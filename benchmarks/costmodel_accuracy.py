@@ -513,8 +513,10 @@ block width, and activation bytes are profiled per sample at one sequence length
 to carry them to another).
 
 Speed correction: the VM's speed drifts (the same launch ran 45 ms and 75 ms per forward minutes apart), so a
-compute probe (the unsharded block's fwd+bwd at 2 samples, 3 times on every rank at once; each rank's median,
-then the slowest rank's) runs before every step and after the last; "at profile speed" scales each step's time
+compute probe (the unsharded block's fwd+bwd at 2 samples on every rank at once, timed as the ShardedLayerProfiler
+times its variants: a fresh input, all ranks starting each pass together, a warm-up and 5 timed passes (2 for the
+MoE decoder, as automatic mode profiles it), each rank's median forward and backward, then the slowest rank's of
+each) runs before every step and after the last; "at profile speed" scales each step's time
 by the profile's own time for that block and shape (its `tp1/none` fits at 2 samples, slowest rank; the
 ShardedLayerProfiler times it interleaved with every other variant, so it reflects the speed all the block fits
 were taken at) / the geometric mean of the probes right before and right after that step, then takes the median

@@ -25,7 +25,7 @@ import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..errors import bad_value
 from ..plan import LayerStrategy, ModelShape, ParallelPlan, Prediction
@@ -614,6 +614,14 @@ def transition_bytes_time(hw: HardwareProfile, a: LayerStrategy, b: LayerStrateg
 # ---------------------------------------------------------------------------------------------------
 # the Galvatron-style model
 # ---------------------------------------------------------------------------------------------------
+def _ep_floor(lt: LayerTypeProfile, base: float, ep: int, key_of: Callable[[int], str]) -> float:
+    """``base`` (bytes per sample with the experts whole), or the largest figure ``lt.activation_bytes`` holds at an
+    expert-parallel degree dividing ``ep`` (``key_of(e)``), whichever is larger: the rows a rank's experts see do
+    not shrink with ep, so a search trusting a noisy smaller measurement would buy ep for memory it does not save."""
+    return max([base] + [lt.activation_bytes[k] for e in range(2, ep + 1) if ep % e == 0
+                         if (k := key_of(e)) in lt.activation_bytes])
+
+
 class GalvatronCostModel(CostModel):
     """Layer-wise time and memory following Galvatron (VLDB'23) and Galvatron-BMW (TKDE'24).
 
@@ -681,11 +689,7 @@ class GalvatronCostModel(CostModel):
         if lt.moe is None:
             return lt.activation(s.tp, s.sp, checkpoint)
         whole = moe_block_activation(lt, s.tp, s.sp, checkpoint, self.model.seq_len, self.model.act_dtype_bytes)
-        # never below the figure of a smaller ep dividing this one (experts whole included): the rows a rank's
-        # experts see do not shrink with ep, and a search trusting a noisy smaller measurement would buy ep for
-        # memory it does not save
-        return max([whole] + [lt.activation_bytes[k] for e in range(2, s.ep + 1) if s.ep % e == 0
-                              if (k := act_key(s.tp, s.sp, checkpoint, e)) in lt.activation_bytes])
+        return _ep_floor(lt, whole, s.ep, lambda e: act_key(s.tp, s.sp, checkpoint, e))
 
     def _recompute_peak(self, lt: LayerTypeProfile, s: LayerStrategy) -> float:
         """Bytes per local sample while a checkpointed layer recomputes and runs backward: measured at (tp, sp)
@@ -694,8 +698,7 @@ class GalvatronCostModel(CostModel):
             return lt.recompute_peak(s.tp, s.sp)
         base = lt.recompute_peak(s.tp, s.sp) if transient_key(s.tp, s.sp) in lt.activation_bytes \
             else self._activation(lt, s, False)
-        return max([base] + [lt.activation_bytes[k] for e in range(2, s.ep + 1) if s.ep % e == 0
-                             if (k := transient_key(s.tp, s.sp, e)) in lt.activation_bytes])
+        return _ep_floor(lt, base, s.ep, lambda e: transient_key(s.tp, s.sp, e))
 
     def _moe_comm(self, lt: LayerTypeProfile, s: LayerStrategy, b: float, stride: int) -> tuple[float, float]:
         """(forward, backward) seconds of an MoE layer's own collectives per micro-batch (:func:`moe_layer_comm`)."""
