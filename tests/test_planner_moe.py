@@ -510,3 +510,27 @@ def test_native_zero2_experts_gather_per_expert_every_micro_batch() -> None:
     first = dense_gather / mixtral().num_layers
     assert z2.fwd == pytest.approx(overlapped(z0.fwd, dense_gather - first, inline.overlap_slowdown) + first
                                    + expert_gather, rel=1e-9)
+
+
+def test_fsdp_overhead_skips_experts_on_a_one_rank_expert_data_group() -> None:
+    """The native runtime gives routed experts no FSDP2 state when their expert-data group is one rank (ep equal
+    to the data degree: nothing to shard or reduce; parallel/parallelize.py), so the block's measured FSDP2
+    overhead is charged on the dense part only there, and on the dense part plus the local experts where the
+    experts are sharded over two or more ranks."""
+    from lightning_galv.planner.profiles import TimeFit
+
+    ms = 1e-3
+    base = mixtral()
+    lt = base.layer(0)
+    over = {"zero3": {"forward": TimeFit(10 * ms, 0.0), "backward": TimeFit(20 * ms, 0.0)}}
+    prof = base.with_(layer_types=tuple(replace(t, zero_overhead=over) for t in base.layer_types))
+    hw = a100()
+    dense = ATTN + NORMS + ROUTER
+    ctx = StageContext(8, 8, 1)
+    for ep, edp in ((4, 2), (8, 1)):
+        s = LayerStrategy(dp=8, ep=ep, zero=3)
+        with_over = GalvatronCostModel(prof, hw, runtime="native").layer_cost(0, s, ctx)
+        without = GalvatronCostModel(base, hw, runtime="native").layer_cost(0, s, ctx)
+        managed = dense + (8 // ep) * EXPERT if edp > 1 else dense
+        assert with_over.fwd - without.fwd == pytest.approx(10 * ms * managed / lt.params, rel=1e-9), ep
+        assert with_over.bwd - without.bwd == pytest.approx(20 * ms * managed / lt.params, rel=1e-9), ep

@@ -49,7 +49,7 @@ def wrap_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def apply_fsdp(modules: nn.Module | list[nn.Module], mesh: Any, strategy: LayerStrategy, divide_factor: int,
-               mp_policy: Any | None = None) -> None:
+               mp_policy: Any | None = None, ignored_params: set[nn.Parameter] | None = None) -> None:
     """ZeRO-2/3 for one unit via FSDP2 on its 1-D data mesh.
 
     Gradients are summed over the mesh and divided by ``divide_factor`` (the loader's dp, see the module
@@ -58,11 +58,17 @@ def apply_fsdp(modules: nn.Module | list[nn.Module], mesh: Any, strategy: LayerS
     copy divides by the factor and the post-divide divides again), giving 1/factor of the right
     gradient. Forced sums cause the second division, and a one-rank mesh has no collective to force a
     sum on, so there only the factor is set (FSDP2 then divides exactly once).
+
+    ``ignored_params``: parameters inside ``modules`` that stay outside this state (plain tensors, synced by
+    :class:`GradientSync` if at all): routed experts whose expert-data group is one rank (``parallelize``).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.zero == 3}
     kwargs["mp_policy"] = mp_policy or MixedPrecisionPolicy()
+    if ignored_params:
+        inside = {id(p) for m in ([modules] if isinstance(modules, nn.Module) else modules) for p in m.parameters()}
+        kwargs["ignored_params"] = {p for p in ignored_params if id(p) in inside}
     fully_shard(modules, **kwargs)
     fsdp_mod: Any = modules if isinstance(modules, nn.Module) else modules[0]  # a list shares one state
     # sum then divide by the loader's dp (see module docstring); sum-only collectives also run on gloo.

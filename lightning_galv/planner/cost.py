@@ -38,8 +38,10 @@ from .profiles import HardwareProfile, LayerTypeProfile, MoELayerFacts, ModelPro
 # version 3: the native runtime's prefetched FSDP2 all-gathers priced as overlapped on inline backends;
 # version 4: a checkpointed layer priced from its own timed variant, forward and recompute; version 5: a
 # recompute repeats only the share of the forward's collectives the profiler counted; version 6: an MoE block's
-# activations and recompute peak at the plan's ep where measured -- a slack fitted before covers those bytes).
-COST_MODEL_VERSION = 6
+# activations and recompute peak at the plan's ep where measured -- a slack fitted before covers those bytes;
+# version 7: routed experts on a one-rank expert-data group pay no FSDP2 overhead -- the runtime stopped giving
+# them FSDP2 states, so a factor fitted before absorbed work that no longer runs).
+COST_MODEL_VERSION = 7
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -749,14 +751,15 @@ class GalvatronCostModel(CostModel):
             fwd_t += moe_f
             bwd_t += moe_b + moe_f * repeated
         groups = self._param_groups(lt, s, d, dp_stride)
-        local_params = groups[0][0] if len(groups) == 1 else groups[0][0] + groups[1][0]
         precision = "fp32" if m.precision == "fp32" else "mixed"
         fwd_t, bwd_t, extra = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t, overlap_sync, accumulates,
                                                          prefetched=True)
         native = self.runtime == "native"
         over = lt.zero_overhead.get(f"zero{s.zero}") if native and d > 1 else None
         if over is not None:  # FSDP2's own work around its collectives, on this rank's share of the layer
-            share = local_params / lt.params
+            # that FSDP2 manages: not routed experts whose expert-data group is one rank (the runtime leaves
+            # those plain, ``parallelize._apply_expert_data_parallel``)
+            share = sum(p for p, g, _, _ in groups if g > 1) / lt.params
             of, ob = over["forward"](b, m.seq_len) * share, over["backward"](b, m.seq_len) * share
             fwd_t, bwd_t = fwd_t + of, bwd_t + ob  # every micro-batch gathers again (ZeRO-2 and -3 alike)
         if native:
