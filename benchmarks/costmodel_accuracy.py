@@ -517,9 +517,11 @@ compute probe (the unsharded block's fwd+bwd at 2 samples on every rank at once,
 times its variants: a fresh input, all ranks starting each pass together, a warm-up and 5 timed passes (2 for the
 MoE decoder, as automatic mode profiles it), each rank's median forward and backward, then the slowest rank's of
 each) runs before every step and after the last; "at profile speed" scales each step's time
-by the profile's own time for that block and shape (its `tp1/none` fits at 2 samples, slowest rank; the
-ShardedLayerProfiler times it interleaved with every other variant, so it reflects the speed all the block fits
-were taken at) / the geometric mean of the probes right before and right after that step, then takes the median
+by the profile's own time for that block and shape (the ShardedLayerProfiler's raw medians of its `tp1/none`
+variant at 2 samples, slowest rank's forward + slowest rank's backward: the very pass the probe repeats, timed
+interleaved with every other variant, so it reflects the speed all the block fits were taken at; until 257c0e1
+the reference was the fit at 2 samples, a straight line through 2/4/8 that missed the b=2 median by -11 % to
++6 % at 4 ranks) / the geometric mean of the probes right before and right after that step, then takes the median
 over steps ("load" = median probe / profile reference; the phase columns use that one factor per plan). Raw errors are shown too. Memory: "live-tensor peak" = per-rank peak (max over
 ranks) of live tensor bytes during one step by torch's MemTracker (parameters + gradients kept between steps +
 optimizer states + activations + temporaries + buffers), which is what the prediction counts; "RSS peak growth"
@@ -546,9 +548,11 @@ MoE block also times every expert-parallel degree), both at the sample counts au
 (`auto.profile_batch_sizes`: 1, 2 and the loader's per-rank batch -- 1/2/4 samples at 2 ranks, 1/2 at 4);
 everything else as in the dense section above (MemTracker peak, leave-one-out calibration, speed correction),
 except that the probe times the decoder's own MoE block (unsharded, every expert local, its router statistics
-all-reduced over the world as the profiler times it) and a profile's reference is that block type's `tp1/none`
-fit at the probe's shape plus the statistics all-reduce as priced (until 0a74b18 it was the median of probes
-taken around profiling, a dense block's; in that run the raw errors were smaller than the corrected ones)."""
+all-reduced over the world as the profiler times it) and a profile's reference is the profiler's raw median of
+that block type's `tp1/none` variant at the probe's shape, collective included (until 257c0e1 the fit there plus
+the statistics all-reduce as priced: the probe read 3-9 % below it on every plan at 7b72695; until 0a74b18 the
+median of probes taken around profiling, a dense block's; in that run the raw errors were smaller than the
+corrected ones)."""
 
 
 def write_results(report: str, moe: bool = False) -> None:

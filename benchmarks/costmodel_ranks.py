@@ -17,9 +17,11 @@ CUDA context; the profile's ``framework_bytes`` is 0 here).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,6 +49,46 @@ def dense_cfg(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k in keys}
 
 
+@contextlib.contextmanager
+def _raw_timings() -> Iterator[list[dict[tuple[str, int], tuple[float, float, float, float]]]]:
+    """Record what every ShardedLayerProfiler run in this block times: per ``fit``, each rank's raw medians
+    (forward wall, backward wall, forward CPU, backward CPU) keyed ``(variant, batch)``, before any collective
+    is subtracted or any fit is taken (benchmark instrumentation; the library is unchanged)."""
+    from lightning_galv.profiling.profilers import ShardedLayerProfiler
+
+    calls: list[dict[tuple[str, int], tuple[float, float, float, float]]] = []
+    original = ShardedLayerProfiler._time_blocks
+
+    def recording(self: ShardedLayerProfiler, blocks: Any) -> Any:
+        out = original(self, blocks)
+        calls.append(dict(out))
+        return out
+
+    ShardedLayerProfiler._time_blocks = recording  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        ShardedLayerProfiler._time_blocks = original  # type: ignore[method-assign]
+
+
+def _raw_reference(calls: list[dict[tuple[str, int], tuple[float, float, float, float]]], b: int = 2) -> float:
+    """The speed reference: the profile's own raw timing of the block the probe times (``tp1/none``, unsharded,
+    at the probe's ``b`` samples): the slowest rank's median forward plus the slowest rank's median backward,
+    wall time, the collectives it runs included -- the very pass :func:`probe` repeats, with the same
+    reduction. Not the fit at ``b``: a straight line through 2/4/8 samples missed the b=2 median by -11 % to
+    +6 % (4 ranks, /tmp, two profiles), and the MoE block's fit had its router-statistics all-reduce taken out
+    as priced and added back as priced, not as run."""
+    hits = [c[("tp1/none", b)] for c in calls if ("tp1/none", b) in c]
+    if len(hits) != 1:
+        raise ValueError(f"{len(hits)} ShardedLayerProfiler runs timed tp1/none at b={b}; the speed reference "
+                         "needs exactly one. HINT: profile one block kind per launch (the benchmark's models have "
+                         "one), or pick the run that profiled the probe's block.")
+    fwd, bwd, _, _ = hits[0]
+    t = torch.tensor([fwd, bwd], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.sum())
+
+
 def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -> dict[str, Any]:
     """Profiles for the MoE decoder, the way automatic mode takes them: HardwareProfiler on this launch (the
     all-to-all included), the ModelProfiler per block kind (dense and MoE) through ``auto.profile_model``
@@ -66,21 +108,17 @@ def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: in
     batches = profile_batch_sizes(8 // dist.get_world_size())
     prof = profile_model(model, parts, batch_sizes=batches)
     bandwidth = prof.optimizer_bandwidth
-    prof = sharded_profile(model, parts, prof, hw, None, False, batches)
+    with _raw_timings() as calls:
+        prof = sharded_profile(model, parts, prof, hw, None, False, batches)
     probes += [probe(cfg, seq) for _ in range(4)]
-    # the speed reference, as in profile_machine: the profile's own fit of the block the probe times (the MoE
-    # block, unsharded, local dispatch) at the probe's shape -- timed interleaved with every other variant, so it
-    # tells the speed all the fits were taken at. The probes around the profile (kept as "probes_around_s") did
-    # not: in the 0a74b18 run the raw errors (in-sample median 5.1 %) were smaller than the ones they corrected
-    # (10.2 %), the symptom the dense section had while it used them.
-    # The block is profiled, and probed, with its router statistics all-reduced over the world (as a dp plan
-    # runs it); the fit has that collective subtracted as the cost model prices it, so it is added back here.
-    from lightning_galv.planner.cost import router_stats_time
-
-    moe_type = next(lt for lt in prof.layer_types if lt.moe is not None)
-    plain = moe_type.sharded["tp1/none"]
-    world = dist.get_world_size()
-    ref = plain["forward"](2, seq) + plain["backward"](2, seq) + router_stats_time(hw, moe_type.moe.num_experts, world, 1)
+    # the speed reference, as in profile_machine: the profile's own raw timing of the block the probe times (the
+    # MoE block, unsharded, local dispatch, its router statistics all-reduced over the world as a dp plan runs it
+    # and as the probe runs it) at the probe's shape -- timed interleaved with every other variant, so it tells
+    # the speed all the fits were taken at. The probes around the profile (kept as "probes_around_s") did not: in
+    # the 0a74b18 run the raw errors (in-sample median 5.1 %) were smaller than the ones they corrected (10.2 %).
+    # Until 257c0e1 the reference was the block's fit at 2 samples plus the statistics all-reduce as priced: the
+    # probe then read 3-9 % below it on every plan (the 7b72695 run, load x0.91-0.97).
+    ref = _raw_reference(calls)
     return {"hardware": hw.to_json(), "model": prof.to_json(), "optimizer_bandwidth": bandwidth,
             "probe_s": ref, "probes_around_s": statistics.median(probes)}
 
@@ -115,18 +153,20 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     prof = ModelProfiler(block, shape, batch_sizes=(1, 2, 4), seq_lens=(seq // 2, seq), repeats=3,
                          progress=False, make_head=head)
     model = prof.fit()
-    layer = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=5, progress=False).fit(model.layer(0))
+    with _raw_timings() as calls:
+        layer = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=5,
+                                     progress=False).fit(model.layer(0))
     model = model.with_(layer_types=(layer,))
     # the speed reference: the profile's own unsharded block at the probe's shape (fwd+bwd, b=2). The
     # ShardedLayerProfiler times it interleaved with every variant over the whole sharded-profiling window, so it
     # tells the speed those fits were taken at; the probes around the profile did not: in the 10-launch run at
     # b2346bf their median did not move with the predictions (correlation -0.6 .. +0.7 per plan over the
     # launches), and scaling by it made the 2-rank errors noisier than raw ones. The probe times the block as the
-    # profiler does (``probe``); what still differs: the reference is the fit at b=2 (an end point of the fitted
-    # 2/4/8), not a raw median, and the profiler's passes run between other variants' while the probe's follow
-    # each other (paired at equal speed over 15 rounds: reference / probe 1.017 with 2 ranks, 1.012 with 4).
-    plain = layer.sharded["tp1/none"]
-    ref = plain["forward"](2, seq) + plain["backward"](2, seq)
+    # profiler does (``probe``), and the reference is the profiler's raw median of that very pass
+    # (``_raw_reference``; until 257c0e1 the fit at b=2, an end point of the line through 2/4/8). What still
+    # differs: the profiler's passes run between other variants' while the probe's follow each other (paired at
+    # equal speed over 15 rounds: profiler-style / probe 1.017 with 2 ranks, 1.012 with 4).
+    ref = _raw_reference(calls)
     return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": prof.optimizer_bandwidth,
             "probe_s": ref}
 
@@ -160,12 +200,13 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int | None = None) -> float:
     The machine is shared, so the same probe is taken at profiling time and before each plan; the
     benchmark reports predictions with the profile's compute times scaled by the ratio (load
     normalization) next to the raw ones. Each rank's medians of forward and backward over ``repeats`` passes,
-    then the slowest rank's of each, summed: the way the ShardedLayerProfiler reports the profile's unsharded
-    block, which is the reference this is compared with (``profile_machine``). One probe's slowest rank mostly tells which ranks the scheduler put
-    on one core at that instant (in the d33f7cb run a factor from single probes ranged 0.81-1.21 while the
-    4-rank hetero plan's step stayed within 415-432 ms), so each step is scaled by the probes before and after
-    it and the median over steps is taken (``costmodel_accuracy.py``). ``repeats`` = the profiler's rounds
-    (default: 5 as ``profile_machine`` takes them; 2 for the MoE decoder, as automatic mode does): the slowest
+    then the slowest rank's of each, summed: the way the ShardedLayerProfiler times the profile's unsharded
+    block, whose raw median is the reference this is compared with (``_raw_reference``). One probe's slowest
+    rank mostly tells which ranks the scheduler put on one core at that instant (in the d33f7cb run a factor
+    from single probes ranged 0.81-1.21 while the 4-rank hetero plan's step stayed within 415-432 ms), so each
+    step is scaled by the probes before and after it and the median over steps is taken
+    (``costmodel_accuracy.py``). ``repeats`` = the profiler's rounds (default: 5 as ``profile_machine`` takes
+    them; 2 for the MoE decoder, as automatic mode does): the slowest
     rank's median of fewer passes is a maximum over noisier numbers and reads higher (2 ranks, paired with
     profiler-style rounds: ratio 0.979 at 3 passes, 0.991 at 5).
     """
@@ -175,11 +216,11 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int | None = None) -> float:
     blk, dim = _PROBE_BLOCKS[key]
     if repeats is None:
         repeats = 2 if "num_experts" in cfg else 5
-    # the ShardedLayerProfiler's protocol (``_time_interleaved``), pass for pass (not the passes around it), so that a probe and the profile's
-    # reference time the same thing: a fresh input, all ranks starting together, forward and backward timed
-    # apart (backward from a ones gradient, into freshly allocated parameter gradients), each rank's median,
-    # then the slowest rank's forward plus the slowest rank's backward. The probe used to run
-    # ``blk(x).sum().backward()`` back to back on one input, accumulating gradients: it read ~3 % above the
+    # the ShardedLayerProfiler's protocol (``_time_interleaved``), pass for pass (not the passes around it), so
+    # that a probe and the profile's reference time the same thing: a fresh input, all ranks starting together,
+    # forward and backward timed apart (backward from a ones gradient, into freshly allocated parameter
+    # gradients), each rank's median, then the slowest rank's forward plus the slowest rank's backward. The probe
+    # used to run ``blk(x).sum().backward()`` back to back on one input, accumulating gradients: it read ~3 % above the
     # reference at equal speed (2 ranks: median ratio 0.966 over 15 paired rounds), which scaled every
     # measured step down by that much (every run up to 228f1ba).
     fwd, bwd = [], []
@@ -201,7 +242,8 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int | None = None) -> float:
 
 def _train_step(model, opt, rt, x, y, micro_batches: int, between=None, marks: list | None = None,
                 keep_grads: bool = False) -> torch.Tensor:
-    """One step; ``marks`` (if given) receives perf_counter() after fwd+bwd, after the gradient sync, after the optimizer.
+    """One step; ``marks`` (if given) receives perf_counter() after fwd+bwd, after the gradient sync, after the
+    optimizer.
     ``keep_grads``: zero the gradients in place (persistent buffers, the memory step) instead of freeing them as
     Lightning's ``optimizer.zero_grad()`` does between training steps."""
     loss_sum = torch.zeros(())
@@ -325,8 +367,10 @@ def measure_plans(cases: list[tuple[str, dict, dict, int]], warmup: int, steps: 
                   track_memory: bool = True) -> dict[str, Any]:
     """``cases``: (name, plan dict, model config, sequence length), measured in this order."""
     out = {}
-    for _, _, cfg, seq in cases:  # build the probe's blocks first: a block built inside the first plan's
-        probe(cfg, seq)  # measurement would count in its RSS growth, and the order rotates over launches
+    # build the probe's blocks first (one per distinct model; a block built inside the first plan's measurement
+    # would count in its RSS growth, and the order rotates over launches)
+    for cfg_json, seq in sorted({(json.dumps(cfg, sort_keys=True), seq) for _, _, cfg, seq in cases}):
+        probe(json.loads(cfg_json), seq)
     for name, plan, cfg, seq in cases:
         out[name] = measure_plan(plan, cfg, seq, warmup, steps, track_memory)
         if dist.get_rank() == 0:
