@@ -123,6 +123,33 @@ def dp_parity(local_reducer: bool) -> dict[str, Any]:
     return out
 
 
+def expert_states(mp_dtype: torch.dtype | None) -> dict[str, Any]:
+    """ep = data degree under ZeRO-3: a one-rank expert-data group. The experts get no FSDP2 state of their own and
+    stay plain, outside the block's state -- unless a mixed-precision policy casts parameters, which the block's
+    state would do to the activations but not to ignored experts: then they keep their own (one-rank) states, and
+    a forward runs in the policy's dtype."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    from lightning_galv.parallel.parallelize import parallelize
+    from lightning_galv.plan import ParallelPlan
+
+    world = dist.get_world_size()
+    model = _dp_model()
+    plan = ParallelPlan.uniform(world, CFG.n_layers, LayerStrategy(dp=world, ep=world, zero=3), global_batch=2 * world)
+    policy = MixedPrecisionPolicy(param_dtype=mp_dtype) if mp_dtype is not None else None
+    parallelize(model, plan, MeshFactory(RankLayout(world), "cpu", dist.get_rank()), mp_policy=policy)
+    experts = [e for layer in model.moe_layers for e in layer.experts if any(True for _ in e.parameters())]
+    expert_ids = {id(p) for e in experts for p in e.parameters()}
+    dense = [p for blk in model.layers for p in blk.parameters() if id(p) not in expert_ids]
+    tokens = torch.randint(0, CFG.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens)
+    return {"experts": len(experts),
+            "expert_fsdp_states": sum(isinstance(e, FSDPModule) for e in experts),
+            "expert_dtensors": sum(isinstance(p, DTensor) for e in experts for p in e.parameters()),
+            "dense_dtensors": all(isinstance(p, DTensor) for p in dense) and bool(dense),
+            "finite": bool(torch.isfinite(logits.float()).all())}
+
+
 def run_all() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2, "these checks are written for 2 ranks"
@@ -137,5 +164,7 @@ def run_all() -> dict[str, Any]:
         "negative/ulysses2_local_aux": moe_block_parity(LayerStrategy(tp=2, sp="ulysses"), factory),
         "dp2_global_aux": dp_parity(local_reducer=False),
         "negative/dp2_local_aux": dp_parity(local_reducer=True),
+        "ep2_zero3_states": expert_states(None),
+        "ep2_zero3_states_bf16": expert_states(torch.bfloat16),
     }
     return out

@@ -50,3 +50,15 @@ def test_checks_can_fail(results: list[dict[str, Any]], key: str) -> None:
     assert not any(out[key]["ok"] for out in results)
     if key == "negative/dp2_local_aux":
         assert not results[0][key]["router_ok"]
+
+
+def test_one_rank_expert_data_group_gets_no_expert_states(results: list[dict[str, Any]]) -> None:
+    """ep = dp under ZeRO-3 (parallel/parallelize.py): nothing to shard over a one-rank expert-data group, so the
+    experts stay plain tensors while the blocks' dense parameters are FSDP2 DTensors; a parameter-casting
+    mixed-precision policy keeps the per-expert states (the block's would cast activations, not ignored weights)."""
+    for out in results:
+        plain, cast = out["ep2_zero3_states"], out["ep2_zero3_states_bf16"]
+        assert plain["experts"] > 0 and cast["experts"] == plain["experts"]
+        assert plain["expert_fsdp_states"] == 0 and plain["expert_dtensors"] == 0 and plain["dense_dtensors"]
+        assert cast["expert_fsdp_states"] == cast["experts"] and cast["dense_dtensors"]
+        assert plain["finite"] and cast["finite"]

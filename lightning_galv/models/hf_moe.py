@@ -20,8 +20,8 @@ Expert parallelism (:meth:`HFSparseMoE.shard_experts`): the fused tensors cannot
 without renaming them, so instead each becomes a ``DTensor`` sharded on its expert dimension over the EP group
 (``Shard(0)``: EP rank ``r`` holds rows ``[r E/k, (r+1) E/k)``, exactly the experts
 :class:`~lightning_galv.parallel.expert.AllToAllDispatcher` sends it). A full checkpoint then gathers each
-tensor whole under its HF key, FSDP2 (ZeRO-2/3 over the expert-data group) composes with it as with a TP
-shard, and the gradient norm counts the shard from its placements (so these parameters carry no extra
+tensor whole under its HF key, FSDP2 (ZeRO-2/3 over an expert-data group of two or more ranks) composes with it
+as with a TP shard, and the gradient norm counts the shard from its placements (so these parameters carry no extra
 expert-parallel marker, ``parallel/expert.py mark_expert_params``).
 
 The experts are computed inside a call of the ``experts`` module (its instance ``forward`` is replaced by

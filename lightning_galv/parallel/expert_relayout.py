@@ -28,7 +28,7 @@ expert's tokens over its replicas. The planner is pure (``planner/relayout.py``,
   step, where ``"owner"`` moves only replicas). The callback logs both the group's bytes and the largest
   sender's. DTensor placements make the rest general: clipping counts the shards, DCP reshards
   checkpoints between the two modes and any plan, ZeRO-2/3 on experts is FSDP2 over the expert-data mesh
-  dim on top of the ep shard.
+  dim on top of the ep shard (where that dim has two or more ranks; on one rank the experts stay plain).
 * **Token split.** The (source rank x expert) count table that the dispatch all-gathers anyway (for its
   split sizes) fixes, for every expert, the global order of its assignments (source-major, token order
   inside). Replica ``j`` of expert ``e`` takes the ``j``-th contiguous run of that order, of the size
@@ -38,10 +38,10 @@ expert's tokens over its replicas. The planner is pure (``planner/relayout.py``,
   replica computes which token does not change the result beyond float summation order; the layout is
   fixed for a whole optimizer step (all micro-batches, and activation-checkpoint recomputes).
 
-Experts sharded by ZeRO-2/3 (FSDP2 over the expert-data group) are read through an FSDP2 "forward method"
-that returns their flat parameters, and computed only from flat copies -- also on their owners -- so FSDP2
-gathers them for the copy and reduces their gradients after the whole backward (a module ``forward`` would
-let FSDP2 reduce when the owner's own use is done, before the copies' gradients arrive).
+Experts sharded by ZeRO-2/3 (FSDP2 over an expert-data group of two or more ranks) are read through an FSDP2
+"forward method" that returns their flat parameters, and computed only from flat copies -- also on their
+owners -- so FSDP2 gathers them for the copy and reduces their gradients after the whole backward (a module
+``forward`` would let FSDP2 reduce when the owner's own use is done, before the copies' gradients arrive).
 """
 
 from __future__ import annotations

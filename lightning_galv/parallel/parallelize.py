@@ -123,7 +123,8 @@ def _apply_expert_data_parallel(unit: Unit, factory: MeshFactory, runtime: Paral
     per expert still copies every expert in and out of flat buffers and runs its hooks around every forward
     and backward -- 4 ranks, ep4·zero3 MoE decoder: steps 15 % slower than with the experts left plain. They
     then stay plain tensors, outside the block's state (``ignored_params``), and take the ZeRO-0/1 path
-    (:class:`GradientSync` only divides on a one-rank group), which holds the same bytes."""
+    (:class:`GradientSync` only divides on a one-rank group), which holds the same bytes. Unless a mixed-precision
+    policy casts parameters: the block's state would cast the activations but not ignored experts' weights."""
     from .expert import mark_expert_params
 
     s = unit.strategy
@@ -132,7 +133,8 @@ def _apply_expert_data_parallel(unit: Unit, factory: MeshFactory, runtime: Paral
     expert_ids = {id(p) for p in expert_params}
     others = [p for p in unit.parameters() if id(p) not in expert_ids]
     ignored: set[nn.Parameter] = set()
-    if s.zero >= 2 and edp.size() > 1:
+    casts = mp_policy is not None and getattr(mp_policy, "param_dtype", None) is not None
+    if s.zero >= 2 and (edp.size() > 1 or casts):
         for m in unit.experts:
             apply_fsdp(m, edp, s, plan.data_parallel_size, mp_policy)
         runtime.fsdp_units += unit.experts
@@ -280,6 +282,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, factory: MeshFactory, *,
         params = unit.parameters()
         ignored: set[nn.Parameter] = set()
         if unit.experts:  # expert parameters: their own (expert-data) group, sharded there first under ZeRO-2/3
+            # when it has two or more ranks (else plain, ``ignored`` by the unit's state)
             params, ignored = _apply_expert_data_parallel(unit, factory, runtime, plan, mp_policy)
             if expert_sharding == "full" and s.zero >= 2:  # FSEP dispatchers read the shards through FSDP2
                 from .moe_step import read_experts_through_fsdp

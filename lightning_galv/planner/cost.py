@@ -712,7 +712,8 @@ class GalvatronCostModel(CostModel):
         ranks, stride, separate collectives). Dense: one group, the data group. MoE: attention split by
         tp, router and shared expert replicated over tp (parallel/tensor.py "replicated"); with ep > 1 the
         routed experts form their own group, the expert-data group of |D|/ep ranks ep positions apart,
-        where FSDP2 (ZeRO-2/3) shards each expert on its own (parallel/parallelize.py)."""
+        where FSDP2 (ZeRO-2/3) shards each expert on its own -- on a group of two or more ranks; on a one-rank
+        group the experts stay plain (parallel/parallelize.py)."""
         moe = lt.moe
         if moe is None:
             return [(lt.params / s.tensor_parallel, d, stride, 1)]
