@@ -66,9 +66,8 @@ def apply_fsdp(modules: nn.Module | list[nn.Module], mesh: Any, strategy: LayerS
 
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.zero == 3}
     kwargs["mp_policy"] = mp_policy or MixedPrecisionPolicy()
-    if ignored_params:
-        inside = {id(p) for m in ([modules] if isinstance(modules, nn.Module) else modules) for p in m.parameters()}
-        kwargs["ignored_params"] = {p for p in ignored_params if id(p) in inside}
+    if ignored_params:  # torch only tests membership: parameters outside ``modules`` are harmless
+        kwargs["ignored_params"] = set(ignored_params)
     fully_shard(modules, **kwargs)
     fsdp_mod: Any = modules if isinstance(modules, nn.Module) else modules[0]  # a list shares one state
     # sum then divide by the loader's dp (see module docstring); sum-only collectives also run on gloo.

@@ -133,7 +133,7 @@ def _apply_expert_data_parallel(unit: Unit, factory: MeshFactory, runtime: Paral
     expert_ids = {id(p) for p in expert_params}
     others = [p for p in unit.parameters() if id(p) not in expert_ids]
     ignored: set[nn.Parameter] = set()
-    casts = mp_policy is not None and getattr(mp_policy, "param_dtype", None) is not None
+    casts = mp_policy is not None and mp_policy.param_dtype is not None
     if s.zero >= 2 and (edp.size() > 1 or casts):
         for m in unit.experts:
             apply_fsdp(m, edp, s, plan.data_parallel_size, mp_policy)
