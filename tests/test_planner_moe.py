@@ -534,3 +534,38 @@ def test_fsdp_overhead_skips_experts_on_a_one_rank_expert_data_group() -> None:
         managed = dense + (8 // ep) * EXPERT if edp > 1 else dense
         assert with_over.fwd - without.fwd == pytest.approx(10 * ms * managed / lt.params, rel=1e-9), ep
         assert with_over.bwd - without.bwd == pytest.approx(20 * ms * managed / lt.params, rel=1e-9), ep
+
+
+def test_fsdp_overhead_measured_at_the_plans_ep_wins_over_the_scaled_whole_block() -> None:
+    """FSDP2's work is largely per unit and per tensor, so the profiler also measures an MoE block's overhead as
+    the runtime wraps it at each ep (``zero3/ep8``: experts plain; ``zero3/ep4/edp2``: experts FSDP2 units of
+    their own). A strategy with the same ep and the same expert wrapping takes that entry, scaled only by its
+    share of the measured layout's FSDP2-managed parameters (1 at tp 1, the dense part / tp under tp); others
+    fall back to the whole block's entry scaled by bytes."""
+    from lightning_galv.planner.cost import zero_overhead_entry
+    from lightning_galv.planner.profiles import TimeFit
+
+    ms = 1e-3
+    base = mixtral()
+    lt = base.layer(0)
+    fit = lambda f, b: {"forward": TimeFit(f * ms, 0.0), "backward": TimeFit(b * ms, 0.0)}  # noqa: E731
+    over = {"zero3": fit(10, 20), "zero3/ep8": fit(3, 5), "zero3/ep4/edp2": fit(7, 9), "zero2/ep8": fit(1, 2)}
+    lt = replace(lt, zero_overhead=over)
+    dense = ATTN + NORMS + ROUTER
+    assert zero_overhead_entry(lt, 3, 1, 8, 1) == (over["zero3/ep8"], 1.0)
+    assert zero_overhead_entry(lt, 3, 1, 4, 4) == (over["zero3/ep4/edp2"], 1.0)  # any edp > 1: experts wrapped
+    assert zero_overhead_entry(lt, 2, 1, 8, 1) == (over["zero2/ep8"], 1.0)
+    # tp 2 halves the attention, not the router (replicated over tp)
+    fits, share = zero_overhead_entry(lt, 3, 2, 8, 1)
+    assert fits == over["zero3/ep8"] and share == pytest.approx((ATTN / 2 + NORMS / 2 + ROUTER) / dense, rel=1e-12)
+    # ep 4 with its experts plain (edp 1) was not measured: the whole block's entry, by bytes
+    assert zero_overhead_entry(lt, 3, 1, 4, 1) == (over["zero3"], pytest.approx(dense / lt.params, rel=1e-12))
+    assert zero_overhead_entry(lt, 2, 1, 4, 2) is None  # no ZeRO-2 entry for it, nor a whole-block one
+    assert zero_overhead_entry(lt, 3, 1, 1, 8) == (over["zero3"], 1.0)
+    # the cost model charges exactly that on the layer
+    prof = base.with_(layer_types=tuple(replace(t, zero_overhead=over) for t in base.layer_types))
+    s, ctx = LayerStrategy(dp=8, ep=8, zero=3), StageContext(8, 8, 1)
+    with_over = GalvatronCostModel(prof, a100(), runtime="native").layer_cost(0, s, ctx)
+    without = GalvatronCostModel(base, a100(), runtime="native").layer_cost(0, s, ctx)
+    assert with_over.fwd - without.fwd == pytest.approx(3 * ms, rel=1e-9)
+    assert with_over.bwd - without.bwd == pytest.approx(5 * ms, rel=1e-9)

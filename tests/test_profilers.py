@@ -240,6 +240,15 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     assert layer_compute(moe_t, "forward", s_ep, 2, 16) == ep_fit["forward"](2, 16)
     assert layer_compute(moe_t, "backward", s_ep, 2, 16) == ep_fit["backward"](2, 16)
     assert layer_compute(moe_t, "forward", s_dp, 2, 16) == moe_t.sharded["tp1/none"]["forward"](2, 16)
+    # FSDP2's overhead of the MoE block also as the runtime wraps it at ep 2 (experts plain on the one-rank
+    # expert-data group), which the cost model takes for ep 2 instead of scaling the whole block's
+    from lightning_galv.planner.cost import zero_overhead_entry
+
+    assert set(moe_t.zero_overhead) == {"zero2", "zero3", "zero2/ep2", "zero3/ep2"}, sorted(moe_t.zero_overhead)
+    assert set(dense_t.zero_overhead) == {"zero2", "zero3"}
+    for fits in moe_t.zero_overhead.values():
+        assert fits["forward"](2, 16) >= 0 and fits["backward"](2, 16) >= 0
+    assert zero_overhead_entry(moe_t, 3, 1, 2, 1) == (moe_t.zero_overhead["zero3/ep2"], 1.0)
 
 
 def test_collectives_are_sized_as_the_cost_model_prices_them(one_rank_group: None) -> None:

@@ -140,6 +140,13 @@ def test_layer_profile_round_trips_measured_sharding() -> None:
     assert back.layer(0).recompute_peak(2, "megatron") == 7.0
     with pytest.raises(ValueError, match="HINT"):
         LayerTypeProfile("b", TimeFit(), TimeFit(), 1, {"tp1/none": 1.0}, 4, zero_overhead={"zero9": {}})
+    two = {"forward": TimeFit(1e-4), "backward": TimeFit(2e-4)}
+    for bad in ("zero3/ep1", "zero3/ep2/edp1", "zero1/ep2", "zero3/ep2/", "zero3/edp2"):
+        with pytest.raises(ValueError, match="zero_key.*HINT"):
+            LayerTypeProfile("b", TimeFit(), TimeFit(), 1, {"tp1/none": 1.0}, 4, zero_overhead={bad: two})
+    # expert-parallel keys only on an MoE layer type
+    with pytest.raises(ValueError, match="MoE layer type.*HINT"):
+        LayerTypeProfile("b", TimeFit(), TimeFit(), 1, {"tp1/none": 1.0}, 4, zero_overhead={"zero3/ep2": two})
     for bad in ({"ep": 1e-3}, {"tp": -1.0}, {"zero": float("nan")}):
         with pytest.raises(ValueError, match="optimizer_overhead.*HINT"):
             LayerTypeProfile("b", TimeFit(), TimeFit(), 1, {"tp1/none": 1.0}, 4, optimizer_overhead=bad)

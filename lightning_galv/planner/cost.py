@@ -29,7 +29,8 @@ from typing import Callable, Mapping
 
 from ..errors import bad_value
 from ..plan import LayerStrategy, ModelShape, ParallelPlan, Prediction
-from .profiles import HardwareProfile, LayerTypeProfile, MoELayerFacts, ModelProfile, act_key, transient_key
+from .profiles import (HardwareProfile, LayerTypeProfile, MoELayerFacts, ModelProfile, TimeFit, act_key,
+                       parse_zero_key, transient_key)
 
 # Bumped whenever a change moves the predictions of plans that were priced before. A ``Calibration`` records the
 # version it was fitted against: its factors and memory slack absorb what that model got wrong, so applied to
@@ -40,8 +41,9 @@ from .profiles import HardwareProfile, LayerTypeProfile, MoELayerFacts, ModelPro
 # recompute repeats only the share of the forward's collectives the profiler counted; version 6: an MoE block's
 # activations and recompute peak at the plan's ep where measured -- a slack fitted before covers those bytes;
 # version 7: routed experts on a one-rank expert-data group pay no FSDP2 overhead -- the runtime stopped giving
-# them FSDP2 states, so a factor fitted before absorbed work that no longer runs).
-COST_MODEL_VERSION = 7
+# them FSDP2 states, so a factor fitted before absorbed work that no longer runs; version 8: an MoE block's FSDP2
+# overhead from its measurement at the plan's ep, as the runtime wraps it, where the profile has one).
+COST_MODEL_VERSION = 8
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -406,6 +408,40 @@ def expert_local_params(moe: MoELayerFacts, ep: int) -> float:
     return moe.routed_params / ep
 
 
+def fsdp_managed_params(lt: LayerTypeProfile, tp: int, ep: int, edp: int) -> float:
+    """Parameters of one rank's share of the layer that FSDP2 states manage under ZeRO-2/3 in the native
+    runtime: the whole layer (split by tp); for an MoE block at ep > 1 the dense part, plus the local experts
+    only when their expert-data group has two or more ranks (else they stay plain, parallel/parallelize.py)."""
+    moe = lt.moe
+    if moe is None:
+        return lt.params / tp
+    dense = (lt.params - moe.params) / tp + moe.shared_params + moe.router_params  # router, shared: tp-replicated
+    return dense + (expert_local_params(moe, ep) if ep == 1 or edp > 1 else 0.0)
+
+
+def zero_overhead_entry(lt: LayerTypeProfile, zero: int, tp: int, ep: int, edp: int
+                        ) -> tuple[Mapping[str, TimeFit], float] | None:
+    """The measured FSDP2 overhead (``LayerTypeProfile.zero_overhead``) that best matches a ZeRO-``zero`` layer
+    at (tp, ep, expert-data degree edp), and the factor to scale it by: this rank's FSDP2-managed parameters over
+    those of the measured layout (:func:`fsdp_managed_params`); None when none was measured.
+
+    Why per ep: much of FSDP2's work is per unit and per tensor (hooks, one copy-in/out per parameter), not per
+    byte. Scaling the whole block's overhead down to the dense part left when experts stay plain priced a
+    4-rank ep4·zero3 MoE decoder's forward + backward 16 % low (143 vs 171 ms, costmodel_accuracy.py --model moe
+    at bbec4f1). So an MoE block at ep > 1 takes the entry measured at its own ep with the same expert wrapping
+    (experts plain, or FSDP2 units of their own); otherwise the whole block's, scaled by bytes as before."""
+    over = lt.zero_overhead
+    if ep > 1:
+        for key, fits in over.items():
+            z, e, d = parse_zero_key(key)  # type: ignore[misc]  # validated by LayerTypeProfile
+            if z == zero and e == ep and (d > 1) == (edp > 1):
+                return fits, fsdp_managed_params(lt, tp, ep, edp) / fsdp_managed_params(lt, 1, e, d)
+    fits = over.get(f"zero{zero}")
+    if fits is None:
+        return None
+    return fits, fsdp_managed_params(lt, tp, ep, edp) / lt.params
+
+
 def ep_alltoall_bytes(tokens: float, moe: MoELayerFacts, el: int) -> float:
     """Bytes a rank puts into one dispatch (or combine) all-to-all: every routed copy of its tokens, tokens x top_k rows of dim (GShard Sec. 2.2; DeepSpeed-MoE Sec. 4.1); (ep-1)/ep of it leaves the rank when routing is balanced."""
     return tokens * moe.top_k * moe.dim * el
@@ -756,11 +792,9 @@ class GalvatronCostModel(CostModel):
         fwd_t, bwd_t, extra = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t, overlap_sync, accumulates,
                                                          prefetched=True)
         native = self.runtime == "native"
-        over = lt.zero_overhead.get(f"zero{s.zero}") if native and d > 1 else None
-        if over is not None:  # FSDP2's own work around its collectives, on this rank's share of the layer
-            # that FSDP2 manages: not routed experts whose expert-data group is one rank (the runtime leaves
-            # those plain, ``parallelize._apply_expert_data_parallel``)
-            share = sum(p for p, g, _, _ in groups if g > 1) / lt.params
+        entry = zero_overhead_entry(lt, s.zero, t, s.ep, d // s.ep) if native and d > 1 and s.zero >= 2 else None
+        if entry is not None:  # FSDP2's own work around its collectives, on this rank's FSDP2-managed share
+            over, share = entry
             of, ob = over["forward"](b, m.seq_len) * share, over["backward"](b, m.seq_len) * share
             fwd_t, bwd_t = fwd_t + of, bwd_t + ob  # every micro-batch gathers again (ZeRO-2 and -3 alike)
         if native:

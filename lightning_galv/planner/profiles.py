@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -318,6 +319,24 @@ def time_key(tp: int, sp: str, ep: int = 1) -> str:
     return f"tp{tp}/{sp}" + (f"/ep{ep}" if ep > 1 else "")
 
 
+def zero_key(zero: int, ep: int = 1, edp: int = 1) -> str:
+    """Key of a measured FSDP2 overhead (``LayerTypeProfile.zero_overhead``): ``zero3`` for the whole block as
+    one unit, ``zero3/ep4`` for an MoE block with its experts over 4 ranks left plain (a one-rank expert-data
+    group), ``zero3/ep2/edp2`` for one whose experts are FSDP2 units of their own over 2 expert-data ranks."""
+    return f"zero{zero}" + (f"/ep{ep}" if ep > 1 else "") + (f"/edp{edp}" if ep > 1 and edp > 1 else "")
+
+
+_ZERO_KEY = re.compile(r"zero([23])(?:/ep([1-9][0-9]*)(?:/edp([1-9][0-9]*))?)?")
+
+
+def parse_zero_key(key: str) -> tuple[int, int, int] | None:
+    """(zero, ep, edp) of a :func:`zero_key`, or None when ``key`` is not one."""
+    m = _ZERO_KEY.fullmatch(key)
+    if m is None or (m.group(2) is not None and int(m.group(2)) < 2) or (m.group(3) is not None and int(m.group(3)) < 2):
+        return None
+    return int(m.group(1)), int(m.group(2) or 1), int(m.group(3) or 1)
+
+
 def transient_key(tp: int, sp: str, ep: int = 1) -> str:
     """Key of the measured recompute peak of a checkpointed layer, e.g. ``tp2/ulysses/ckpt/peak``."""
     return act_key(tp, sp, True, ep) + "/peak"
@@ -433,9 +452,12 @@ class LayerTypeProfile:
     # checkpointed: "checkpoint_forward" (its forward) and "recompute" (its backward minus the plain one's);
     # without them a recompute is priced as one more forward.
     sharded: Mapping[str, Mapping[str, TimeFit]] = field(default_factory=dict)
-    # "zero2"/"zero3" -> {"forward": fit, "backward": fit}: what FSDP2 adds to one pass of the whole
-    # (unsharded) layer beyond the collectives themselves -- copy-in/out of the flat buffers, hooks
-    # (measured; scaled by the rank's parameter share under tp; missing = free)
+    # zero_key() -> {"forward": fit, "backward": fit}: what FSDP2 adds to one pass of the layer beyond the
+    # collectives themselves -- copy-in/out of the flat buffers, hooks. "zero2"/"zero3": the whole (unsharded)
+    # layer as one unit; for an MoE block also per expert-parallel degree as the runtime wraps it (experts left
+    # plain on a one-rank expert-data group, else FSDP2 units of their own), since much of the work is per unit
+    # and per tensor, not per byte. Measured; scaled by the rank's share of the FSDP2-managed parameters of the
+    # entry used (cost.zero_overhead_entry); missing = free.
     zero_overhead: Mapping[str, Mapping[str, TimeFit]] = field(default_factory=dict)
     # the block's Mixture-of-Experts layer, if it has one: only such layer types may take ep > 1 (the
     # measured times, parameters and activations above are of the whole block, experts included)
@@ -482,10 +504,13 @@ class LayerTypeProfile:
         object.__setattr__(self, "sharded", sharded)
         over = {}
         for key, fits in dict(self.zero_overhead).items():
-            if key not in ("zero2", "zero3") or set(fits) != {"forward", "backward"}:
-                raise bad_value(f"zero_overhead[{key!r}]",
-                                "keys are 'zero2'/'zero3', each with 'forward' and 'backward'",
+            if parse_zero_key(key) is None or set(fits) != {"forward", "backward"}:
+                raise bad_value(f"zero_overhead[{key!r}]", "keys are zero_key()s ('zero2'/'zero3', or for an MoE "
+                                "block e.g. 'zero3/ep4', 'zero3/ep2/edp2'), each with 'forward' and 'backward'",
                                 "record both passes (ShardedLayerProfiler).")
+            if key != f"zero{parse_zero_key(key)[0]}" and self.moe is None:
+                raise bad_value(f"zero_overhead[{key!r}]", "expert-parallel keys need an MoE layer type (moe set)",
+                                "profile a dense block's FSDP2 overhead as 'zero2'/'zero3'.")
             over[key] = {k: v if isinstance(v, TimeFit) else TimeFit(**v) for k, v in fits.items()}
         object.__setattr__(self, "zero_overhead", over)
         for key, sec in dict(self.optimizer_overhead).items():

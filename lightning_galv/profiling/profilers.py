@@ -443,8 +443,7 @@ class ShardedLayerProfiler:
                 fits["recompute"] = TimeFit.fit([(b, seq, max(0.0, bw - computed[(key, b)][1]))
                                                  for b, (_, bw) in zip(self.batch_sizes, ck)])
             sharded[key] = fits
-        zero = self._zero_overhead(sharded["tp1/none"], {k: c for k, c in comms.items() if k.startswith("zero")},
-                                   measured)
+        zero = self._zero_overhead(sharded, {k: c for k, c in comms.items() if k.startswith("zero")}, measured)
         prof = replace(layer, sharded=sharded, activation_bytes=acts, recompute_comm=repeated)
         return replace(prof, zero_overhead=zero, optimizer_overhead=self._optimizer_overhead(layer))
 
@@ -746,50 +745,83 @@ class ShardedLayerProfiler:
         return float(t)
 
     def _zero_blocks(self, layer: LayerTypeProfile | None = None) -> Iterator[tuple[str, nn.Module, Comm]]:
-        """The block under FSDP2 with the whole world as its data group, ZeRO-2 and ZeRO-3, each with its
-        predicted (forward, backward) all-gather / reduce-scatter seconds (an MoE block's router statistics
-        over that group too, as in its ``tp1/none`` variant, which :meth:`_zero_overhead` subtracts)."""
+        """The block under FSDP2 with the whole world as its data group, ZeRO-2 and ZeRO-3, keyed
+        :func:`~lightning_galv.planner.profiles.zero_key`, each with its predicted (forward, backward) seconds of
+        the collectives it runs: the all-gathers / reduce-scatters (and an MoE block's router statistics over that
+        group, as in its ``tp1/none`` variant), which :meth:`_zero_overhead` subtracts with the compute.
+
+        An MoE block is also built for every expert-parallel degree as ``parallelize()`` wraps it: experts split
+        by ``apply_ep`` (the all-to-alls too are subtracted), each an FSDP2 unit of its own over the expert-data
+        group when that has two or more ranks, else plain tensors the block's state ignores. FSDP2's work is
+        largely per unit and per tensor, so the whole block's overhead scaled down to the part FSDP2 still
+        manages priced those layouts low (``cost.zero_overhead_entry``)."""
         from ..layout import MeshFactory, RankLayout
         from ..parallel.data_parallel import apply_fsdp
+        from ..parallel.expert import apply_ep
         from ..plan import LayerStrategy
         from ..planner.cost import moe_layer_comm
+        from ..planner.profiles import zero_key
 
         if self.world == 1:
             return
         factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
-        for zero in (2, 3):
-            _progress(f"sharded block zero={zero}", self.progress)
-            s = LayerStrategy(dp=self.world, zero=zero)
-            block = self.make_block().to(self.device)
-            nbytes = sum(p.numel() * p.element_size() for p in block.parameters())
-            el = next(block.parameters()).element_size()
-            if layer is not None:
-                self._global_router_stats(block, layer, factory, s)
-            apply_fsdp(block, factory.data_mesh(s), s, self.world)
-            gather = self.hw.collective_time("allgather", nbytes, self.world)
-            scatter = self.hw.collective_time("reducescatter", nbytes, self.world)
-            backward = scatter + (gather if zero == 3 else 0.0)
+        eps = [1] + (self.ep_degrees(layer) if layer is not None else [])
+        for ep in eps:
+            edp = self.world // ep
+            for zero in (2, 3):
+                _progress(f"sharded block zero={zero}" + (f" ep={ep}" if ep > 1 else ""), self.progress)
+                s = LayerStrategy(dp=self.world, zero=zero, ep=ep)
+                block = self.make_block().to(self.device)
+                el = next(block.parameters()).element_size()
+                if layer is not None:
+                    self._global_router_stats(block, layer, factory, s)
+                experts: list[nn.Module] = []
+                if ep > 1:
+                    experts = apply_ep(block, factory.expert_mesh(s), s, "profiled block")
+                expert_ids = {id(p) for m in experts for p in m.parameters()}
+                dense_bytes = sum(p.numel() * p.element_size() for p in block.parameters() if id(p) not in expert_ids)
+                # (bytes, ranks, stride) of every FSDP2 unit's collectives, as the cost model's groups
+                units = [(float(dense_bytes), self.world, 1)]
+                ignored: set[nn.Parameter] = set()
+                if edp > 1:
+                    for m in experts:
+                        apply_fsdp(m, factory.expert_mesh(s)["edp"], s, self.world)
+                        units.append((float(sum(p.numel() * p.element_size() for p in m.parameters())), edp, ep))
+                else:
+                    ignored = {p for m in experts for p in m.parameters()}
+                apply_fsdp(block, factory.data_mesh(s), s, self.world, ignored_params=ignored)
+                gather = sum(self.hw.collective_time("allgather", n, g, st) for n, g, st in units)
+                scatter = sum(self.hw.collective_time("reducescatter", n, g, st) for n, g, st in units)
+                backward = scatter + (gather if zero == 3 else 0.0)
 
-            def comm(b: int, f: float = gather, bw: float = backward, s: LayerStrategy = s,
-                     el: int = el) -> tuple[float, float]:
-                stats = moe_layer_comm(self.hw, layer, s, b, self.shape.seq_len, el, 1)[0] if layer is not None else 0.0
-                return f + stats, bw
+                def comm(b: int, f: float = gather, bw: float = backward, s: LayerStrategy = s,
+                         el: int = el) -> tuple[float, float]:
+                    if layer is None:
+                        return f, bw
+                    # router statistics (and at ep > 1 the count exchange and all-to-alls) as the cost model
+                    # prices them
+                    mf, mb = moe_layer_comm(self.hw, layer, s, b, self.shape.seq_len, el, 1)
+                    return f + mf, bw + mb
 
-            yield f"zero{zero}", block, comm
-            del block
+                yield zero_key(zero, ep, edp), block, comm
+                del block
 
-    def _zero_overhead(self, plain: Mapping[str, TimeFit], comms: Mapping[str, Comm],
+    def _zero_overhead(self, sharded: Mapping[str, Mapping[str, TimeFit]], comms: Mapping[str, Comm],
                        measured: Mapping[tuple[str, int], tuple[float, float, float, float]]
                        ) -> dict[str, dict[str, TimeFit]]:
-        """``{"zero2"|"zero3": {"forward": fit, "backward": fit}}`` for :class:`LayerTypeProfile`.zero_overhead.
+        """``{zero_key: {"forward": fit, "backward": fit}}`` for :class:`LayerTypeProfile`.zero_overhead.
 
         The FSDP2 blocks of :meth:`_zero_blocks`, timed (in ``measured``) like the sharded variants; minus the
-        predicted all-gather / reduce-scatter and the unsharded compute ``plain`` (the ``tp1/none`` fits), the
-        rest is FSDP2's own work: flat-buffer copies and hooks.
+        predicted collectives and the compute of the same block without FSDP2 (``sharded``: the ``tp1/none``
+        fits, or ``tp1/none/ep<k>`` at ep k), the rest is FSDP2's own work: flat-buffer copies and hooks.
         """
+        from ..planner.profiles import parse_zero_key, time_key
+
         seq = self.shape.seq_len
         out: dict[str, dict[str, TimeFit]] = {}
         for key, comm in comms.items():
+            _, ep, _ = parse_zero_key(key)  # type: ignore[misc]  # keys from zero_key
+            plain = sharded[time_key(1, "none", ep)]
             fwd, bwd = [], []
             for b in self.batch_sizes:
                 tf, tb, _, _ = measured[(key, b)]
