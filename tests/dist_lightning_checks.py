@@ -75,6 +75,22 @@ def make_module(kind: str = "llama", seed: int = 0, **extra: Any) -> CausalLM:
     return CausalLM(kind=kind, optimizer="sgd", lr=0.2, momentum=0.9, **cfg)
 
 
+class ManualLM(CausalLM):
+    """Manual optimization: ``accumulate`` ``manual_backward`` calls per optimizer step, each of which syncs the
+    gradients (Lightning blocks no sync here), as a user accumulating by hand would write it."""
+
+    accumulate = 2
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> dict[str, torch.Tensor]:
+        opt = self.optimizers()
+        loss = self._loss(batch)
+        self.manual_backward(loss / self.accumulate)
+        if (batch_idx + 1) % self.accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+        return {"loss": loss.detach()}
+
+
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for k, p in model.named_parameters()}
@@ -172,9 +188,11 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
                 accumulate: int = 1, clip: float | None = None, clip_algorithm: str = "norm", dropout: float = 0.0,
                 strategy_kwargs: dict | None = None, moe_callbacks: bool | str = False,
                 switches: tuple[tuple[int, dict], ...] = (), scheduled: bool = False,
-                profile_pipeline: bool = False) -> dict[str, Any]:
+                profile_pipeline: bool = False, manual: bool = False) -> dict[str, Any]:
     """Trainer.fit under ``plan`` vs the single-process loop: losses and final weights.
 
+    ``manual``: the module optimizes manually (:class:`ManualLM`), accumulating ``accumulate`` synced backwards
+    per step itself (the Trainer then accumulates nothing).
     ``moe_callbacks`` adds ExpertRelayout and SamplePlacement (2 ranks per simulated node, a seeded random
     placement policy so that samples really move) and returns what they logged; ``"fsep"``: the re-layout
     with fully sharded experts (``ExpertRelayout(expert_sharding="full")``). ``switches``: (step, plan)
@@ -187,6 +205,10 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
     else:
         module = make_module(kind, dropout=dropout)
     ref_module = copy.deepcopy(module)
+    if manual:
+        module.__class__ = ManualLM
+        module.automatic_optimization = False
+        module.accumulate = accumulate
     # 8 KiB gradient buckets: several per group even in these small models, so the overlapped, in-order
     # bucket launches during backward are what every parity case checks
     strategy = GalvatronStrategy(plan=plan, **{"grad_bucket_mb": 1 / 128, **(strategy_kwargs or {})})
@@ -213,7 +235,8 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
 
         prof = OnlineProfiler(every_n_steps=4, warmup_steps=1, collectives=False, log=False)
         extra.append(prof)
-    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec, *extra], accumulate_grad_batches=accumulate,
+    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec, *extra],
+                        accumulate_grad_batches=1 if manual else accumulate,
                         gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm, **trainer_kwargs())
     with ShardedLogitsRecorder() as seen:
         trainer.fit(module, loader)

@@ -184,7 +184,7 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
                   lr: float = 0.2, galv_loss: bool = False, label_smoothing: float = 0.0,
                   relayout: bool | int = False, placement: int | None = None,
                   placement_shuffle: bool | str = False, grad_bucket_bytes: int | None = None,
-                  optimizer: str = "sgd", expert_sharding: str = "owner") -> dict[str, Any]:
+                  optimizer: str = "sgd", expert_sharding: str = "owner", sync_each: bool = False) -> dict[str, Any]:
     """Train under ``plan_dict`` and single-process side by side; compare losses, first-step gradients, weights.
 
     ``accumulate`` micro-steps (each of ``global_batch`` samples) make one optimizer step; gradient sync
@@ -208,12 +208,15 @@ def train_compare(plan_dict: dict, kind: str = "llama", layers: int = 3, steps: 
     ``optimizer``: one of :data:`OPTIMIZERS` (per-tensor loop, multi-tensor ``foreach`` or ``fused`` kernels).
     ``expert_sharding``: ``"full"`` shards every expert over its EP group (LAER-MoE's FSEP) instead of keeping
     it whole on its owner.
+    ``sync_each`` syncs gradients after every micro-step's backward, not only the last (manual optimization
+    calling ``manual_backward`` several times before one ``step``), and once more before the step.
     """
     with warnings.catch_warnings(record=True) as caught, FSDPCollectiveCount() as counter:
         warnings.simplefilter("always")
         res = _train_compare(plan_dict, kind, layers, steps, global_batch, seq, clip, clip_algorithm, norm_type,
                              accumulate, dropout, momentum, lr, galv_loss, label_smoothing, relayout,
-                             placement, placement_shuffle, grad_bucket_bytes, optimizer, expert_sharding, counter)
+                             placement, placement_shuffle, grad_bucket_bytes, optimizer, expert_sharding, counter,
+                             sync_each)
     res["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     return res
 
@@ -224,10 +227,12 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
                    relayout: bool | int = False, placement: int | None = None,
                    placement_shuffle: bool | str = False, grad_bucket_bytes: int | None = None,
                    optimizer: str = "sgd", expert_sharding: str = "owner",
-                   counter: FSDPCollectiveCount | None = None) -> dict[str, Any]:
+                   counter: FSDPCollectiveCount | None = None, sync_each: bool = False) -> dict[str, Any]:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZERS)}. HINT: add it to OPTIMIZERS.")
     plan = ParallelPlan.from_dict(plan_dict)
+    if sync_each and plan.pp > 1:
+        raise ValueError("sync_each under a pipeline: its schedule runs every backward. HINT: use pp=1.")
     sharded_seen: list[bool] = []  # per loss call: did the loss get vocab-sharded logits?
     if galv_loss:
         from lightning_galv.loss import cross_entropy, is_vocab_sharded
@@ -300,7 +305,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
             x, y = data[:, :-1], data[:, 1:]
             b = global_batch // nshards
             xl, yl = x[shard * b:(shard + 1) * b], y[shard * b:(shard + 1) * b]
-            rt.set_gradient_sync(k == accumulate - 1)
+            rt.set_gradient_sync(sync_each or k == accumulate - 1)
             key = len(ref_losses)  # one keyed-dropout key per micro-step, shared with the reference
             set_dropout_key(key)
             if rt.pipeline is not None:
@@ -321,6 +326,8 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
                     counter.take()
                 loss = loss_fn(model(xl), yl)
                 (loss / accumulate).backward()
+                if sync_each:
+                    rt.after_backward()
                 if counter is not None:
                     fsdp_per_micro.append(counter.take())
             total += loss.detach()

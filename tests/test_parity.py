@@ -64,6 +64,12 @@ def _cases4() -> list[tuple[str, dict, dict]]:
         ("hetero_value_clip_accum", ParallelPlan(4, (L(tp=2, dp=2, zero=3), L(tp=4, sp="ulysses"), L(dp=4, zero=1)),
                                                  embed=L(tp=4, zero=2), head=L(tp=2, dp=2)).to_dict(),
          {"clip": 0.01, "clip_algorithm": "value", "accumulate": 2}),
+        # manual optimization: a gradient sync after each of two backwards before one step (and once more); on
+        # data groups smaller than the loader's dp (tp4: one rank; tp2 ZeRO-1: two) the second sync used to
+        # divide the first backward's part again
+        ("sync_each_hetero_clip", ParallelPlan(4, (L(tp=4), L(tp=2, dp=2, zero=1), L(dp=4, zero=3)),
+                                               embed=L(dp=4, zero=1), head=L(tp=2, dp=2)).to_dict(),
+         {"accumulate": 2, "sync_each": True, "clip": 0.05}),
         ("zero_one_rank_data_group", ParallelPlan(4, (L(dp=4), L(tp=4, zero=2), L(tp=4, sp="megatron", zero=3)))
          .to_dict(), {}),
         # keyed dropout (p=0.1): every rank draws the masks one process draws for its rows and positions
@@ -120,6 +126,11 @@ def _cases_moe() -> list[tuple[str, dict, dict]]:
         ("moe_ep2_megatron_ckpt", moe(L(tp=2, dp=2, sp="megatron", ep=2, checkpoint=True)), {**kw, "steps": 5}),
         ("moe_ep4_ulysses_value_clip", moe(L(tp=2, dp=2, sp="ulysses", ep=4)),
          {**kw, "clip": 0.01, "clip_algorithm": "value"}),
+        # a sync after each backward (manual optimization): experts on a two-rank (ep2) and a one-rank (ep4,
+        # ZeRO-3: plain, outside FSDP2) expert-data group, both smaller than the loader's dp
+        ("moe_sync_each_ep2_ep4z3", ParallelPlan(4, (L(dp=4, ep=2), L(dp=4), L(dp=4, ep=4, zero=3)), embed=L(dp=4),
+                                                 head=L(dp=4)).to_dict(),
+         {**kw, "accumulate": 2, "sync_each": True, "steps": 5}),
     ]
 
 
@@ -240,10 +251,10 @@ def test_parity_4_ranks() -> None:
     _check(results)
     for name, plan, _ in _cases_moe():
         # expert parallelism really ran: each rank holds E/ep experts per MoE layer and used the all-to-all
-        ep = ParallelPlan.from_dict(plan).layers[0].ep
+        eps = [ParallelPlan.from_dict(plan).layers[i].ep for i in (0, 2)]  # the MoE blocks'
         for r in results:
-            assert r[name]["experts_held"] == [4 // ep, 4 // ep], (name, r[name]["experts_held"])
-            assert r[name]["all_to_all"] == [ep > 1, ep > 1], name
+            assert r[name]["experts_held"] == [4 // ep for ep in eps], (name, r[name]["experts_held"])
+            assert r[name]["all_to_all"] == [ep > 1 for ep in eps], name
             assert r[name]["routing"] and all(all(c.values()) for c in r[name]["routing"]), (name, r[name]["routing"])
     for name, plan, _ in _cases4() + _cases_vocab_loss() + _cases_moe() + _cases_moe_pp():
         _check_fsdp_root(name, ParallelPlan.from_dict(plan), results)

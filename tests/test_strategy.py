@@ -164,6 +164,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         # the online profiler records the measured pipeline timeline on its sampled steps (issue 16 item 4)
         ("pp2_accum_clip", "fit_compare", dict(plan=PP2, accumulate=2, clip=0.05, profile_pipeline=True)),
         ("moe_ep_accum_clip", "fit_compare", dict(plan=MOE_EP, kind="moe", accumulate=2, clip=0.05)),
+        # manual optimization, two synced backwards per step: data groups of 1 and 2 ranks (tp4, tp2) under dp 4
+        ("manual_two_backwards", "fit_compare", dict(plan=HETERO, accumulate=2, manual=True)),
         ("moe_callbacks", "fit_compare", dict(plan=MOE_CB, kind="moe", accumulate=2, clip=0.05, moe_callbacks=True)),
         ("pp2_resume", "fit_resume", dict(plan=PP2, tmpdir=tmp + "/pp", full=False)),
         ("switch_plans", "fit_compare", dict(plan=HETERO, steps=6, accumulate=2, clip=0.05, scheduled=True,
@@ -190,7 +192,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["hetero_accum_clip", "tp_zero1", "tp_zero3_value_clip", "tp_zero3_norm_clip",
                                   "hetero_dropout_accum", "pp2_dropout", "pp2_accum_clip", "moe_ep_accum_clip",
-                                  "moe_callbacks"])
+                                  "moe_callbacks", "manual_two_backwards"])
 def test_fit_parity(results: dict, name: str) -> None:
     r = results[name]
     assert r["keys_equal"]

@@ -11,10 +11,18 @@ Gradient scale. Layers of one plan may split the batch ``dp`` ways with differen
 rank back-propagates is the mean over the shard the data loader gave it (``plan.data_parallel_size``
 shards). Summing a layer's gradient over its data group and dividing by ``data_parallel_size`` (not by
 the layer's own ``dp``) therefore gives every layer the gradient of the global mean loss.
+
+:class:`GradientSync` splits that division so a sync can be repeated: each incoming gradient is scaled by
+``k / data_parallel_size`` (``k`` its group's size; only where they differ) before autograd accumulates it, and
+a sync averages over the group (divides by ``k``). An average of what the group already agrees on -- gradients
+synced by an earlier backward of the same step -- leaves it unchanged, as in DDP, so two synced backwards
+before one optimizer step (manual optimization) add up right; dividing the whole accumulated gradient by
+``data_parallel_size`` at each sync shrank the first backward's part again on groups smaller than that.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections import defaultdict
 from contextlib import contextmanager
@@ -307,13 +315,18 @@ class GradientSync:
     _flow: dict[int, int] = field(default_factory=dict)  # id(param) -> forward-flow index (all groups)
 
     def add(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, group_size: int) -> None:
+        """Sync ``params`` over ``group`` (``group_size`` ranks); on a group of another size than
+        ``divide_factor`` their incoming gradients are scaled by ``group_size / divide_factor`` (module doc)."""
         if self._buckets is not None:
             raise RuntimeError("GradientSync.add after buckets were formed. HINT: register every unit before the "
                                "first backward (parallelize() does).")
+        scale = group_size / self.divide_factor
         for p in params:
             if p.requires_grad:
                 self.groups[(group, group_size)].append(p)
                 self._flow.setdefault(id(p), len(self._flow))  # registration order unless set_flow_order
+                if group_size != self.divide_factor:
+                    self._hooks.append(p.register_hook(functools.partial(_scaled, scale=scale)))
 
     def set_flow_order(self, params: Iterable[nn.Parameter]) -> None:
         """The order the forward uses the parameters in, which the bucket list follows backwards (units in
@@ -401,19 +414,23 @@ class GradientSync:
             self._launch(b)
         for b in buckets:
             if b.size == 1:
-                if self.divide_factor != 1:
-                    for p in b.params:
-                        if p.grad is not None:
-                            local(p.grad).div_(self.divide_factor)
-                continue
+                continue  # scaled as autograd produced them: nothing left to do
             assert b.work is not None and b.flat is not None
             b.work.wait()
-            b.flat.div_(self.divide_factor)  # the gradients are views of it: reduced in place
+            b.flat.div_(b.size)  # the group's average (gradients are views of it: reduced in place)
             if b.views:
                 b.buffer = b.flat  # kept: next step's gradients move into it (or accumulate in it, if kept)
             b.work = b.flat = None
             b.ready = 0
         self._next = 0
+
+
+def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """``grad * scale`` (a tensor hook: autograd accumulates what it returns); a DTensor's local part is scaled
+    and rewrapped in its own layout (no sharding propagation, see :func:`wrap_like`)."""
+    if hasattr(grad, "to_local"):
+        return wrap_like(local(grad) * scale, grad)
+    return grad * scale
 
 
 @dataclass
