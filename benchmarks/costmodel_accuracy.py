@@ -544,8 +544,10 @@ aux/z-loss on), attention 4 heads (2 kv), vocab 256, seq 64, fp32, Adam, global 
 router then spreads tokens nearly evenly, which is what the cost model assumes: balanced routing). Profiles as
 automatic mode takes them (HardwareProfiler incl. all-to-all, ModelProfiler per block kind with the MoE facts,
 then each block kind as the runtime shards it by the ShardedLayerProfiler, `auto.sharded_profile`, which for an
-MoE block also times every expert-parallel degree), both at the sample counts automatic mode takes
-(`auto.profile_batch_sizes`: 1, 2 and the loader's per-rank batch -- 1/2/4 samples at 2 ranks, 1/2 at 4);
+MoE block also times every expert-parallel degree, and FSDP2's overhead at each of them as the runtime wraps the
+experts), both at the sample counts automatic mode takes (`auto.profile_batch_sizes`: 1, 2 and the loader's
+per-rank batch -- 1/2/4 samples at 2 ranks, 1/2 at 4), the sharded variants over `auto.SHARDED_PROFILE_ROUNDS`
+rounds (4 since 2026-11-28; 2 before, and the probe took as many passes);
 everything else as in the dense section above (MemTracker peak, leave-one-out calibration, speed correction),
 except that the probe times the decoder's own MoE block (unsharded, every expert local, its router statistics
 all-reduced over the world as the profiler times it) and a profile's reference is the profiler's raw median of

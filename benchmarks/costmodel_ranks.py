@@ -206,7 +206,7 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int | None = None) -> float:
     from single probes ranged 0.81-1.21 while the 4-rank hetero plan's step stayed within 415-432 ms), so each
     step is scaled by the probes before and after it and the median over steps is taken
     (``costmodel_accuracy.py``). ``repeats`` = the profiler's rounds (default: 5 as ``profile_machine`` takes
-    them; 2 for the MoE decoder, as automatic mode does): the slowest
+    them; ``auto.SHARDED_PROFILE_ROUNDS`` for the MoE decoder, as automatic mode takes them): the slowest
     rank's median of fewer passes is a maximum over noisier numbers and reads higher (2 ranks, paired with
     profiler-style rounds: ratio 0.979 at 3 passes, 0.991 at 5).
     """
@@ -215,7 +215,9 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int | None = None) -> float:
         _PROBE_BLOCKS[key] = _probe_block(cfg)  # read ~1 % slower than the profiler's long-lived ones
     blk, dim = _PROBE_BLOCKS[key]
     if repeats is None:
-        repeats = 2 if "num_experts" in cfg else 5
+        from lightning_galv.auto import SHARDED_PROFILE_ROUNDS
+
+        repeats = SHARDED_PROFILE_ROUNDS if "num_experts" in cfg else 5
     # the ShardedLayerProfiler's protocol (``_time_interleaved``), pass for pass (not the passes around it), so
     # that a probe and the profile's reference time the same thing: a fresh input, all ranks starting together,
     # forward and backward timed apart (backward from a ones gradient, into freshly allocated parameter

@@ -44,6 +44,11 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
 # loader batch assumed when it cannot be read (a loader without a batch_size, several loaders): only
 # pp = 1 with one micro-batch is searched then, which runs with any batch size
 _ASSUMED_LOADER_BATCH = 2
+# Rounds over which the ShardedLayerProfiler times every variant (interleaved; medians over rounds). With 2 an
+# entry's median was the mean of two passes, so one pass in a slow spell of a shared host moved it whole: the MoE
+# accuracy benchmark's predictions of one plan spread over 64-92 ms across fresh profiles (2r moe ep2, run at
+# 02612fb). From 4 on, a single outlying pass no longer sets an entry's median.
+SHARDED_PROFILE_ROUNDS = 4
 
 
 def parse_bytes(value: str | int | float) -> float:
@@ -434,8 +439,9 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # statistics all-reduced over the variant's data group, as parallelize() wires them; v9: the recompute fit net
     # of the collectives a recompute really repeats (counted), and expert-parallel variants timed checkpointed;
     # v10: that share weighted by payload bytes, and an MoE block's saved activations and recompute peak measured
-    # per expert-parallel degree
-    what = {"v": 10, "profile": profile.to_dict(), "hw": links, "world": world}
+    # per expert-parallel degree; v11: SHARDED_PROFILE_ROUNDS rounds (was 2), and an MoE block's FSDP2 overhead per
+    # expert-parallel degree as the runtime wraps it
+    what = {"v": 11, "profile": profile.to_dict(), "hw": links, "world": world}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
     if tuple(batch_sizes) != (1, 2):
@@ -454,8 +460,8 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     for j, lt in enumerate(profile.layer_types):
         block = parts.blocks[profile.layer_type_of.index(j)]
         types.append(ShardedLayerProfiler(lambda b=block: copy.deepcopy(b).float(), profile.shape, hw,
-                                          batch_sizes=batch_sizes, repeats=2, progress=verbose,
-                                          sp_kinds=sp_kinds).fit(lt))
+                                          batch_sizes=batch_sizes, repeats=SHARDED_PROFILE_ROUNDS,
+                                          progress=verbose, sp_kinds=sp_kinds).fit(lt))
     out = profile.with_(layer_types=tuple(types))
     if cache is not None and rank == 0:
         cache.save("model", key, out)
