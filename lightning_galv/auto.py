@@ -441,7 +441,7 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # v10: that share weighted by payload bytes, and an MoE block's saved activations and recompute peak measured
     # per expert-parallel degree; v11: SHARDED_PROFILE_ROUNDS rounds (was 2), and an MoE block's FSDP2 overhead per
     # expert-parallel degree as the runtime wraps it
-    what = {"v": 11, "profile": profile.to_dict(), "hw": links, "world": world}
+    what = {"v": 11, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
     if tuple(batch_sizes) != (1, 2):

@@ -45,3 +45,44 @@ def moe_sharded_profile(hw: HardwareProfiler | Any) -> dict[str, Any]:
     parts = find_parts(model)
     prof = profile_model(model, parts)
     return sharded_profile(model, parts, prof, hw, None, False).to_dict()
+
+
+def moe_zero_blocks() -> dict[str, Any]:
+    """The MoE block under ZeRO-2/3 as the ShardedLayerProfiler builds it for every ep (4 ranks, 4 experts), one
+    forward and backward each: per key, what FSDP2 manages -- the block's own state and mesh, each local
+    expert's own state (mesh size, None when it has none) and whether expert parameters are sharded."""
+    import copy
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_galv.models import MoEConfig, MoEDecoder
+    from lightning_galv.models.protocol import find_parts
+    from lightning_galv.parallel.expert import ExpertPlaceholder, moe_layers
+    from lightning_galv.planner.profiles import HardwareProfile, LayerTypeProfile, TimeFit
+    from lightning_galv.profiling.profilers import moe_facts
+
+    torch.manual_seed(0)
+    model = MoEDecoder(MoEConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                                 max_seq_len=16, num_experts=4, top_k=2, expert_hidden=48, moe_every=1))
+    blk = find_parts(model).blocks[0]
+    lt = LayerTypeProfile("moe", TimeFit(), TimeFit(), sum(p.numel() for p in blk.parameters()), {"tp1/none": 1.0},
+                          32, moe=moe_facts(blk))
+    hw = HardwareProfile.uniform(1, 4, 24e9, intra_bw=1e9, latency_s=1e-5)
+    prof = ShardedLayerProfiler(lambda: copy.deepcopy(blk), model.galv_shape(16), hw, batch_sizes=(2,), repeats=1,
+                                progress=False)
+    out: dict[str, Any] = {}
+    for key, block, comm in prof._zero_blocks(lt):
+        layer = moe_layers(block)[0]
+        experts = [e for e in layer.experts if not isinstance(e, ExpertPlaceholder)]
+        y = block(torch.randn(2, 16, 32, requires_grad=True))
+        y.backward(torch.ones_like(y))
+        out[key] = {
+            "block_mesh": (block._get_fsdp_state()._fsdp_param_group.mesh_info.mesh.size()
+                           if isinstance(block, FSDPModule) else None),
+            "experts": [e._get_fsdp_state()._fsdp_param_group.mesh_info.mesh.size() if isinstance(e, FSDPModule)
+                        else None for e in experts],
+            "experts_sharded": sorted({hasattr(p, "to_local") for e in experts for p in e.parameters()}),
+            "expert_grads": all(p.grad is not None for e in experts for p in e.parameters()),
+            "comm": list(comm(2)),
+        }
+    return out

@@ -595,3 +595,35 @@ def grad_overlap_check(bucket_bytes: int = 4096) -> dict[str, Any]:
         out[kind] = r
     return out
 
+
+
+def unused_param_check() -> dict[str, Any]:
+    """GradientSync (ZeRO-0) on the world group, buckets launched at sync and during backward: ``a`` is used on
+    every rank, ``b`` (plain) and ``d`` (a replicated DTensor) on rank 0 only, ``c`` nowhere. Every rank must end
+    with the same reduced gradients (b and d too), and ``c`` without one (returns each rank's values)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from lightning_galv.parallel.data_parallel import GradientSync
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict[str, Any] = {}
+    for mode in ("at_sync", "overlapped"):
+        torch.manual_seed(0)
+        a, b, c = (torch.nn.Parameter(torch.randn(5)) for _ in range(3))
+        d = torch.nn.Parameter(distribute_tensor(torch.randn(5), mesh, [Replicate()]))
+        gs = GradientSync(world, bucket_bytes=1 << 20)
+        gs.add([a, b, c, d], dist.group.WORLD, world)
+        if mode == "overlapped":
+            gs.overlap_backward()
+        x = torch.full((5,), float(rank + 1))
+        loss = (a * x).sum()
+        if rank == 0:
+            loss = loss + (b * x * 3).sum() + (d.to_local() * x * 5).sum()
+        loss.backward()
+        gs.sync()
+        out[mode] = {"a": a.grad.tolist(), "b": None if b.grad is None else b.grad.tolist(), "c": c.grad,
+                     "d": None if d.grad is None else d.grad.full_tensor().tolist(),
+                     "d_dtensor": hasattr(d.grad, "to_local")}
+    return out

@@ -401,3 +401,17 @@ def test_parity_random_plans_4_ranks() -> None:
 @pytest.mark.distributed
 def test_parity_random_plans_8_ranks() -> None:
     _check(run_distributed(CHECKS, 8, (random_cases(1, 8, 5),), timeout=1200))
+
+
+@pytest.mark.distributed
+def test_a_gradient_missing_on_some_ranks_is_reduced_onto_every_rank() -> None:
+    """A parameter used on some ranks only (a model that skips an expert without tokens, a branch) gets the group's
+    reduced gradient on every rank, so the replicas step alike (before, the ranks without it skipped it and
+    drifted apart); one used nowhere keeps no gradient, as in one process."""
+    results = run_distributed(CHECKS.replace("run_many", "unused_param_check"), 2, (), timeout=300)
+    for rank, res in enumerate(results):
+        for mode, r in res.items():
+            assert r["a"] == [1.5] * 5, (rank, mode, r)  # mean of 1 and 2
+            assert r["b"] == [1.5] * 5, (rank, mode, r)  # rank 0's 3, rank 1's none, over 2
+            assert r["d"] == [2.5] * 5 and r["d_dtensor"], (rank, mode, r)  # rank 0's 5 over 2, still a DTensor
+            assert r["c"] is None, (rank, mode, r)

@@ -358,3 +358,26 @@ def test_an_moe_block_is_profiled_with_its_router_statistics_over_the_data_group
                 assert isinstance(layer.stats_reducer, GlobalRouterStats), key
                 assert layer.stats_reducer.size == 1
     assert isinstance(moe_layers(blocks[1])[0].stats_reducer, LocalStatsReducer)  # the model's own block untouched
+
+
+@pytest.mark.distributed
+def test_moe_zero_blocks_are_wrapped_as_the_runtime_wraps_them_4_ranks() -> None:
+    """At 4 ranks and 4 experts the FSDP2-overhead blocks cover ep 1 (every expert inside the block's state),
+    ep 2 (two local experts, each an FSDP2 unit of its own over the 2-rank expert-data group) and ep 4 (one local
+    expert, plain: its expert-data group is one rank, so the block's state ignores it), as
+    ``parallelize._apply_expert_data_parallel`` does; each runs forward and backward."""
+    from pathlib import Path
+
+    from lightning_galv.testing import run_distributed
+
+    ranks = run_distributed(f"{Path(__file__).parent / 'dist_profiler_checks.py'}::moe_zero_blocks", 4, ())
+    for r in ranks:
+        assert sorted(r) == ["zero2", "zero2/ep2/edp2", "zero2/ep4", "zero3", "zero3/ep2/edp2", "zero3/ep4"], sorted(r)
+        for z in (2, 3):
+            assert r[f"zero{z}"]["experts"] == [None] * 4 and r[f"zero{z}"]["experts_sharded"] == [True]
+            assert r[f"zero{z}/ep2/edp2"]["experts"] == [2, 2] and r[f"zero{z}/ep2/edp2"]["experts_sharded"] == [True]
+            assert r[f"zero{z}/ep4"]["experts"] == [None] and r[f"zero{z}/ep4"]["experts_sharded"] == [False]
+        for key, v in r.items():
+            assert v["block_mesh"] == 4 and v["expert_grads"], (key, v)
+            # the all-to-alls (ep > 1) and the expert units' gathers are part of what the profiler subtracts
+            assert all(c > 0 for c in v["comm"]), (key, v["comm"])

@@ -3,7 +3,8 @@
 * ZeRO-2/3: FSDP2 ``fully_shard`` on the unit's data-parallel mesh, ``reshard_after_forward`` False/True
   (ZeRO, Rajbhandari et al. SC'20: stage 2 shards gradients+optimizer state, stage 3 also parameters).
 * ZeRO-0/1: parameters stay replicated; :class:`GradientSync` sums their gradients over the unit's
-  data group in the last backward of a step (bucketed, overlapped with backward when pp = 1). ZeRO-1 additionally gives each parameter one owner in
+  data group in each backward that syncs (the last of a step under accumulation; bucketed, overlapped with backward
+  when pp = 1). ZeRO-1 additionally gives each parameter one owner in
   its group (:class:`OptimizerStateSharding`): only the owner keeps optimizer state and updates it,
   then broadcasts the new value.
 
@@ -243,6 +244,9 @@ class _Bucket:
     flat: torch.Tensor | None = None  # this step's flat gradients (being filled / reduced)
     buffer: torch.Tensor | None = None  # the flat storage kept between steps (the gradients are views of it)
     views: bool = True  # False once a gradient's local size differs from its slot: flatten at launch instead
+    # this launch's (offset, numel) of every parameter's gradient in ``flat``, whose last ``len(params)`` elements
+    # count the ranks that had each gradient (see GradientSync.sync)
+    slots: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _as_grad_view(p: nn.Parameter, flat_slice: torch.Tensor) -> None:
@@ -274,7 +278,8 @@ def _move_into_bucket(b: _Bucket, p: nn.Parameter) -> None:
         return
     if b.flat is None:
         reuse = b.buffer is not None and b.buffer.dtype == g_local.dtype and b.buffer.device == g_local.device
-        b.flat = b.buffer if reuse else torch.empty(sum(b.numels), dtype=g_local.dtype, device=g_local.device)
+        b.flat = b.buffer if reuse else torch.empty(sum(b.numels) + len(b.params), dtype=g_local.dtype,
+                                                     device=g_local.device)  # + one presence count per gradient
     slot = b.flat[b.offsets[i]:b.offsets[i] + b.numels[i]]
     if g_local.data_ptr() != slot.data_ptr():  # accumulated into the view already: nothing to move
         slot.copy_(g_local.reshape(-1))
@@ -368,7 +373,7 @@ class GradientSync:
         """Start each bucket's all-reduce during backward (post-accumulate-grad hooks; see the class doc)."""
         for b in self.buckets():
             if b.size == 1:
-                continue  # nothing to reduce: sync() only divides
+                continue  # nothing to reduce: the scaling hook did the division already
             for p in b.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
@@ -396,15 +401,20 @@ class GradientSync:
                 for p, o, n in zip(b.params, b.offsets, b.numels):
                     if p.grad is None:  # no gradient on this rank: zeros, so every rank's layout is the same
                         b.flat[o:o + n].zero_()
+                b.slots = list(zip(b.offsets, b.numels))
             else:  # a gradient's local shard differs from its parameter's (or none has one): flatten them
                 parts = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in b.params]
-                b.flat = torch.cat([t.reshape(-1) for t in parts])
+                b.flat = torch.cat([t.reshape(-1) for t in parts] + [parts[0].new_empty(len(parts))])
                 offset = 0
+                b.slots = []
                 for p, t in zip(b.params, parts):
                     if p.grad is not None:
                         _as_grad_view(p, b.flat[offset:offset + t.numel()])
+                    b.slots.append((offset, t.numel()))
                     offset += t.numel()
                 del parts
+            n = len(b.params)
+            b.flat[-n:] = torch.tensor([float(p.grad is not None) for p in b.params], dtype=b.flat.dtype)
             b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
 
     @torch.no_grad()
@@ -418,6 +428,15 @@ class GradientSync:
             assert b.work is not None and b.flat is not None
             b.work.wait()
             b.flat.div_(b.size)  # the group's average (gradients are views of it: reduced in place)
+            if any(p.grad is None for p in b.params):  # (reading the counts waits for the device: only then)
+                counts = b.flat[-len(b.params):].tolist()
+                for p, (o, n), c in zip(b.params, b.slots, counts):
+                    # a parameter unused on this rank but used on another (a model that skips an expert without
+                    # tokens, a branch taken on some ranks only): it takes the reduced gradient like its replicas,
+                    # which would otherwise step without it here and drift apart; unused on every rank: stays None
+                    if p.grad is None and c > 0:
+                        view = b.flat[o:o + n].view_as(local(p))
+                        p.grad = wrap_like(view, p) if hasattr(p, "to_local") else view
             if b.views:
                 b.buffer = b.flat  # kept: next step's gradients move into it (or accumulate in it, if kept)
             b.work = b.flat = None

@@ -123,7 +123,7 @@ def _apply_expert_data_parallel(unit: Unit, factory: MeshFactory, runtime: Paral
     per expert still copies every expert in and out of flat buffers and runs its hooks around every forward
     and backward -- 4 ranks, ep4·zero3 MoE decoder: steps 15 % slower than with the experts left plain. They
     then stay plain tensors, outside the block's state (``ignored_params``), and take the ZeRO-0/1 path
-    (:class:`GradientSync` only divides on a one-rank group), which holds the same bytes. Unless a mixed-precision
+    (on a one-rank group :class:`GradientSync` only scales their gradients), which holds the same bytes. Unless a mixed-precision
     policy casts parameters: the block's state would cast the activations but not ignored experts' weights."""
     from .expert import mark_expert_params
 

@@ -358,8 +358,8 @@ class ShardedLayerProfiler:
                  interleave: bool = True, checkpoint: bool = True) -> None:
         """``interleave``: time all variants interleaved over rounds (see :meth:`_time_interleaved`), which keeps
         every variant's block alive at once (about 6 blocks' worth per rank at 8 ranks with ``checkpoint``, more
-        for an MoE block, whose experts are replicated over tp, and which adds two blocks per expert-parallel
-        degree, plain and checkpointed); False times each as soon as it is built and
+        for an MoE block, whose experts are replicated over tp, and which adds four blocks per expert-parallel
+        degree: plain, checkpointed, and under ZeRO-2 and ZeRO-3); False times each as soon as it is built and
         frees it -- one block's memory, at the price of a slow spell of a shared machine landing on one variant
         only. ``checkpoint``: also time each (tp, sp) variant checkpointed, for the ``checkpoint_forward`` and
         ``recompute`` fits and the share of collectives a recompute repeats (False leaves them out, and the cost
