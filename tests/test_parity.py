@@ -208,6 +208,10 @@ def random_cases(seed: int, world: int, n: int) -> list[tuple[str, dict, dict]]:
               # drawn from a separate stream so the seeded plans stay the ones earlier runs checked
               "grad_bucket_bytes": random.Random(seed * 1000 + i).choice((1024, 8192, 25 * 2**20)),
               "optimizer": optimizer}  # RAdam: 7 steps, it rectifies from step 6 on
+        # a sync after every backward (manual optimization), where there are several per step and no pipeline;
+        # also from a separate stream
+        kw["sync_each"] = (kw["accumulate"] > 1 and plan.pp == 1
+                           and random.Random(seed * 1000 + i + 2 * 10**6).random() < 0.5)
         cases.append((f"random{world}_{seed}_{i}", plan.to_dict(), kw))
     return cases
 
