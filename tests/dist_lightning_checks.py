@@ -558,7 +558,8 @@ def resume_unresumable(plan: dict, tmpdir: str, kill: int = 2) -> dict[str, Any]
 
 
 def pp_partial_batch(plan: dict, samples: int = 26, global_batch: int = 8) -> dict[str, Any]:
-    """pp > 1: a partial last batch that the micro-batches cannot split fails before training; drop_last trains."""
+    """pp > 1: a partial last batch that the micro-batches cannot split fails before training; drop_last trains;
+    manual optimization fails at the first training step."""
     shards = ParallelPlan.from_dict(plan).data_parallel_size
     out: dict[str, Any] = {}
     for drop_last in (False, True):
@@ -570,6 +571,17 @@ def pp_partial_batch(plan: dict, samples: int = 26, global_batch: int = 8) -> di
                                              "batches_per_epoch": trainer.num_training_batches}
         except ValueError as e:
             out[f"drop_last={drop_last}"] = {"error": str(e), "steps": trainer.global_step}
+    # manual optimization: the schedule replaces training_step, so it is refused rather than silently not stepped
+    module = make_module("llama")
+    module.__class__ = ManualLM
+    module.automatic_optimization = False
+    trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan), max_steps=4, **trainer_kwargs())
+    loader = DataLoader(Windows(samples), batch_size=global_batch // shards, drop_last=True)
+    try:
+        trainer.fit(module, loader)
+        out["manual"] = {"error": None, "steps": trainer.global_step}
+    except ValueError as e:
+        out["manual"] = {"error": str(e), "steps": trainer.global_step}
     return out
 
 

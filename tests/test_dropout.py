@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from lightning_galv.models.dropout import (DropoutCoords, KeyedDropout, dropout_key, keep_mask, keyed_dropout_,
-                                           restore_coords, set_dropout_key, site_of)
+                                           restore_coords, set_dropout_key, site_of, use_coords)
+from lightning_galv.parallel.activation_checkpoint import apply_checkpointing
 
 CPU = torch.device("cpu")
 
@@ -41,7 +42,15 @@ def test_module_semantics() -> None:
     x = torch.randn(4, 8, 16)
     with dropout_key(3):
         y1, y2 = drop(x), drop(x)
-    assert torch.equal(y1, y2)  # same key, same site, same coordinates: same mask
+    # the second call of a site under one key draws a mask of its own, as nn.Dropout would ...
+    big = torch.ones(16, 32, 64)
+    with dropout_key(3):
+        m1, m2 = drop(big) != 0, drop(big) != 0
+    agree = (m1 == m2).float().mean().item()
+    assert abs(agree - (0.75 ** 2 + 0.25 ** 2)) < 0.015  # 32768 draws (sd 0.003): the chance rate
+    with dropout_key(3):  # ... and a fresh scope of the same key draws the same pair again
+        z1, z2 = drop(x), drop(x)
+    assert torch.equal(z1, y1) and torch.equal(z2, y2)
     kept = y1 != 0
     assert torch.allclose(y1[kept], x[kept] / 0.75)
     drop.eval()
@@ -60,3 +69,81 @@ def test_plain_dropout_is_replaced_in_place() -> None:
     assert isinstance(model[1], KeyedDropout) and model[2][0].p == 0.3
     assert set(model.state_dict()) == keys and model[1].site != model[2][0].site
     assert model[2][0].site == site_of("2.0")  # named under the root it was converted from
+
+
+class _Twice(nn.Module):
+    """One dropout module applied twice in a forward (as T5's stack applies its ``dropout``)."""
+
+    def __init__(self, calls: int = 2) -> None:
+        super().__init__()
+        self.lin, self.drop, self.calls = nn.Linear(8, 8), KeyedDropout(0.3, site=5), calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.calls):
+            x = self.drop(torch.tanh(self.lin(x)))
+        return x
+
+
+def _grads(block: nn.Module, x: torch.Tensor, key: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    block.zero_grad()
+    with dropout_key(key):
+        y = block(x)
+        (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+    return y.detach(), [p.grad.clone() for p in block.parameters()]
+
+
+def test_checkpoint_recompute_redraws_the_forward_masks() -> None:
+    """The runtime's checkpointing replays the call counts: the recompute draws the second call's mask for
+    the second call, so the gradients equal the unchecheckpointed block's (with both calls redrawing call
+    0's mask or call 2's, they differ)."""
+    torch.manual_seed(0)
+    plain = _Twice()
+    ckpt = _Twice()
+    ckpt.load_state_dict(plain.state_dict())
+    apply_checkpointing(ckpt)
+    x = torch.randn(4, 6, 8)
+    for key in (0, 1):
+        y0, g0 = _grads(plain, x, key)
+        y1, g1 = _grads(ckpt, x, key)
+        assert torch.equal(y0, y1)
+        for a, b in zip(g0, g1):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_checkpoint_in_the_models_own_code() -> None:
+    """``torch.utils.checkpoint`` in a model's code: a site that ran once is recomputed with its mask; one that
+    ran twice cannot be told apart and is a clear error, not a silent wrong gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 8)
+    for reentrant in (False, True):
+        once, again = _Twice(calls=1), _Twice(calls=1)
+        again.load_state_dict(once.state_dict())
+        inner = again.forward
+        again.forward = (  # type: ignore[method-assign]
+            lambda t, inner=inner, r=reentrant: checkpoint(inner, t, use_reentrant=r))
+        x_ = x.clone().requires_grad_(reentrant)  # the reentrant variant needs an input that requires grad
+        y0, g0 = _grads(once, x_, 3)
+        y1, g1 = _grads(again, x_, 3)
+        assert torch.equal(y0, y1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+    twice = _Twice(calls=2)
+    inner2 = twice.forward
+    twice.forward = lambda t: checkpoint(inner2, t, use_reentrant=False)  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="ran 2 times.*HINT"):
+        _grads(twice, x, 3)
+
+
+def test_call_counts_are_per_pipeline_micro_batch() -> None:
+    """A stage running micro-batch 1 after micro-batch 0 draws call 0's mask for it, as one process running
+    the whole batch once does."""
+    drop = KeyedDropout(0.5, site=9)
+    x = torch.ones(4, 6, 8)
+    with dropout_key(2):
+        full = drop(x)
+    with dropout_key(2):
+        parts = []
+        for m in range(2):
+            with use_coords(micro=m, micro_batches=2):
+                parts.append(drop(x[2 * m:2 * m + 2]))
+    assert torch.equal(torch.cat(parts), full)

@@ -98,7 +98,8 @@ TRAINER_SHAPES = {"llama": ModelShape(3, 32, 8, 4, 64, 64, 16), "gpt2": ModelSha
 
 def random_fit_cases(seed: int, n: int, world: int = 4) -> list[tuple[str, str, dict]]:
     """``n`` seeded random valid plans run through ``Trainer.fit`` with random accumulation, clipping (norm or
-    value), dropout and, on MoE plans with expert parallelism, the MoE callbacks -- each compared with one
+    value), dropout, manual optimization (accumulating without clipping or a pipeline) and, on MoE plans with
+    expert parallelism, the MoE callbacks -- each compared with one
     process. The runtime-level random plans (test_parity.py) bypass Lightning: these go through its loop,
     sampler, clipping hooks and accumulation."""
     import random
@@ -116,8 +117,13 @@ def random_fit_cases(seed: int, n: int, world: int = 4) -> list[tuple[str, str, 
                   accumulate=rng.choice((1, 2)), clip=clip[0],
                   clip_algorithm=clip[1], dropout=rng.choice((0.0, 0.1)),
                   moe_callbacks=bool(moe) and any(plan.layers[j].ep > 1 for j in moe) and rng.random() < 0.5)
-        if kw["moe_callbacks"] and random.Random(seed * 1000 + i).random() < 0.5:  # own stream: plans unchanged
+        own = random.Random(seed * 1000 + i)  # own stream: the plans and options above stay as they were
+        if kw["moe_callbacks"] and own.random() < 0.5:
             kw["moe_callbacks"] = "fsep"  # the re-layout with fully sharded experts
+        if plan.pp == 1 and not kw["moe_callbacks"] and random.Random(f"manual/{seed}/{i}").random() < 0.4:
+            # manual optimization: two synced manual_backward calls per optimizer step (Lightning clips only
+            # automatic steps; a pipeline replaces training_step, so it refuses manual optimization)
+            kw.update(manual=True, accumulate=2, clip=None, clip_algorithm="norm")
         cases.append((f"random_fit{world}_{seed}_{i}", "fit_compare", kw))
     return cases
 
@@ -165,7 +171,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("pp2_accum_clip", "fit_compare", dict(plan=PP2, accumulate=2, clip=0.05, profile_pipeline=True)),
         ("moe_ep_accum_clip", "fit_compare", dict(plan=MOE_EP, kind="moe", accumulate=2, clip=0.05)),
         # manual optimization, two synced backwards per step: data groups of 1 and 2 ranks (tp4, tp2) under dp 4
-        ("manual_two_backwards", "fit_compare", dict(plan=HETERO, accumulate=2, manual=True)),
+        # (keyed dropout: manual steps draw one key per training batch, not per optimizer step)
+        ("manual_two_backwards", "fit_compare", dict(plan=HETERO, accumulate=2, manual=True, dropout=0.1)),
         ("moe_callbacks", "fit_compare", dict(plan=MOE_CB, kind="moe", accumulate=2, clip=0.05, moe_callbacks=True)),
         ("pp2_resume", "fit_resume", dict(plan=PP2, tmpdir=tmp + "/pp", full=False)),
         ("switch_plans", "fit_compare", dict(plan=HETERO, steps=6, accumulate=2, clip=0.05, scheduled=True,
@@ -405,6 +412,9 @@ def test_pipeline_partial_last_batch(results: dict) -> None:
     assert err is not None and "batches of [1] samples" in err and "micro_batches=2" in err and "HINT:" in err, r
     assert r["drop_last=False"]["steps"] == 0, r  # raised when the loader was set up, before any step
     assert r["drop_last=True"] == {"error": None, "steps": 4, "batches_per_epoch": 3}, r
+    err = r["manual"]["error"]
+    assert err is not None and "automatic_optimization: False" in err and "pp=2" in err and "HINT:" in err, r
+    assert r["manual"]["steps"] == 0, r
 
 
 @pytest.mark.slow

@@ -13,6 +13,9 @@ its *global coordinates* with a counter-based hash (SplitMix64's finalizer, Stee
   drawn from torch's default generator, so the module still behaves like ordinary dropout.
 * **site**: a stable id of the module (a hash of its qualified name, see :func:`assign_sites`), the same
   in a single process and in every parallelized copy because module names never change.
+* **call**: the n-th call of a site under one key (per pipeline micro-batch) draws mask n, so a module
+  applied twice, or a model run twice in one step, gets independent masks as with ``nn.Dropout``
+  (:func:`call_index`); recomputes replay the counts.
 * **global row / position**: the runtime records, per layer, which rows of the step's global batch
   and which sequence chunk the local tensor holds (:class:`DropoutCoords`); a single process holds
   rows ``0..B-1`` and positions ``0..S-1``.
@@ -34,8 +37,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-__all__ = ["KeyedDropout", "DropoutCoords", "dropout_key", "set_dropout_key", "coords", "use_coords",
-           "set_coords", "restore_coords", "assign_sites", "keyed_dropout_"]
+__all__ = ["KeyedDropout", "DropoutCoords", "DropoutSnapshot", "dropout_key", "set_dropout_key", "coords",
+           "use_coords", "set_coords", "restore_coords", "snapshot", "replay", "call_index", "restart_calls",
+           "assign_sites", "keyed_dropout_"]
 
 
 @dataclass(frozen=True)
@@ -105,26 +109,110 @@ def use_coords(**changes: Any) -> Iterator[DropoutCoords]:
 
 @contextmanager
 def restore_coords(saved: DropoutCoords) -> Iterator[None]:
-    """Re-install coordinates captured earlier (activation-checkpoint recompute runs under this)."""
-    old = coords()
+    """Install coordinates for a block of code, call counts starting afresh (the single-process references
+    run a step's forward and backward under this); the previous ones come back on exit."""
+    old, old_calls = coords(), getattr(_state, "calls", None)
     _set(saved)
+    _state.calls = (saved.key, {})
     try:
         yield
     finally:
         _set(old)
+        _state.calls = old_calls
+
+
+# ---------------------------------------------------------------------------------------------------
+# call index: the n-th call of one site under one key (and pipeline micro-batch) draws mask n
+# ---------------------------------------------------------------------------------------------------
+def _counts(key: int) -> dict[tuple[int, int], int]:
+    """Calls so far of each (micro-batch, site) under ``key``; a new key starts afresh."""
+    calls = getattr(_state, "calls", None)
+    if calls is None or calls[0] != key:
+        calls = _state.calls = (key, {})
+    return calls[1]
+
+
+def call_index(site: int, c: DropoutCoords) -> int:
+    """Which call of ``site`` under ``c``'s key and micro-batch this is (0, 1, ...).
+
+    Why: ``nn.Dropout`` draws a fresh mask at every call, so a module applied twice in one forward, or a
+    model run twice on one batch (two views of a sample for a contrastive loss, two ``manual_backward`` in
+    one step) sees independent masks; keyed by coordinates alone, both calls would drop the same elements.
+    The count is per pipeline micro-batch, so a pipeline stage running micro-batch m counts as one process
+    running the whole batch does. A recompute must redraw the forward's masks: the runtime's checkpointing
+    replays the counts it saw (:func:`snapshot`, :func:`replay`); a recompute by a checkpoint in the model's
+    own code (inside backward, counts not replayed) can only be matched when the site ran once."""
+    counts = _counts(c.key)  # type: ignore[arg-type]
+    k = (c.micro, site)
+    n = counts.get(k, 0)
+    if n > 0 and not getattr(_state, "replaying", False) and torch._C._current_graph_task_id() != -1:
+        if n == 1:
+            return 0  # the one forward call of this site, recomputed
+        raise RuntimeError(
+            f"keyed dropout site {site} ran {n} times under key {c.key} and is now recomputed in backward by an "
+            "activation checkpoint the runtime does not manage, which cannot tell which of those calls it repeats "
+            "(each drew its own mask). HINT: let the plan checkpoint the layer (LayerStrategy(checkpoint=True)) "
+            "instead of calling torch.utils.checkpoint in the model, or give each call its own nn.Dropout module.")
+    counts[k] = n + 1
+    return n
+
+
+def restart_calls(micro: int) -> None:
+    """Count micro-batch ``micro``'s calls afresh: a pipeline stage runs each micro-batch's forward once per
+    step, and what ran before it under the key -- the schedule's first-step metadata inference runs the stage's
+    module on stand-in inputs -- is not part of it."""
+    c = coords()
+    if c.key is not None:
+        counts = _counts(c.key)
+        for k in [k for k in counts if k[0] == micro]:
+            del counts[k]
+
+
+@dataclass(frozen=True)
+class DropoutSnapshot:
+    """Coordinates and call counts at one point of a forward (what a recompute must start from)."""
+
+    coords: DropoutCoords
+    counts: tuple[tuple[tuple[int, int], int], ...]
+
+
+def snapshot() -> DropoutSnapshot:
+    """The state a checkpointed region's forward starts from."""
+    c = coords()
+    counts = tuple(_counts(c.key).items()) if c.key is not None else ()
+    return DropoutSnapshot(c, counts)
+
+
+@contextmanager
+def replay(saved: DropoutSnapshot) -> Iterator[None]:
+    """Run a recompute from ``saved``: the same coordinates and call counts, so it redraws the same masks;
+    what it counts is dropped on exit (the forward already counted those calls)."""
+    old_coords, old_calls, old_replaying = coords(), getattr(_state, "calls", None), getattr(_state, "replaying", False)
+    _set(saved.coords)
+    _state.calls = (saved.coords.key, dict(saved.counts))
+    _state.replaying = True
+    try:
+        yield
+    finally:
+        _set(old_coords)
+        _state.calls = old_calls
+        _state.replaying = old_replaying
 
 
 def set_dropout_key(key: int | None) -> None:
-    """Set the step key until the next call (the strategy calls it at every training micro-step)."""
+    """Set the step key until the next call (the strategy calls it at every training micro-step); the
+    call counts start afresh, also when the key repeats."""
     if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
         raise TypeError(f"dropout key {key!r}: must be an int or None. HINT: use global_step * accumulate + k.")
     set_coords(key=key)
+    _state.calls = (key, {})
 
 
 @contextmanager
 def dropout_key(key: int) -> Iterator[None]:
-    """Run a forward (and its backward) with step key ``key``; the single-process reference does the same."""
-    with use_coords(key=key):
+    """Run a forward (and its backward) with step key ``key``, call counts afresh; the single-process
+    reference does the same."""
+    with restore_coords(replace(coords(), key=key)):
         yield
 
 
@@ -192,8 +280,11 @@ class KeyedDropout(nn.Dropout):
         if self.p == 1.0:
             return x * 0.0
         c = coords()
-        key = c.key if c.key is not None else int(torch.randint(0, 1 << 62, (1,)))
-        mask = keep_mask(x.shape, self.p, key, self.site, c, x.device)
+        if c.key is None:
+            key, site = int(torch.randint(0, 1 << 62, (1,))), self.site
+        else:
+            key, site = c.key, self.site + (call_index(self.site, c) << 32)  # call 0 keeps the site's own stream
+        mask = keep_mask(x.shape, self.p, key, site, c, x.device)
         out = x * mask.to(x.dtype) * (1.0 / (1.0 - self.p))
         if self.inplace:
             return x.copy_(out)

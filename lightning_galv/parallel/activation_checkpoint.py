@@ -8,7 +8,7 @@ does repeat the block's tensor/sequence-parallel collectives up to the last tens
 (non-reentrant early stop: not a Megatron block's closing all-reduce); the sharded-layer profiler measures
 that share for the cost model (``LayerTypeProfile.recompute_comm``). Hooks of modules *inside* the block --
 the FSDP2 states of routed experts under ZeRO-2/3 -- are inside the region. The recompute runs with the
-keyed-dropout coordinates of the original forward (:mod:`lightning_galv.models.dropout`).
+keyed-dropout coordinates and call counts of the original forward (:mod:`lightning_galv.models.dropout`).
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..models.dropout import coords, restore_coords
+from ..models.dropout import replay, snapshot
 
 
 def _recompute_with_same_coords() -> tuple[Any, Any]:
     """The recompute (in backward, possibly after other micro-batches ran) sees the keyed-dropout
-    coordinates of the original forward, so it redraws the same masks."""
-    saved = coords()
-    return nullcontext(), restore_coords(saved)
+    coordinates and call counts of the original forward, so it redraws the same masks."""
+    return nullcontext(), replay(snapshot())
 
 
 def apply_checkpointing(block: nn.Module) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.dropout import set_coords, use_coords
+from ..models.dropout import restart_calls, set_coords, use_coords
 from ..models.protocol import ModelParts, unwrap_model
 from ..plan import ParallelPlan
 from .runtime import ParallelRuntime, StepCall
@@ -144,6 +144,7 @@ def _instrument(stage: Any, chunk: int, driver: "PipelineDriver") -> None:
 
     def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         set_coords(micro=fwd_chunk_id)  # keyed dropout: the micro-batch of every forward, logged or not
+        restart_calls(fwd_chunk_id)  # ... its calls counted from 0, as one process counts the whole batch's
         return fwd(fwd_chunk_id, *args, **kwargs)
 
     stage.forward_one_chunk = forward_one_chunk
@@ -299,6 +300,12 @@ class PipelineRuntime(ParallelRuntime):
             post = getattr(module, "galv_pipeline_predict", None)
             return post(output) if callable(post) else output
         train = call.kind == "train"
+        if train and not getattr(module, "automatic_optimization", True):
+            # the schedule replaces training_step: a manual step's own backward and optimizer calls would never run
+            raise ValueError(f"{type(module).__name__}.automatic_optimization: False, and plan pp={self.plan.pp} runs "
+                             "training through a pipeline schedule in place of training_step, so a manual step's "
+                             "manual_backward and optimizer calls would never run. HINT: use automatic optimization "
+                             "(gradient accumulation: Trainer(accumulate_grad_batches=k)) or a plan with pp=1.")
         scale = call.accumulate if train else 1
 
         def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

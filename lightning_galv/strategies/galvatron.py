@@ -463,10 +463,15 @@ class GalvatronStrategy(ParallelStrategy):
 
     def _set_dropout_key(self, args: tuple, kwargs: dict) -> None:
         """One keyed-dropout key per training micro-step, from the loop's counters: the same masks on every
-        rank and under every plan, and again after a resume (``global_step`` is restored)."""
+        rank and under every plan, and again after a resume (``global_step`` and the loop's batch progress
+        are restored). Under manual optimization ``global_step`` counts optimizer steps, which several
+        training steps may feed, so the key is the index of the training batch instead."""
         from ..models.dropout import set_dropout_key
 
         trainer = self.lightning_module.trainer
+        if not self.lightning_module.automatic_optimization:
+            set_dropout_key(trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1)  # counted before the step
+            return
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         accumulate = trainer.accumulate_grad_batches
         set_dropout_key(trainer.global_step * accumulate + int(batch_idx) % accumulate)
