@@ -1,7 +1,7 @@
 """Re-predict stored cost-model measurements with this checkout's cost model (no processes, no measuring).
 
 ``costmodel_accuracy.py --fresh-profiles`` stores, per launch, the profiles it predicted from and what it measured
-(``benchmarks/data/costmodel_llama.json`` + ``costmodel_llama_profiles.json``). When only the cost model changes,
+(``benchmarks/data/costmodel_llama.json`` + ``costmodel_llama_profiles.json``; ``--model moe``: the MoE run's). When only the cost model changes,
 re-predicting those very measurements from those very profiles isolates the model's effect from the machine's
 run-to-run spread (which a fresh 10-launch run mixes in). "stored" is the stored run's own prediction (as that
 run printed it; re-predicting with the model of that run's commit gives it back exactly -- the check that this
@@ -25,7 +25,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _results import write_section  # noqa: E402
-from costmodel_accuracy import CFG, SEQ, Case, heldout_cases, plans, profile_for  # noqa: E402
+from costmodel_accuracy import (CFG, MOE_CFG, MOE_SEQ, SEQ, Case, heldout_cases, moe_plans, plans,  # noqa: E402
+                                profile_for)
 
 from lightning_galv.planner.cost import GalvatronCostModel  # noqa: E402
 from lightning_galv.planner.profiles import HardwareProfile, ModelProfile  # noqa: E402
@@ -35,9 +36,15 @@ def _load(x: object, cls: type) -> object:
     return cls.from_dict(x) if isinstance(x, dict) else cls.from_json(x)  # type: ignore[attr-defined]
 
 
+def _cases() -> dict[str, Case]:
+    """Every plan costmodel_accuracy.py measures, dense (held-out ones too) and MoE, by name."""
+    return ({n: Case(n, p, CFG, SEQ) for n, p in plans()} | {c.name: c for c in heldout_cases()}
+            | {n: Case(n, p, MOE_CFG, MOE_SEQ) for n, p in moe_plans()})
+
+
 def repredict(data: list[dict], profiles: list[dict]) -> list[tuple[str, str, float, float]]:
     """(plan, held out, stored median error, re-predicted median error) per stored plan."""
-    cases = {n: Case(n, p, CFG, SEQ) for n, p in plans()} | {c.name: c for c in heldout_cases()}
+    cases = _cases()
     out = []
     for r in data:
         if r["name"] not in cases:
@@ -58,7 +65,7 @@ def repredict(data: list[dict], profiles: list[dict]) -> list[tuple[str, str, fl
 def phases(data: list[dict], profiles: list[dict]) -> list[tuple[str, list[float]]]:
     """Per plan without a pipeline, medians over launches (ms, at profile speed): fwd+bwd stored prediction, now,
     measured; per-step part stored prediction, now, measured."""
-    cases = {n: Case(n, p, CFG, SEQ) for n, p in plans()} | {c.name: c for c in heldout_cases()}
+    cases = _cases()
     out = []
     for r in data:
         case = cases[r["name"]]
@@ -95,12 +102,18 @@ def summary(rows: list[tuple[str, str, float, float]], col: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default=str(HERE / "data" / "costmodel_llama.json"))
-    ap.add_argument("--profiles", default=str(HERE / "data" / "costmodel_llama_profiles.json"))
+    ap.add_argument("--model", choices=("llama", "moe"), default="llama",
+                    help="whose stored run to re-predict by default (costmodel_accuracy.py --model)")
+    ap.add_argument("--data", help="default: benchmarks/data/costmodel_<model>.json")
+    ap.add_argument("--profiles", help="default: benchmarks/data/costmodel_<model>_profiles.json")
     ap.add_argument("--label", default="", help="what the stored run was (e.g. its commit), for the table")
-    ap.add_argument("--section", default="costmodel_repredict", help="RESULTS.md section to (re)write")
+    ap.add_argument("--section", help="RESULTS.md section to (re)write (default: costmodel_repredict, "
+                    "costmodel_repredict_moe for --model moe)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    args.data = args.data or str(HERE / "data" / f"costmodel_{args.model}.json")
+    args.profiles = args.profiles or str(HERE / "data" / f"costmodel_{args.model}_profiles.json")
+    args.section = args.section or ("costmodel_repredict" + ("_moe" if args.model == "moe" else ""))
     data, profs = json.loads(Path(args.data).read_text()), json.loads(Path(args.profiles).read_text())
     rows = repredict(data, profs)
     ph = phases(data, profs)

@@ -523,6 +523,25 @@ def test_vocab_parallel_embedding_golden() -> None:
     assert a.step_time_s - cm.evaluate(plan).step_time_s == pytest.approx(4e-3)
 
 
+def test_native_dp_sync_pays_one_latency_per_bucket() -> None:
+    """GradientSync all-reduces a group's gradients in 25 MiB buckets, each one collective with one latency: a
+    model whose gradients fill a single bucket pays one whole latency for it, shared by its blocks by bytes (at 4
+    gloo ranks on 2 cores that latency is milliseconds); a model of many full buckets pays about one per 25 MiB,
+    as before. Bandwidth is free here, so what is left is latency."""
+    lat = 1e-3
+    hw = HardwareProfile.uniform(1, 8, 1e12, intra_bw=1e30, inter_bw=1e30, latency_s=lat, memory_bandwidth=0.0)
+    for params in (1_000_000, 50_000_000):  # 4 layers x 2 MB (one bucket), x 100 MB (16 buckets)
+        layer_bytes = params * 2.0
+        buckets = -(-4 * layer_bytes // GRAD_BUCKET_BYTES)
+        per_layer = lat * buckets / 4  # the stage's buckets' latencies, shared by the 4 layers' bytes
+        tail = last_bucket_share(layer_bytes, 4)  # the last bucket's share waits for backward to end
+        cost = _layer_cost(GalvatronCostModel(profile(params), hw, runtime="native"), LayerStrategy(dp=2))
+        hidden = overlapped(cost.bwd, per_layer * (1 - tail), hw.overlap_slowdown) - cost.bwd  # under backward
+        assert cost.step_extra == pytest.approx(per_layer * tail + hidden)
+    small = _layer_cost(GalvatronCostModel(profile(1_000_000), hw, runtime="native"), LayerStrategy(dp=2))
+    assert small.step_extra == pytest.approx(lat / 4)  # 4 such layers: one latency in all
+
+
 def test_native_embedding_gradient_sync_waits_for_the_end_of_backward() -> None:
     """The embedding registers first, so backward makes its gradient last: its all-reduce bucket (ZeRO-0) or its
     FSDP2 reduce-scatter (ZeRO-2) has nothing left to overlap and is paid in full, whatever the model's size; the

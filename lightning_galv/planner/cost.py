@@ -42,8 +42,10 @@ from .profiles import (HardwareProfile, LayerTypeProfile, MoELayerFacts, ModelPr
 # activations and recompute peak at the plan's ep where measured -- a slack fitted before covers those bytes;
 # version 7: routed experts on a one-rank expert-data group pay no FSDP2 overhead -- the runtime stopped giving
 # them FSDP2 states, so a factor fitted before absorbed work that no longer runs; version 8: an MoE block's FSDP2
-# overhead from its measurement at the plan's ep, as the runtime wraps it, where the profile has one).
-COST_MODEL_VERSION = 8
+# overhead from its measurement at the plan's ep, as the runtime wraps it, where the profile has one; version 9:
+# a model whose replicated gradients fit fewer buckets than their bytes fill pays one whole all-reduce latency per
+# bucket -- a collectives factor fitted before absorbed it).
+COST_MODEL_VERSION = 9
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -550,13 +552,20 @@ GRAD_BUCKET_BYTES = 25 * 2**20
 
 
 def bucketed_allreduce_time(hw: HardwareProfile, grad_bytes: float, d: int, stride: int,
-                            bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
-    """A layer's share of bucketed gradient all-reduces: the bandwidth term of its bytes and one latency per
-    ``bucket_bytes`` (DDP, Li et al. VLDB'20, Sec. 3.2.3: small gradients share a bucket's collective)."""
+                            bucket_bytes: float = GRAD_BUCKET_BYTES, stage_bytes: float | None = None) -> float:
+    """A layer's share of bucketed gradient all-reduces: the bandwidth term of its bytes and its share of the
+    buckets' latencies, one per bucket (DDP, Li et al. VLDB'20, Sec. 3.2.3: small gradients share a bucket's
+    collective). ``stage_bytes``: the gradients all buckets of the group hold, ``ceil(stage_bytes /
+    bucket_bytes)`` buckets shared by bytes -- a model smaller than one bucket still pays one whole latency
+    (at 4 gloo ranks on 2 cores that is ~2-5 ms); None: full buckets, one latency per ``bucket_bytes``."""
     if d <= 1 or grad_bytes <= 0:
         return 0.0
     latency = hw.link("allreduce", d, stride == 1, hw.is_intra_node(d, stride)).latency_s
-    return hw.collective_time("allreduce", grad_bytes, d, stride) - latency * (1.0 - grad_bytes / bucket_bytes)
+    if stage_bytes is None or stage_bytes <= 0:
+        share = grad_bytes / bucket_bytes
+    else:
+        share = math.ceil(stage_bytes / bucket_bytes) * grad_bytes / stage_bytes
+    return hw.collective_time("allreduce", grad_bytes, d, stride) - latency * (1.0 - share)
 
 
 def last_bucket_share(layer_grad_bytes: float, layers: int, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
@@ -790,7 +799,7 @@ class GalvatronCostModel(CostModel):
         groups = self._param_groups(lt, s, d, dp_stride)
         precision = "fp32" if m.precision == "fp32" else "mixed"
         fwd_t, bwd_t, extra = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t, overlap_sync, accumulates,
-                                                         prefetched=True)
+                                                         prefetched=True, block=True)
         native = self.runtime == "native"
         entry = zero_overhead_entry(lt, s.zero, t, s.ep, d // s.ep) if native and d > 1 and s.zero >= 2 else None
         if entry is not None:  # FSDP2's own work around its collectives, on this rank's FSDP2-managed share
@@ -845,7 +854,7 @@ class GalvatronCostModel(CostModel):
     def _data_parallel_groups(self, groups: list[tuple[float, int, int, int]], zero: int, fwd: float,
                               bwd: float, overlap_sync: bool = False,
                               accumulates: bool = False, tail_share: float | None = None,
-                              prefetched: bool = False) -> tuple[float, float, float]:
+                              prefetched: bool = False, block: bool = False) -> tuple[float, float, float]:
         """(fwd, bwd, per-step extra) of parameter groups each data parallel over its own ranks, given as
         (parameters, ranks, stride, separate collectives): the collectives of all groups share one overlap
         with the compute (they queue on the same link), each pays its own latency. ``overlap_sync``: the
@@ -857,6 +866,8 @@ class GalvatronCostModel(CostModel):
         not a per-micro-batch one.
         ``tail_share``: the share of these collectives that waits for the end of backward, when the caller knows
         it (the embedding's: all); default: a block's (:func:`last_bucket_share`, 1/layers under FSDP2).
+        ``block``: the groups are a transformer block's, whose ZeRO-0/1 all-reduce buckets the stage's blocks
+        share (:func:`bucketed_allreduce_time`'s ``stage_bytes``; the ends ride in them).
         ``prefetched``: a block's FSDP2 all-gathers, which the native runtime prefetches (no pipeline): where the
         backend runs collectives inline (gloo), ``parallel.data_parallel._overlap_all_gathers`` issues them
         asynchronously, unit ``i+1``'s during unit ``i``'s forward and unit ``i-1``'s during unit ``i``'s backward,
@@ -919,11 +930,14 @@ class GalvatronCostModel(CostModel):
                 gathered = True
             elif native and zero <= 1:  # data.GradientSync: bucketed all-reduces, during or after the last backward
                 extra += bucket_copy_time(grad_bytes, hw.memory_bandwidth)
+                # a block's buckets: the stage's gradients taken as ``num_layers`` blocks like this one (as for
+                # :func:`last_bucket_share`); an end rides in the blocks' buckets (a full bucket's latency share)
+                stage = nb * self.model.num_layers if block else None
                 if overlap_sync:
-                    sync_comm += pieces * bucketed_allreduce_time(hw, nb, d, stride)
+                    sync_comm += pieces * bucketed_allreduce_time(hw, nb, d, stride, stage_bytes=stage)
                     sync_bytes += grad_bytes
                 else:
-                    extra += pieces * bucketed_allreduce_time(hw, nb, d, stride)
+                    extra += pieces * bucketed_allreduce_time(hw, nb, d, stride, stage_bytes=stage)
             else:
                 last_comm += pieces * dp_sync_bytes_time(hw, nb, d, stride)
                 overlapped_last = True
