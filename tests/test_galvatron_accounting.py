@@ -49,3 +49,18 @@ def test_refusals() -> None:
         accounting().score(uly)
     with pytest.raises(ValueError, match="global_batch.*HINT:"):
         accounting().score(plan.with_(global_batch=None))
+
+
+def test_hardware_coefficients_are_validated() -> None:
+    """A broken Galvatron hardware file (a NaN or non-positive overlap coefficient, a negative bandwidth) is a
+    clear error naming the value, not a silently wrong score."""
+    from dataclasses import replace
+
+    hw = read_galvatron_hardware(DATA / "hardware", 1, 8)
+    assert hw.overlap_coe > 1.0
+    for bad, match in ((dict(overlap_coe=float("nan")), "overlap_coe=nan.*HINT:"),
+                       (dict(overlap_coe=0.0), "overlap_coe=0.0.*HINT:"),
+                       (dict(comm_coe={**hw.comm_coe, "8": -1.0}), r"comm_coe\['8'\]=-1.0.*HINT:"),
+                       (dict(world=0), "world=0.*HINT:")):
+        with pytest.raises(ValueError, match=match):
+            replace(hw, **bad)

@@ -90,6 +90,19 @@ class GalvatronHardware:
     sp_allreduce: Mapping[int, CollectiveTable] = field(default_factory=dict)
     sp_all2all: Mapping[int, CollectiveTable] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.world, bool) or not isinstance(self.world, int) or self.world < 1:
+            raise bad_value(f"world={self.world!r}", "must be an int >= 1", "the number of GPUs the files describe.")
+        if not (math.isfinite(self.overlap_coe) and self.overlap_coe > 0):
+            raise bad_value(f"overlap_coe={self.overlap_coe}", "must be a finite number > 0 (the slowdown of compute "
+                            "and communication run together; Galvatron's profiler writes about 1.1-1.3)",
+                            "re-profile with Galvatron's hardware profiler (profile_overlap), or use 1.0.")
+        for name, table in (("comm_coe", self.comm_coe), ("p2p_coe", self.p2p_coe)):
+            for k, v in table.items():
+                if not (math.isfinite(v) and v >= 0):
+                    raise bad_value(f"{name}[{k!r}]={v}", "must be a finite number >= 0 (ms per MB)",
+                                    "a bandwidth file holds a zero or negative GB/s; re-profile the cluster.")
+
     def coe(self, size: int, consecutive: bool | None = None) -> float:
         """``comm_coe_dict`` lookup as Galvatron does it: the world key, else the ``_1``/``_0`` key (config_utils.py read_allreduce_bandwidth_config)."""
         if size == 1:
