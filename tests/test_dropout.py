@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_galv.models.dropout import (DropoutCoords, KeyedDropout, dropout_key, keep_mask, keyed_dropout_,
-                                           restore_coords, set_dropout_key, site_of, use_coords)
+                                           restart_calls, restore_coords, set_dropout_key, site_of, use_coords)
 from lightning_galv.parallel.activation_checkpoint import apply_checkpointing
 
 CPU = torch.device("cpu")
@@ -111,8 +111,10 @@ def test_checkpoint_recompute_redraws_the_forward_masks() -> None:
 
 
 def test_checkpoint_in_the_models_own_code() -> None:
-    """``torch.utils.checkpoint`` in a model's code: a site that ran once is recomputed with its mask; one that
-    ran twice cannot be told apart and is a clear error, not a silent wrong gradient."""
+    """``torch.utils.checkpoint`` in a model's code recomputes with the coordinates of the moment it runs, not
+    the forward's (on CUDA, on a thread that has none): a keyed mask there is a clear error, not a silent wrong
+    gradient. Without a key (eager use) the masks come from torch's generator, which the checkpoint restores,
+    so the gradients are exact, as with ``nn.Dropout``."""
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
@@ -124,14 +126,53 @@ def test_checkpoint_in_the_models_own_code() -> None:
         again.forward = (  # type: ignore[method-assign]
             lambda t, inner=inner, r=reentrant: checkpoint(inner, t, use_reentrant=r))
         x_ = x.clone().requires_grad_(reentrant)  # the reentrant variant needs an input that requires grad
-        y0, g0 = _grads(once, x_, 3)
-        y1, g1 = _grads(again, x_, 3)
-        assert torch.equal(y0, y1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
-    twice = _Twice(calls=2)
-    inner2 = twice.forward
-    twice.forward = lambda t: checkpoint(inner2, t, use_reentrant=False)  # type: ignore[method-assign]
-    with pytest.raises(RuntimeError, match="ran 2 times.*HINT"):
-        _grads(twice, x, 3)
+        with pytest.raises(RuntimeError, match="checkpoint the runtime does not manage.*HINT"):
+            _grads(again, x_, 3)
+        with restore_coords(DropoutCoords()):  # no key
+            grads = []
+            for block in (once, again):
+                block.zero_grad()
+                torch.manual_seed(1)
+                (block(x_) * torch.arange(x_.numel(), dtype=x_.dtype).view_as(x_)).sum().backward()
+                grads.append([p.grad.clone() for p in block.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_recompute_on_another_thread() -> None:
+    """A CUDA backward runs on autograd's device thread, where no coordinates were set: the runtime's checkpoint
+    replays the forward's there too; a model's own checkpoint is still recognized as keyed and refused."""
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    plain, ckpt, foreign = _Twice(), _Twice(), _Twice()
+    ckpt.load_state_dict(plain.state_dict())
+    foreign.load_state_dict(plain.state_dict())
+    apply_checkpointing(ckpt)
+    inner = foreign.forward
+    foreign.forward = lambda t: checkpoint(inner, t, use_reentrant=False)  # type: ignore[method-assign]
+    x = torch.randn(4, 6, 8)
+    _, want = _grads(plain, x, 5)
+    out: dict[str, object] = {}
+    for name, block in (("ckpt", ckpt), ("foreign", foreign)):
+        block.zero_grad()
+        with dropout_key(5):
+            y = block(x)
+            loss = (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y)).sum()
+
+            def run(name: str = name) -> None:
+                try:
+                    loss.backward()
+                    out[name] = [p.grad.clone() for p in block.parameters()]
+                except RuntimeError as e:
+                    out[name] = e
+
+            t = threading.Thread(target=run)
+            t.start()
+            t.join()
+    assert isinstance(out["ckpt"], list) and all(torch.equal(a, b) for a, b in zip(out["ckpt"], want))
+    assert isinstance(out["foreign"], RuntimeError) and "HINT" in str(out["foreign"])
 
 
 def test_call_counts_are_per_pipeline_micro_batch() -> None:
@@ -145,5 +186,16 @@ def test_call_counts_are_per_pipeline_micro_batch() -> None:
         parts = []
         for m in range(2):
             with use_coords(micro=m, micro_batches=2):
+                parts.append(drop(x[2 * m:2 * m + 2]))
+    assert torch.equal(torch.cat(parts), full)
+    # the schedule's first-step metadata inference runs the stage once before micro-batch 0: the stage restarts
+    # each micro-batch's count when its forward begins (parallel/pipeline.py), or micro-batch 0 would draw call 1
+    with dropout_key(2):
+        with use_coords(micro=0, micro_batches=2):
+            drop(x[:2])  # the inference pass
+        parts = []
+        for m in range(2):
+            with use_coords(micro=m, micro_batches=2):
+                restart_calls(m)
                 parts.append(drop(x[2 * m:2 * m + 2]))
     assert torch.equal(torch.cat(parts), full)

@@ -15,7 +15,8 @@ its *global coordinates* with a counter-based hash (SplitMix64's finalizer, Stee
   in a single process and in every parallelized copy because module names never change.
 * **call**: the n-th call of a site under one key (per pipeline micro-batch) draws mask n, so a module
   applied twice, or a model run twice in one step, gets independent masks as with ``nn.Dropout``
-  (:func:`call_index`); recomputes replay the counts.
+  (:func:`call_index`); the runtime's recomputes replay the counts, and a recompute by a checkpoint in the
+  model's own code is refused (:func:`check_not_foreign_recompute`).
 * **global row / position**: the runtime records, per layer, which rows of the step's global batch
   and which sequence chunk the local tensor holds (:class:`DropoutCoords`); a single process holds
   rows ``0..B-1`` and positions ``0..S-1``.
@@ -32,6 +33,7 @@ import threading
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
@@ -39,6 +41,7 @@ from torch import nn
 
 __all__ = ["KeyedDropout", "DropoutCoords", "DropoutSnapshot", "dropout_key", "set_dropout_key", "coords",
            "use_coords", "set_coords", "restore_coords", "snapshot", "replay", "call_index", "restart_calls",
+           "check_not_foreign_recompute",
            "assign_sites", "keyed_dropout_"]
 
 
@@ -77,6 +80,9 @@ class DropoutCoords:
 
 
 _state = threading.local()
+# Whether steps are keyed in this process, on any thread: autograd runs a CUDA backward on a device thread of its
+# own, where no coordinates were ever set, and a recompute there must still be recognized as keyed.
+_process = SimpleNamespace(keyed=False)
 
 
 def coords() -> DropoutCoords:
@@ -110,15 +116,18 @@ def use_coords(**changes: Any) -> Iterator[DropoutCoords]:
 @contextmanager
 def restore_coords(saved: DropoutCoords) -> Iterator[None]:
     """Install coordinates for a block of code, call counts starting afresh (the single-process references
-    run a step's forward and backward under this); the previous ones come back on exit."""
-    old, old_calls = coords(), getattr(_state, "calls", None)
+    run a step's forward and backward under this); the previous ones come back on exit. Whether steps count
+    as keyed follows ``saved``, whose key decides for the block (:func:`check_not_foreign_recompute`)."""
+    old, old_calls, old_keyed = coords(), getattr(_state, "calls", None), _process.keyed
     _set(saved)
     _state.calls = (saved.key, {})
+    _process.keyed = saved.key is not None
     try:
         yield
     finally:
         _set(old)
         _state.calls = old_calls
+        _process.keyed = old_keyed
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -139,22 +148,33 @@ def call_index(site: int, c: DropoutCoords) -> int:
     model run twice on one batch (two views of a sample for a contrastive loss, two ``manual_backward`` in
     one step) sees independent masks; keyed by coordinates alone, both calls would drop the same elements.
     The count is per pipeline micro-batch, so a pipeline stage running micro-batch m counts as one process
-    running the whole batch does. A recompute must redraw the forward's masks: the runtime's checkpointing
-    replays the counts it saw (:func:`snapshot`, :func:`replay`); a recompute by a checkpoint in the model's
-    own code (inside backward, counts not replayed) can only be matched when the site ran once."""
+    running the whole batch does -- for layers called from one stage; a dropout module shared by layers on
+    two stages (or two chunks of a rank) is counted per stage, and its masks then differ from one process's.
+    A recompute must redraw the forward's masks: the runtime's checkpointing replays the counts and the
+    coordinates of the forward (:func:`snapshot`, :func:`replay`)."""
     counts = _counts(c.key)  # type: ignore[arg-type]
     k = (c.micro, site)
     n = counts.get(k, 0)
-    if n > 0 and not getattr(_state, "replaying", False) and torch._C._current_graph_task_id() != -1:
-        if n == 1:
-            return 0  # the one forward call of this site, recomputed
-        raise RuntimeError(
-            f"keyed dropout site {site} ran {n} times under key {c.key} and is now recomputed in backward by an "
-            "activation checkpoint the runtime does not manage, which cannot tell which of those calls it repeats "
-            "(each drew its own mask). HINT: let the plan checkpoint the layer (LayerStrategy(checkpoint=True)) "
-            "instead of calling torch.utils.checkpoint in the model, or give each call its own nn.Dropout module.")
     counts[k] = n + 1
     return n
+
+
+def check_not_foreign_recompute(site: int, c: DropoutCoords) -> None:
+    """Refuse a keyed mask drawn inside backward outside the runtime's replay: a recompute by an activation
+    checkpoint in the model's own code (``torch.utils.checkpoint``, HF's ``gradient_checkpointing_enable``).
+
+    Why an error: that recompute sees the coordinates of the moment it runs, not the forward's -- on CUDA no
+    coordinates at all (autograd's device thread), under a pipeline a later micro-batch's, and call counts that
+    the forward already advanced -- so it would redraw other masks than the forward used, and the gradients
+    would be silently wrong."""
+    if getattr(_state, "replaying", False) or torch._C._current_graph_task_id() == -1:
+        return
+    if c.key is not None or _process.keyed:
+        raise RuntimeError(
+            f"keyed dropout (site {site}) is recomputed in backward by an activation checkpoint the runtime does not "
+            "manage, which cannot redraw the forward's mask (it does not know the forward's coordinates and call "
+            "count). HINT: let the plan checkpoint the layer (LayerStrategy(checkpoint=True)) instead of calling "
+            "torch.utils.checkpoint in the model (HF: leave gradient_checkpointing off).")
 
 
 def restart_calls(micro: int) -> None:
@@ -206,6 +226,7 @@ def set_dropout_key(key: int | None) -> None:
         raise TypeError(f"dropout key {key!r}: must be an int or None. HINT: use global_step * accumulate + k.")
     set_coords(key=key)
     _state.calls = (key, {})
+    _process.keyed = key is not None
 
 
 @contextmanager
@@ -280,6 +301,7 @@ class KeyedDropout(nn.Dropout):
         if self.p == 1.0:
             return x * 0.0
         c = coords()
+        check_not_foreign_recompute(self.site, c)
         if c.key is None:
             key, site = int(torch.randint(0, 1 << 62, (1,))), self.site
         else:

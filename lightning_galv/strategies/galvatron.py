@@ -465,12 +465,14 @@ class GalvatronStrategy(ParallelStrategy):
         """One keyed-dropout key per training micro-step, from the loop's counters: the same masks on every
         rank and under every plan, and again after a resume (``global_step`` and the loop's batch progress
         are restored). Under manual optimization ``global_step`` counts optimizer steps, which several
-        training steps may feed, so the key is the index of the training batch instead."""
+        training steps may feed, so the key is the index of the training batch instead: the batches completed
+        so far in the fit (a resume from a checkpoint saved inside a batch re-runs that batch, as ``completed``
+        says; ``ready`` would count it twice)."""
         from ..models.dropout import set_dropout_key
 
         trainer = self.lightning_module.trainer
         if not self.lightning_module.automatic_optimization:
-            set_dropout_key(trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1)  # counted before the step
+            set_dropout_key(trainer.fit_loop.epoch_loop.batch_progress.total.completed)
             return
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         accumulate = trainer.accumulate_grad_batches
@@ -583,7 +585,10 @@ class GalvatronStrategy(ParallelStrategy):
                 path.unlink()
 
     def teardown(self) -> None:
+        from ..models.dropout import set_dropout_key
+
         assert self.cluster_environment is not None and self.accelerator is not None
+        set_dropout_key(None)  # keyed dropout outside the fit behaves like ordinary dropout again
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
