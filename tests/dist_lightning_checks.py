@@ -452,6 +452,23 @@ class ScheduledLM(CausalLM):
                                                    "interval": "step"}}
 
 
+class ManualScheduledLM(ScheduledLM):
+    """Manual optimization over ScheduledLM: two synced ``manual_backward`` per optimizer step, the scheduler
+    stepped by hand after each optimizer step (what Lightning does for an automatic "step" interval)."""
+
+    accumulate = 2
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> dict[str, torch.Tensor]:
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        loss = self._loss(batch)
+        self.manual_backward(loss / self.accumulate)
+        if (batch_idx + 1) % self.accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        return {"loss": loss.detach()}
+
+
 def _sched_module(seed: int, dropout: float = 0.0, kind: str = "llama") -> ScheduledLM:
     torch.manual_seed(seed)
     moe = dict(num_experts=4, top_k=2, expert_hidden=32, moe_layers=(0, 2)) if kind == "moe" else {}
@@ -461,7 +478,7 @@ def _sched_module(seed: int, dropout: float = 0.0, kind: str = "llama") -> Sched
 
 def fit_resume(plan: dict, tmpdir: str, full: bool, kill: int = 2, steps: int = 6, global_batch: int = 8,
                samples: int = 28, accumulate: int = 1, sampler: str = "lightning",
-               dropout: float = 0.0) -> dict[str, Any]:
+               dropout: float = 0.0, manual: bool = False) -> dict[str, Any]:
     """Train `steps` straight vs `kill` steps + resume from ckpt_path='last' to `steps`: same weights and losses.
 
     ``samples=28`` gives every shard layout used here 4 batches per epoch with a partial last batch, so the
@@ -469,6 +486,8 @@ def fit_resume(plan: dict, tmpdir: str, full: bool, kill: int = 2, steps: int = 
     ``sampler``: "lightning" (DataLoader(shuffle=True); Lightning injects a shuffling DistributedSampler over
     the plan's data shards) or "user" (the user's own DistributedSampler without shuffling). With ``dropout``
     the keyed masks follow global_step, which the checkpoint restores, so the resume stays exact.
+    ``manual``: :class:`ManualScheduledLM`, ``accumulate`` batches per optimizer step by hand (keyed dropout then
+    follows the batches completed, which the checkpoint restores too).
     """
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -491,8 +510,12 @@ def fit_resume(plan: dict, tmpdir: str, full: bool, kill: int = 2, steps: int = 
         cbs: list[Any] = [rec]
         if ckpt_dir:
             cbs.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=kill, save_top_k=0))
+        if manual:
+            module.__class__ = ManualScheduledLM
+            module.automatic_optimization = False
+            module.accumulate = accumulate
         trainer = L.Trainer(strategy=GalvatronStrategy(plan=plan, save_distributed_checkpoint=not full),
-                            max_steps=max_steps, callbacks=cbs, accumulate_grad_batches=accumulate,
+                            max_steps=max_steps, callbacks=cbs, accumulate_grad_batches=1 if manual else accumulate,
                             **trainer_kwargs(enable_checkpointing=bool(ckpt_dir)))
         data.seen = []
         trainer.fit(module, loader(), ckpt_path=ckpt_path)

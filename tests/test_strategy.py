@@ -161,6 +161,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("resume_accum", "fit_resume", dict(plan=MIXED, tmpdir=tmp + "/a", full=False, accumulate=2, kill=1,
                                             steps=3)),
         ("resume_epoch_end", "fit_resume", dict(plan=HETERO, tmpdir=tmp + "/e", full=False, kill=4)),
+        # manual optimization (2 batches per step by hand) with keyed dropout, killed mid-epoch
+        ("resume_manual", "fit_resume", dict(plan=HETERO, tmpdir=tmp + "/m", full=False, accumulate=2, kill=1,
+                                             steps=3, dropout=0.1, manual=True)),
         ("resume_unresumable", "resume_unresumable", dict(plan=MIXED, tmpdir=tmp + "/i")),
         ("eval_reuse", "fit_then_eval", dict(plan=HETERO)),
         ("bf16_mixed", "fit_precision", dict(plan=HETERO, precision="bf16-mixed")),
@@ -375,7 +378,7 @@ def test_auto_plan_under_a_budget_dp_does_not_fit(auto_results: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["resume_sharded", "resume_full", "resume_user_sampler", "resume_accum",
-                                  "resume_epoch_end", "pp2_resume"])
+                                  "resume_epoch_end", "pp2_resume", "resume_manual"])
 def test_resume_exact(results: dict, name: str) -> None:
     """Killed at a checkpoint (mid-epoch unless `epoch_end`), resumed from a different init into the next epoch.
 
@@ -385,7 +388,8 @@ def test_resume_exact(results: dict, name: str) -> None:
     assert r["keys_match"], "checkpoint keys must equal the unwrapped LightningModule's state_dict keys"
     # 28 samples: 4 batches per epoch on every shard layout here, the last one partial
     assert r["batches_per_epoch"] == 4, r
-    steps, kill, accumulate = {"resume_accum": (3, 1, 2), "resume_epoch_end": (6, 4, 1)}.get(name, (6, 2, 1))
+    steps, kill, accumulate = {"resume_accum": (3, 1, 2), "resume_manual": (3, 1, 2),
+                               "resume_epoch_end": (6, 4, 1)}.get(name, (6, 2, 1))
     assert r["global_step"] == steps and r["n_resumed_losses"] == r["n_tail"] == (steps - kill) * accumulate
     assert r["lr"] == r["lr_straight"] == pytest.approx(0.2 * 0.5 ** (steps // 3))  # StepLR(3, 0.5) restored
     assert r["samples_exact"], r  # the resumed run loaded exactly the samples the straight run loaded next
