@@ -198,8 +198,8 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
     with fully sharded experts (``ExpertRelayout(expert_sharding="full")``). ``switches``: (step, plan)
     pairs -- the fit moves to ``plan`` once ``step`` optimizer steps are done (``strategy.switch_plan``).
     ``scheduled``: a module with a per-step LR schedule (the switch must carry the scheduler over).
-    ``profile_pipeline``: an OnlineProfiler samples steps 1, 5, 9 (training must stay exact) and the measured
-    pipeline ops of each sampled step are returned."""
+    ``profile_pipeline``: an OnlineProfiler samples every 4th step from step 1 (training must stay exact) and the
+    measured pipeline ops of each sampled step are returned."""
     if scheduled:
         module = _sched_module(0, dropout=dropout, kind=kind)
     else:
