@@ -77,9 +77,15 @@ def make_module(kind: str = "llama", seed: int = 0, **extra: Any) -> CausalLM:
 
 class ManualLM(CausalLM):
     """Manual optimization: ``accumulate`` ``manual_backward`` calls per optimizer step, each of which syncs the
-    gradients (Lightning blocks no sync here), as a user accumulating by hand would write it."""
+    gradients (Lightning blocks no sync here), as a user accumulating by hand would write it. An MoE model's
+    injected aux-loss gradient is scaled like the loss (``set_aux_grad_scale``): the user's own factor."""
 
     accumulate = 2
+
+    def on_fit_start(self) -> None:
+        set_scale = getattr(self.model, "set_aux_grad_scale", None)
+        if callable(set_scale):
+            set_scale(1.0 / self.accumulate)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> dict[str, torch.Tensor]:
         opt = self.optimizers()

@@ -78,9 +78,11 @@ class CausalLM(L.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # MoE aux-loss gradients are injected in backward, outside the loss Lightning divides by the
         # accumulation factor: scale them the same way (pipelines also divide every gradient by their
-        # micro-batch count, which covers the injected part as well).
+        # micro-batch count, which covers the injected part as well). Under manual optimization the loss is
+        # scaled by the user's own code, so the aux scale is theirs to set too (``model.set_aux_grad_scale``,
+        # like the factor they divide the loss by); it is left as they set it.
         set_scale = getattr(self.model, "set_aux_grad_scale", None)
-        if callable(set_scale):
+        if callable(set_scale) and self.automatic_optimization:
             set_scale(1.0 / self.trainer.accumulate_grad_batches)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
