@@ -180,6 +180,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         # manual optimization of an MoE model: the user scales the injected aux gradient like the loss, and the
         # module must not reset it each batch (a random-plan hunt found weights 0.13 apart when it did)
         ("moe_manual", "fit_compare", dict(plan=MOE_EP, kind="moe", accumulate=2, manual=True)),
+        # the MoE callbacks follow optimizer steps by global_step, which manual steps advance too
+        ("moe_callbacks_manual", "fit_compare", dict(plan=MOE_CB, kind="moe", accumulate=2, manual=True, steps=4,
+                                                     moe_callbacks="fsep", dropout=0.1)),
         ("moe_callbacks", "fit_compare", dict(plan=MOE_CB, kind="moe", accumulate=2, clip=0.05, moe_callbacks=True)),
         ("pp2_resume", "fit_resume", dict(plan=PP2, tmpdir=tmp + "/pp", full=False)),
         ("switch_plans", "fit_compare", dict(plan=HETERO, steps=6, accumulate=2, clip=0.05, scheduled=True,
@@ -209,7 +212,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["hetero_accum_clip", "tp_zero1", "tp_zero3_value_clip", "tp_zero3_norm_clip",
                                   "hetero_dropout_accum", "pp2_dropout", "pp2_accum_clip", "moe_ep_accum_clip",
-                                  "moe_callbacks", "manual_two_backwards", "moe_manual"])
+                                  "moe_callbacks", "manual_two_backwards", "moe_manual",
+                                  "moe_callbacks_manual"])
 def test_fit_parity(results: dict, name: str) -> None:
     r = results[name]
     assert r["keys_equal"]
@@ -301,6 +305,10 @@ def test_moe_callbacks_under_the_trainer(results: dict) -> None:
     steps = sorted({rec["step"] for rec in r["relayout"]})
     assert steps == list(range(FIT_STEPS)) and any(rec["replicas"] > 0 for rec in r["relayout"])
     assert {"relayout/max_mean_after", "placement/inter_MB_after", "placement/solve_ms"} <= set(r["logged"])
+    # under manual optimization (2 manual_backward per step) too: one record per optimizer step, not per batch
+    m = results["moe_callbacks_manual"]
+    assert m["experts_dtensor"] and len(m["placement"]) == 4, (m["experts_dtensor"], len(m["placement"]))
+    assert sorted({rec["step"] for rec in m["relayout"]}) == [0, 1, 2, 3], m["relayout"][:4]
 
 
 @pytest.fixture(scope="module")
