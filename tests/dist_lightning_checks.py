@@ -640,9 +640,10 @@ def fit_then_eval(plan: dict, steps: int = 3, global_batch: int = 8) -> dict[str
             "pred_equal": bool(torch.equal(got_pred, mine)), "n_pred": len(got_pred), "sharded_seen": seen}
 
 
-def fit_precision(plan: dict, precision: str, steps: int = 4, global_batch: int = 8) -> dict[str, Any]:
+def fit_precision(plan: dict, precision: str, steps: int = 4, global_batch: int = 8,
+                  kind: str = "llama") -> dict[str, Any]:
     """bf16 runs train and stay near the fp32 reference (bf16 has ~3 significant digits)."""
-    module = make_module("llama")
+    module = make_module(kind)
     ref_module = copy.deepcopy(module)
     shards = ParallelPlan.from_dict(plan).data_parallel_size
     data = Windows(steps * global_batch)

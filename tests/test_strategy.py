@@ -30,6 +30,9 @@ MIXED = ParallelPlan(4, (L(tp=2, dp=2), L(dp=4, zero=3), L(tp=4, sp="megatron"))
 # MoE (issue 11): expert parallelism with ZeRO-2 experts, and an MoE block under Megatron-SP with ep=2
 MOE_EP = ParallelPlan(4, (L(dp=4, ep=2, zero=2), L(tp=2, dp=2), L(tp=2, dp=2, sp="megatron", ep=2)),
                       head=L(tp=2, dp=2)).to_dict()
+# MoE under a pipeline: expert parallelism on both stages, ZeRO-3 experts on the second
+PP2_MOE = ParallelPlan(4, (L(dp=2, ep=2), L(dp=2), L(dp=2, ep=2, zero=3)), pp=2, micro_batches=2, pp_division=(2, 1),
+                       embed=L(dp=2), head=L(dp=2)).to_dict()
 MOE_CB = ParallelPlan(4, (L(dp=4, ep=2, zero=1), L(dp=4), L(dp=4, ep=2)), embed=L(dp=4), head=L(dp=4)).to_dict()
 PP2 = ParallelPlan(4, pp=2, micro_batches=2, pp_division=(2, 1), embed=L(dp=2),
                    layers=(L(tp=2), L(dp=2, zero=3), L(dp=2, zero=1)), head=L(dp=2)).to_dict()
@@ -196,6 +199,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("pp2_eval_reuse", "fit_then_eval", dict(plan=PP2)),
         ("pp2_partial_batch", "pp_partial_batch", dict(plan=PP2)),
         ("pp2_bf16_mixed", "fit_precision", dict(plan=PP2, precision="bf16-mixed")),
+        # bf16-true under a pipeline: every stage's loss broadcast in fp32 (a stage without the loss made its
+        # placeholder in the step's bf16 default dtype: a 2-byte receive for a 4-byte send, gloo aborted)
+        ("pp2_bf16_true", "fit_precision", dict(plan=PP2, precision="bf16-true")),
+        ("pp2_moe_bf16_true", "fit_precision", dict(plan=PP2_MOE, precision="bf16-true", kind="moe")),
     ]
     # a fit that names no step count takes FIT_STEPS optimizer steps (a Lightning step of a 4-rank plan costs
     # 0.3-0.6 s on 2 cores; the losses are compared at every step, the weights after the last)
@@ -455,6 +462,8 @@ def test_bf16(results: dict) -> None:
     assert results["bf16_true"]["dtypes"] == ["torch.bfloat16"]
     assert results["bf16_true_zero3"]["loss_err"] < 5e-2, results["bf16_true_zero3"]
     assert results["bf16_true_zero3"]["dtypes"] == ["torch.bfloat16"]
+    for name in ("pp2_bf16_true", "pp2_moe_bf16_true"):
+        assert results[name]["loss_err"] < 5e-2 and results[name]["dtypes"] == ["torch.bfloat16"], results[name]
 
 
 @pytest.mark.slow

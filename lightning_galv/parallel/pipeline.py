@@ -217,7 +217,10 @@ class PipelineDriver:
             out = sched.step(*args, **kwargs) if train else sched.eval(*args, **kwargs)
         loss = None
         if loss_fn is not None:
-            value = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros(())
+            # fp32 on every stage: under bf16-true precision the default dtype inside a step is bfloat16, and the
+            # broadcast must meet the last stage's fp32 mean with the same number of bytes
+            value = (torch.stack([l.detach().float() for l in losses]).mean() if losses
+                     else torch.zeros((), dtype=torch.float32))
             loss = self.from_last(value.to(self.device))
         return loss, out if self.has_last else None
 
