@@ -288,6 +288,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     fsdp_per_micro: list[tuple[int, int]] = []  # (all-gathers, reductions) of FSDP2 units per micro-step
     # (per schedule run under a pipeline)
     grad_err: dict[str, float] = {}
+    grad_layouts: list[str] = []  # DTensor parameters whose first gradient is laid out unlike them
     routing: list[dict[str, bool]] = []
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -353,6 +354,11 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
         rt.sync_gradients()
         if step == 0 and plan.pp == 1:  # (under pp a stage holds only its layers; weights are compared below)
             grad_err = grad_errors(model, ref)
+        if step == 0:  # every DTensor gradient laid out like its parameter (else the optimizer steps it whole)
+            from torch.distributed.tensor import DTensor as _DT
+
+            grad_layouts = sorted(n for n, p in model.named_parameters() if isinstance(p, _DT)
+                                  and isinstance(p.grad, _DT) and p.grad.placements != p.placements)
         if clip is not None and clip_algorithm == "norm":
             norm = float(rt.clip_grad_norm_(clip, norm_type))
             ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip, norm_type))
@@ -402,6 +408,7 @@ def _train_compare(plan_dict: dict, kind: str, layers: int, steps: int, global_b
     # the user's parameter groups survive the steps (split copies only live inside a step)
     groups_kept = [[id(p) for p in g["params"]] for g in opt.param_groups] == [[id(p) for p in model.parameters()]]
     return {"loss_err": loss_err, "weight_err": weight_err, "losses": losses, "ref_losses": ref_losses,
+            "grad_layouts": grad_layouts,
             "groups_kept": groups_kept,
             "experts_held": experts_held, "all_to_all": all_to_all, "routing": routing,
             "keys_equal": sorted(got) == sorted(want), "worst": worst, "grad_err": grad_err, "pp": plan.pp,

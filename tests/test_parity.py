@@ -230,6 +230,8 @@ def _check(results: list[dict]) -> None:
             views = [w for w in r["warnings"] if "view tensor" in w]
             assert not views, (rank, name, views[0])
             assert r["groups_kept"], (rank, name)
+            # e.g. a vocab-parallel embedding's gradient came back Replicate: full-size all-reduce and state
+            assert not r["grad_layouts"], (rank, name, r["grad_layouts"])
     for name, r in results[0].items():
         assert r["keys_equal"], name
         assert r["grad_err"] or r["pp"] > 1, name  # the gradient check ran

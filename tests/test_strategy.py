@@ -132,6 +132,37 @@ def random_fit_cases(seed: int, n: int, world: int = 4) -> list[tuple[str, str, 
     return cases
 
 
+def random_switch_cases(seed: int, n: int) -> list[tuple[str, str, dict]]:
+    """``n`` seeded random mid-fit plan switches on 4 ranks: a random plan A, after 2 of 4 optimizer steps a random
+    plan B that serves the loader the same layout (same pp, data-parallel size, micro-batches and global batch),
+    with random accumulation, clipping and dropout -- each compared with one process. The hand-picked switches
+    cover the pairs we thought of; any layout may meet any other here."""
+    import random
+
+    from lightning_galv.testing import random_plan
+
+    rng = random.Random(seed)
+    cases: list[tuple[str, str, dict]] = []
+    while len(cases) < n:
+        kind = rng.choice(sorted(TRAINER_SHAPES))
+        moe = (0, 2) if kind == "moe" else ()
+        a = random_plan(rng, 4, TRAINER_SHAPES[kind], moe_layers=moe, pp_choices=(1,) if moe else (1, 2))
+        same = ("pp", "data_parallel_size", "micro_batches", "global_batch")
+        for _ in range(200):
+            b = random_plan(rng, 4, TRAINER_SHAPES[kind], moe_layers=moe, pp_choices=(a.pp,))
+            if all(getattr(b, k) == getattr(a, k) for k in same):
+                break
+        else:
+            continue
+        kw = dict(plan=a.to_dict(), kind=kind, steps=4, global_batch=a.global_batch, accumulate=rng.choice((1, 2)),
+                  clip=rng.choice((None, 0.05)), dropout=rng.choice((0.0, 0.1)), switches=((2, b.to_dict()),))
+        cases.append((f"random_switch_{seed}_{len(cases)}", "fit_compare", kw))
+    return cases
+
+
+RANDOM_SWITCHES = random_switch_cases(4, 3)  # seed 4: a pipeline pair and an MoE pair among the three
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("world,n", [(4, 10), (8, 3)])
@@ -207,6 +238,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     # a fit that names no step count takes FIT_STEPS optimizer steps (a Lightning step of a 4-rank plan costs
     # 0.3-0.6 s on 2 cores; the losses are compared at every step, the weights after the last)
     cases = [(name, fn, {"steps": FIT_STEPS, **kw} if fn == "fit_compare" else kw) for name, fn, kw in cases]
+    cases += RANDOM_SWITCHES
     # the ranks' own temporary folder: the plan switches' scratch folders must not stay behind in it
     scratch = tmp_path_factory.mktemp("rank_tmp")
     env = {"GALV_CACHE_DIR": str(tmp_path_factory.mktemp("profiles")), "TMPDIR": str(scratch)}
@@ -282,6 +314,25 @@ def test_switching_plans_mid_fit_is_exact(results: dict, name: str) -> None:
         # the callback's expert_sharding="full" reached the strategy: experts are DTensors over their EP group,
         # and every step gathered them (FSEP materializes plain EP's layout too)
         assert r["experts_dtensor"] and all(rec["moved_bytes"] > 0 for rec in r["relayout"]), r["relayout"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [name for name, _, _ in RANDOM_SWITCHES])
+def test_switching_between_random_plans_is_exact(results: dict, name: str) -> None:
+    """A random plan switched to another random one after step 2 trains to the single-process losses and weights."""
+    r = results[name]
+    assert [s for s, _ in r["switched"]] == [2], r["switched"]
+    assert r["keys_equal"] and r["loss_err"] < TOL and r["weight_err"] < TOL, r
+    assert results["left_in_tmp"] == [], results["left_in_tmp"]
+
+
+def test_random_switches_are_varied() -> None:
+    """The draw holds a pipeline pair, an MoE pair and a pair whose layers change (else the check is weak)."""
+    plans = [(ParallelPlan.from_dict(kw["plan"]), ParallelPlan.from_dict(kw["switches"][0][1]), kw["kind"])
+             for _, _, kw in RANDOM_SWITCHES]
+    assert any(a.pp > 1 for a, _, _ in plans) and any(k == "moe" for _, _, k in plans), [p[0].describe() for p in plans]
+    assert all(a.layers != b.layers for a, b, _ in plans)
 
 
 @pytest.mark.slow

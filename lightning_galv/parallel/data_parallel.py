@@ -536,8 +536,12 @@ class OptimizerStateSharding:
     def consolidate(self, optimizer: torch.optim.Optimizer) -> None:
         """Give every rank the optimizer state of every parameter (before saving a checkpoint).
 
-        Tensors travel as rank-local buffers by ``broadcast`` and are re-wrapped in the parameter's own
-        DTensor layout on arrival: a pickled DTensor would carry the sender's process-group names.
+        Tensors travel as rank-local buffers by ``broadcast`` and are re-wrapped on arrival in the layout the
+        owner's state has (a pickled DTensor would carry the sender's process-group names). That layout is the
+        state's own, not the parameter's: a state the optimizer built through DTensor's dispatch (a gradient laid
+        out unlike its parameter, e.g. replicated) has the gradient's placements and global shape; wrapping it in
+        the parameter's would make each rank's full copy a shard (a tensor twice its size, which DCP refused).
+        The owner and the receivers share the parameter's mesh (one data group of the same tp layout).
         """
         ids = {id(q) for g in optimizer.param_groups for q in g["params"]}
         for p, (owner, group) in self.owner.items():
@@ -547,7 +551,9 @@ class OptimizerStateSharding:
             state = optimizer.state.get(p, {}) if me else {}
             meta: list[Any] = [None]
             if me:
-                meta[0] = {k: (("tensor", tuple(local(v).shape), local(v).dtype, hasattr(v, "to_local"))
+                meta[0] = {k: (("tensor", tuple(local(v).shape), local(v).dtype,
+                                (tuple(v.placements), tuple(v.shape), tuple(v.stride())) if hasattr(v, "to_local")
+                                else None)
                                if isinstance(v, torch.Tensor) and (hasattr(v, "to_local") or v.numel() > 1)
                                else ("obj", v)) for k, v in state.items()}
             dist.broadcast_object_list(meta, src=owner, group=group)
@@ -556,14 +562,16 @@ class OptimizerStateSharding:
                 if m[0] == "obj":  # python values and scalar tensors (e.g. Adam's step) travel pickled
                     received[k] = m[1]
                     continue
-                _, shape, dtype, is_dtensor = m
+                _, shape, dtype, layout = m
                 buf = local(state[k]).contiguous() if me else torch.empty(shape, dtype=dtype, device=local(p).device)
                 dist.broadcast(buf, src=owner, group=group)
                 if not me:
-                    if is_dtensor:
+                    if layout is not None:
                         from torch.distributed.tensor import DTensor
 
-                        buf = DTensor.from_local(buf, p.device_mesh, p.placements, run_check=False)  # type: ignore[attr-defined]
+                        placements, global_shape, stride = layout
+                        buf = DTensor.from_local(buf, p.device_mesh, placements, run_check=False,  # type: ignore[attr-defined]
+                                                 shape=torch.Size(global_shape), stride=stride)
                     received[k] = buf
             if not me and received:
                 optimizer.state[p] = received

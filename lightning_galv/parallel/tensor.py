@@ -167,11 +167,12 @@ def _replicated_leave(mesh: DeviceMesh) -> Callable:
 
 
 def _replicate_grad_hook(param: torch.Tensor) -> None:
-    """Resolve a ``Partial`` gradient of a replicated DTensor parameter into a full ``Replicate`` one.
+    """Give a DTensor parameter's gradient the parameter's own placements, once per backward.
 
     DTensor leaves the gradient of a ``Replicate`` parameter used against sharded activations as
-    ``Partial`` (each rank holds a summand). Summing it here, once per backward, means everything after
-    backward (optimizer, clipping, DP all-reduce, checkpoints) sees an ordinary replicated gradient.
+    ``Partial`` (each rank holds a summand), and that of a vocab-parallel embedding as ``Replicate`` (the full
+    gradient on each rank). Resolving it here means everything after backward (optimizer, clipping, DP
+    all-reduce, checkpoints) sees a gradient laid out like its parameter.
     """
     g = param.grad
     if isinstance(g, DTensor) and isinstance(param, DTensor) and g.placements != param.placements:
@@ -303,6 +304,15 @@ def apply_tp_embedding(embedding: nn.Embedding, mesh: DeviceMesh, strategy: Laye
     parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(),
                                                            use_local_output=False))
     embedding.register_forward_hook(_local_output_hook)  # after the style's output hook; not a view
+    # DTensor's embedding backward (replicated output gradient and indices) computes the *full* weight gradient on
+    # every tp rank: Replicate, not the weight's Shard(0). Left so, the data-parallel all-reduce moved tp times the
+    # bytes and the optimizer kept full-size state on every tp rank (a random-plan hunt found it when ZeRO-1's
+    # consolidation wrapped that state as a shard). Slicing it to the weight's rows is local (no collective) and
+    # runs before the gradient-sync hooks, which are registered later. (Under FSDP2 its own post-backward does it.)
+    w = embedding.weight
+    if not getattr(w, "_galv_grad_hook", False):
+        w.register_post_accumulate_grad_hook(_replicate_grad_hook)
+        w._galv_grad_hook = True  # type: ignore[attr-defined]
 
 
 def apply_tp_head(final_norm: nn.Module | None, head: nn.Linear, mesh: DeviceMesh, strategy: LayerStrategy,
