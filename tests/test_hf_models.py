@@ -188,6 +188,7 @@ def test_hf_parity_4_ranks() -> None:
             assert_matches_one_process(rank, name, r, TOL)
             assert r["keys_equal"], (rank, name)
             assert r["grad_err"] or r["pp"] > 1, name
+            assert not r["grad_layouts"], (rank, name, r["grad_layouts"])  # each gradient laid out like its param
     for other in results[1:]:
         for name in results[0]:
             assert other[name]["losses"] == results[0][name]["losses"], name

@@ -179,12 +179,17 @@ def _replicate_grad_hook(param: torch.Tensor) -> None:
         param.grad = g.redistribute(g.device_mesh, param.placements)
 
 
+def _install_layout_grad_hook(p: torch.Tensor) -> None:
+    """:func:`_replicate_grad_hook` on ``p``, once (a parameter may be reached from two modules)."""
+    if not getattr(p, "_galv_grad_hook", False):
+        p.register_post_accumulate_grad_hook(_replicate_grad_hook)
+        p._galv_grad_hook = True  # type: ignore[attr-defined]
+
+
 def _install_replicate_grad_hooks(module: nn.Module) -> None:
     for p in module.parameters():
-        if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements) \
-                and not getattr(p, "_galv_grad_hook", False):
-            p.register_post_accumulate_grad_hook(_replicate_grad_hook)
-            p._galv_grad_hook = True  # type: ignore[attr-defined]
+        if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements):
+            _install_layout_grad_hook(p)
 
 
 def _check_linear(block: nn.Module, path: str, mod: nn.Module, kind: str, tp: int) -> None:
@@ -309,10 +314,7 @@ def apply_tp_embedding(embedding: nn.Embedding, mesh: DeviceMesh, strategy: Laye
     # bytes and the optimizer kept full-size state on every tp rank (a random-plan hunt found it when ZeRO-1's
     # consolidation wrapped that state as a shard). Slicing it to the weight's rows is local (no collective) and
     # runs before the gradient-sync hooks, which are registered later. (Under FSDP2 its own post-backward does it.)
-    w = embedding.weight
-    if not getattr(w, "_galv_grad_hook", False):
-        w.register_post_accumulate_grad_hook(_replicate_grad_hook)
-        w._galv_grad_hook = True  # type: ignore[attr-defined]
+    _install_layout_grad_hook(embedding.weight)
 
 
 def apply_tp_head(final_norm: nn.Module | None, head: nn.Linear, mesh: DeviceMesh, strategy: LayerStrategy,
