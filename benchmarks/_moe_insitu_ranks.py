@@ -79,12 +79,14 @@ def measure(strategy: dict, steps: int) -> dict[str, float]:
         t1 = time.perf_counter()
         rt.set_gradient_sync(True)
         rt.sync_gradients()
+        ts = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
         t2 = time.perf_counter()
         if i >= 2 * warm:
             fwd, bwd = _sums(events)
-            for k, v in (("step", t2 - t0), ("fb", t1 - t0), ("fwd", fwd), ("bwd", bwd),
+            for k, v in (("step", t2 - t0), ("fb", t1 - t0), ("fwd", fwd), ("bwd", bwd), ("sync", ts - t1),
+                         ("opt", t2 - ts),
                          ("faults", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)):
                 got.setdefault(f"{mode}_{k}", []).append(v)
     for h in hooks:

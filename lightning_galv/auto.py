@@ -138,11 +138,26 @@ def profile_model(model: nn.Module, parts: ModelParts, cache: "ProfileCache | No
     assert parts.shape is not None
     type_of, first, names = block_types(parts.blocks)
     makes = [lambda b=parts.blocks[i]: copy.deepcopy(b).float() for i in first]
-    if len(makes) == 1 and "[" not in names[0]:  # a dense model of one block kind: profiled exactly as before
+    head = head_maker(parts)
+    if len(makes) == 1 and "[" not in names[0]:  # a dense model of one block kind: one unnamed layer type
         return ModelProfiler(makes[0], parts.shape, batch_sizes=batch_sizes, repeats=2, cache=cache,
-                             progress=verbose, buffer_bytes=buffer_bytes(model)).fit()
+                             progress=verbose, buffer_bytes=buffer_bytes(model), make_head=head).fit()
     return ModelProfiler(makes, parts.shape, batch_sizes=batch_sizes, repeats=2, cache=cache, progress=verbose,
-                         buffer_bytes=buffer_bytes(model), layer_type_of=type_of, kinds=names).fit()
+                         buffer_bytes=buffer_bytes(model), layer_type_of=type_of, kinds=names,
+                         make_head=head).fit()
+
+
+def head_maker(parts: ModelParts) -> Callable[[], nn.Module] | None:
+    """A copy of the final norm + output projection as one module, ``[b, s, h] -> logits``, for the ModelProfiler
+    to time the head's forward and loss (the cost model prices its backward at twice that).
+
+    Why: without it the profile's head fit is zero and every plan's head went unpriced -- on the MoE accuracy
+    benchmark's decoder (vocab 256) the measured embedding + head + loss took 4-11 ms of 90-190 ms steps that the
+    prediction counted as 0 (benchmarks/moe_step_parts.py), one reason its fwd+bwd read 5-16 % under."""
+    if parts.head is None:
+        return None
+    mods = [m for m in (parts.final_norm, parts.head) if m is not None]
+    return lambda: copy.deepcopy(nn.Sequential(*mods)).float()
 
 
 def priced_hardware(model: "ModelProfile", hw: "HardwareProfile | None", budget: float) -> "HardwareProfile":

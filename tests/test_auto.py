@@ -107,3 +107,29 @@ def test_search_keeps_to_what_the_model_runs(tmp_path) -> None:  # type: ignore[
 
     with pytest.raises(ValueError, match="the model refused every plan.*HINT"):
         search_run_plans(*args, top_k=3, cache_dir=tmp_path, check_plan=refuse_all)
+
+
+def test_automatic_profiles_price_the_head(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The model profile automatic mode takes times the final norm + output projection + loss (it was zero, so no
+    plan paid for its head), on a copy: the model's own head is untouched. Dense, MoE and an HF model (GPT-2, whose
+    final norm is a LayerNorm)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_galv.auto import head_maker, profile_model
+    from lightning_galv.models import Llama, LlamaConfig, MoEConfig, MoEDecoder
+    from lightning_galv.models.hf import galv_hf
+    from lightning_galv.models.protocol import find_parts
+
+    small = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16)
+    gpt2 = AutoConfig.for_model("gpt2", vocab_size=64, n_embd=32, n_head=4, n_layer=2, n_positions=16,
+                                tie_word_embeddings=False)
+    for model in (Llama(LlamaConfig(**small)), MoEDecoder(MoEConfig(**small, num_experts=4)),
+                  galv_hf(AutoModelForCausalLM.from_config(gpt2))):
+        parts = find_parts(model)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        head = head_maker(parts)
+        assert head is not None and head() is not parts.head and head()(torch.randn(2, 16, 32)).shape == (2, 16, 64)
+        prof = profile_model(model, parts, batch_sizes=(1, 2))
+        assert prof.head_forward(1, 16) > 0 and prof.head_forward(2, 16) > 0, (type(model).__name__, prof.head_forward)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
