@@ -127,7 +127,8 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     """Profiles measured with every rank of this launch busy at once (ranks share the CPU cores).
 
     * HardwareProfiler: collectives on every group size, consecutive and strided; overlap coefficient.
-    * ModelProfiler on every rank concurrently: block fwd/bwd fits, head forward, Adam step bandwidth.
+    * ModelProfiler on every rank concurrently: block fwd/bwd fits, embedding and head (with its loss) fwd/bwd,
+      Adam step bandwidth.
     * ShardedLayerProfiler on the real parallelized block for every (tp, sp): per-rank compute,
       activation bytes with and without checkpointing, the recompute peak, FSDP2's own overhead.
     """
@@ -148,10 +149,14 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
         m = make_model(cfg)
         return torch.nn.Sequential(m.norm, m.output)
 
+    def embed() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return make_model(cfg).tok_embeddings
+
     shape = make_model(cfg).galv_shape(seq)
     dist.barrier()
     prof = ModelProfiler(block, shape, batch_sizes=(1, 2, 4), seq_lens=(seq // 2, seq), repeats=3,
-                         progress=False, make_head=head)
+                         progress=False, make_head=head, make_embed=embed)
     model = prof.fit()
     with _raw_timings() as calls:
         layer = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=5,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -46,23 +47,38 @@ def _ci(xs: list[float]) -> str:
     return f"{mean:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(doc: str) -> argparse.Namespace:
+    """The options both MoE diagnostics take (this script and moe_step_parts.py)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def launches(n: int, steps: int, before: Callable[[int], object] | None = None
+             ) -> Iterator[tuple[object, list[str], list[dict[str, float]]]]:
+    """Run ``_moe_insitu_ranks.measure_all`` ``n`` times per world size of :data:`PLANS` (fresh processes each
+    time, plan order rotated per launch so no plan always runs first) and yield, per launch, what ``before(world)``
+    returned just ahead of it, the plan names in run order, and per plan the slowest rank's value of each key."""
     env = {"PYTHONPATH": f"{HERE}:{HERE.parent}"}
-    runs: dict[str, list[dict[str, float]]] = {}
     for world, plans in PLANS.items():
-        for launch in range(args.launches):
-            order = plans[launch % len(plans):] + plans[:launch % len(plans)]  # rotated per launch
+        for launch in range(n):
+            ahead = before(world) if before is not None else None
+            order = plans[launch % len(plans):] + plans[:launch % len(plans)]
             per_rank = run_distributed("_moe_insitu_ranks:measure_all", world,
-                                       ([s for _, s in order], args.steps), env=env, timeout=1200)
-            for j, (name, _) in enumerate(order):
-                ranks = [r[j] for r in per_rank]
-                runs.setdefault(name, []).append({k: max(r[k] for r in ranks) for k in ranks[0]})
-            print(f"{world} ranks, launch {launch + 1}/{args.launches} done", flush=True)
+                                       ([s for _, s in order], steps), env=env, timeout=1200)
+            slowest = [{k: max(rank[j][k] for rank in per_rank) for k in per_rank[0][j]} for j in range(len(order))]
+            yield ahead, [name for name, _ in order], slowest
+            print(f"{world} ranks, launch {launch + 1}/{n} done", flush=True)
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    runs: dict[str, list[dict[str, float]]] = {}
+    for _, names, slowest in launches(args.launches, args.steps):
+        for name, r in zip(names, slowest):
+            runs.setdefault(name, []).append(r)
     ms = lambda rs, k: statistics.median(r[k] for r in rs) * 1e3  # noqa: E731
     lines = [f"{args.launches} launches per world size, {args.steps} steps per mode after 4 warm-up steps each; "
              "ms = median over launches of the slowest rank's median; ratios: mean of the per-launch ratios "

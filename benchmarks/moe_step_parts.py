@@ -22,7 +22,6 @@ per-launch (predicted / measured) ratios.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -34,10 +33,9 @@ sys.path.insert(0, str(HERE))
 from _results import write_section  # noqa: E402
 from _stats import interval  # noqa: E402
 from costmodel_accuracy import MOE_CFG, MOE_SEQ, moe_plans, profile_world  # noqa: E402
-from moe_block_insitu import PLANS  # noqa: E402
+from moe_block_insitu import launches, parse_args  # noqa: E402
 
 from lightning_galv.planner.cost import GalvatronCostModel, StageContext  # noqa: E402
-from lightning_galv.testing import run_distributed  # noqa: E402
 
 
 def predicted_parts(model, hw, plan) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -64,28 +62,17 @@ def _ci(xs: list[float]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--launches", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    env = {"PYTHONPATH": f"{HERE}:{HERE.parent}"}
+    args = parse_args(__doc__)
     by_name = dict(moe_plans())
     rows: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {}
-    for world, plans in PLANS.items():
-        for launch in range(args.launches):
-            model, hw = profile_world(world, MOE_CFG, MOE_SEQ, "profile_machine_moe")
-            order = plans[launch % len(plans):] + plans[:launch % len(plans)]
-            per_rank = run_distributed("_moe_insitu_ranks:measure_all", world,
-                                       ([s for _, s in order], args.steps), env=env, timeout=1200)
-            for j, (name, _) in enumerate(order):
-                r = {k: max(rank[j][k] for rank in per_rank) for k in per_rank[0][j]}
-                meas = {"fwd": r["overlap_fwd"], "bwd": r["overlap_bwd"],
-                        "ends": r["overlap_fb"] - r["overlap_fwd"] - r["overlap_bwd"],
-                        "extra": r["overlap_step"] - r["overlap_fb"], "step": r["overlap_step"],
-                        "sync": r["overlap_sync"], "opt": r["overlap_opt"]}
-                rows.setdefault(name, []).append((predicted_parts(model, hw, by_name[name]), meas))
-            print(f"{world} ranks, launch {launch + 1}/{args.launches} done", flush=True)
+    fresh = lambda world: profile_world(world, MOE_CFG, MOE_SEQ, "profile_machine_moe")  # noqa: E731
+    for (model, hw), names, slowest in launches(args.launches, args.steps, before=fresh):  # type: ignore[misc]
+        for name, r in zip(names, slowest):
+            meas = {"fwd": r["overlap_fwd"], "bwd": r["overlap_bwd"],
+                    "ends": r["overlap_fb"] - r["overlap_fwd"] - r["overlap_bwd"],
+                    "extra": r["overlap_step"] - r["overlap_fb"], "step": r["overlap_step"],
+                    "sync": r["overlap_sync"], "opt": r["overlap_opt"]}
+            rows.setdefault(name, []).append((predicted_parts(model, hw, by_name[name]), meas))
     ms = lambda pairs, side, k: statistics.median(p[side][k] for p in pairs) * 1e3  # noqa: E731
     lines = [f"{args.launches} launches per world size (a fresh profile each), {args.steps} steps per launch and plan "
              "after 4 warm-up steps; ms: median over launches of the slowest rank's median; ratio: mean of the "

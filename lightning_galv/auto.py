@@ -138,26 +138,33 @@ def profile_model(model: nn.Module, parts: ModelParts, cache: "ProfileCache | No
     assert parts.shape is not None
     type_of, first, names = block_types(parts.blocks)
     makes = [lambda b=parts.blocks[i]: copy.deepcopy(b).float() for i in first]
-    head = head_maker(parts)
+    ends = dict(make_head=head_maker(parts), make_embed=embed_maker(parts))
     if len(makes) == 1 and "[" not in names[0]:  # a dense model of one block kind: one unnamed layer type
         return ModelProfiler(makes[0], parts.shape, batch_sizes=batch_sizes, repeats=2, cache=cache,
-                             progress=verbose, buffer_bytes=buffer_bytes(model), make_head=head).fit()
+                             progress=verbose, buffer_bytes=buffer_bytes(model), **ends).fit()
     return ModelProfiler(makes, parts.shape, batch_sizes=batch_sizes, repeats=2, cache=cache, progress=verbose,
-                         buffer_bytes=buffer_bytes(model), layer_type_of=type_of, kinds=names,
-                         make_head=head).fit()
+                         buffer_bytes=buffer_bytes(model), layer_type_of=type_of, kinds=names, **ends).fit()
 
 
 def head_maker(parts: ModelParts) -> Callable[[], nn.Module] | None:
     """A copy of the final norm + output projection as one module, ``[b, s, h] -> logits``, for the ModelProfiler
-    to time the head's forward and loss (the cost model prices its backward at twice that).
+    to time the head with its loss, forward and backward.
 
-    Why: without it the profile's head fit is zero and every plan's head went unpriced -- on the MoE accuracy
-    benchmark's decoder (vocab 256) the measured embedding + head + loss took 4-11 ms of 90-190 ms steps that the
-    prediction counted as 0 (benchmarks/moe_step_parts.py), one reason its fwd+bwd read 5-16 % under."""
+    Why: without it the profile's head fit is zero and every plan's head goes unpriced (before 4cfcf3f automatic
+    mode never passed one: benchmarks/costmodel_accuracy.py --model moe read most MoE plans' fwd+bwd 5-16 % under)."""
     if parts.head is None:
         return None
     mods = [m for m in (parts.final_norm, parts.head) if m is not None]
     return lambda: copy.deepcopy(nn.Sequential(*mods)).float()
+
+
+def embed_maker(parts: ModelParts) -> Callable[[], nn.Module] | None:
+    """A copy of the token embedding, ``[b, s]`` ids -> ``[b, s, h]``, for the ModelProfiler to time its lookup and
+    its backward (which writes a whole ``vocab x hidden`` gradient: not free with a large vocabulary)."""
+    if parts.embedding is None:
+        return None
+    emb = parts.embedding
+    return lambda: copy.deepcopy(emb).float()
 
 
 def priced_hardware(model: "ModelProfile", hw: "HardwareProfile | None", budget: float) -> "HardwareProfile":

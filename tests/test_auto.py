@@ -109,14 +109,14 @@ def test_search_keeps_to_what_the_model_runs(tmp_path) -> None:  # type: ignore[
         search_run_plans(*args, top_k=3, cache_dir=tmp_path, check_plan=refuse_all)
 
 
-def test_automatic_profiles_price_the_head(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_automatic_profiles_price_the_ends(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The model profile automatic mode takes times the final norm + output projection + loss (it was zero, so no
-    plan paid for its head), on a copy: the model's own head is untouched. Dense, MoE and an HF model (GPT-2, whose
-    final norm is a LayerNorm)."""
+    plan paid for its head) and the token embedding (it was zero too), forward and backward, on copies: the
+    model's own weights are untouched. Dense, MoE and an HF model (GPT-2, whose final norm is a LayerNorm)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lightning_galv.auto import head_maker, profile_model
+    from lightning_galv.auto import embed_maker, head_maker, profile_model
     from lightning_galv.models import Llama, LlamaConfig, MoEConfig, MoEDecoder
     from lightning_galv.models.hf import galv_hf
     from lightning_galv.models.protocol import find_parts
@@ -130,6 +130,13 @@ def test_automatic_profiles_price_the_head(tmp_path) -> None:  # type: ignore[no
         before = {k: v.clone() for k, v in model.state_dict().items()}
         head = head_maker(parts)
         assert head is not None and head() is not parts.head and head()(torch.randn(2, 16, 32)).shape == (2, 16, 64)
+        embed = embed_maker(parts)
+        assert embed is not None and embed() is not parts.embedding
+        assert embed()(torch.randint(0, 64, (2, 16))).shape == (2, 16, 32)
         prof = profile_model(model, parts, batch_sizes=(1, 2))
-        assert prof.head_forward(1, 16) > 0 and prof.head_forward(2, 16) > 0, (type(model).__name__, prof.head_forward)
+        name = type(model).__name__
+        for fit in (prof.head_forward, prof.head_backward, prof.embed_forward, prof.embed_backward):
+            assert fit is not None and fit(1, 16) > 0 and fit(2, 16) > 0, (name, prof)
+        again = type(prof).from_json(prof.to_json())  # the measured backwards travel with the profile
+        assert (again.head_backward, again.embed_backward) == (prof.head_backward, prof.embed_backward)
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -394,6 +394,26 @@ def test_native_zero2_gathers_every_micro_batch_and_reduce_scatters_once_per_ste
     assert h_one.bwd > h_plain.bwd and h_acc.step_extra > h_one.step_extra
 
 
+def test_measured_end_backwards_replace_the_ratios() -> None:
+    """A profile with the ends' backwards measured prices them as measured (sharded like the forward under tp);
+    without, the embedding's backward is priced as long as its lookup and the head's at twice its forward."""
+    prof = profile().with_(embed_forward=TimeFit(0.0, 1 * MS / SEQ), head_forward=TimeFit(0.0, 2 * MS / SEQ))
+    one = StageContext(1, 1, 1)
+    alone = LayerStrategy()
+    cm = GalvatronCostModel(prof, hardware(), runtime="native")
+    assert cm.end_cost(alone, one, True, False).bwd == pytest.approx(1 * MS)  # 1 sample: 1 ms lookup
+    assert cm.end_cost(alone, one, False, True).bwd == pytest.approx(4 * MS)
+    measured = prof.with_(embed_backward=TimeFit(0.5 * MS, 3 * MS / SEQ), head_backward=TimeFit(0.0, 2.5 * MS / SEQ))
+    cm = GalvatronCostModel(measured, hardware(), runtime="native")
+    assert cm.end_cost(alone, one, True, False).bwd == pytest.approx(3.5 * MS)
+    assert cm.end_cost(alone, one, False, True).bwd == pytest.approx(2.5 * MS)
+    assert cm.end_cost(alone, one, True, True).bwd == pytest.approx(6 * MS)
+    tp2 = cm.end_cost(LayerStrategy(tp=2), one, True, False)
+    assert tp2.bwd == pytest.approx(0.5 * MS + 1.5 * MS)  # the per-call constant is not shared
+    assert type(measured).from_json(measured.to_json()) == measured
+    assert "head_backward" not in prof.to_dict()  # unmeasured: serialized as before
+
+
 def test_fsdp_overhead_scaled_by_the_ranks_parameter_share() -> None:
     lt = profile().layer(0)
     over = {"zero3": {"forward": TimeFit(2 * MS, 0.0), "backward": TimeFit(4 * MS, 0.0)},

@@ -1008,15 +1008,17 @@ class GalvatronCostModel(CostModel):
         overlap_sync, accumulates = self.context_key(ctx) or (False, False)
         # the embedding registers first, so its gradient is the last one backward makes: its all-reduce bucket
         # (ZeRO-0/1) or its FSDP2 unit's reduce-scatter waits for the end of backward, all of it
-        for present, params, fit, act_per_sample, bwd_ratio, tail, at_peak in (
-                (first, m.embed_params, m.embed_forward, m.embed_act_bytes, 1.0, 1.0, False),
-                (last, m.head_params, m.head_forward, m.head_act_bytes, 2.0, None, True)):
+        for present, params, fit, bwd_fit, act_per_sample, bwd_ratio, tail, at_peak in (
+                (first, m.embed_params, m.embed_forward, m.embed_backward, m.embed_act_bytes, 1.0, 1.0, False),
+                (last, m.head_params, m.head_forward, m.head_backward, m.head_act_bytes, 2.0, None, True)):
             if not present:
                 continue
             local = params / s.tp
             f = sharded_compute(fit.const, fit(b, seq), s.tp)
-            # embedding backward is a scatter-add; head backward = 2 matmuls (SC'21)
-            pf, pb, pe = self._data_parallel(local, s.zero, d, dp_stride, f, bwd_ratio * f, overlap_sync, tail,
+            # measured where profiled; else embedding backward ~ a scatter-add as long as the lookup, head
+            # backward = 2 matmuls (SC'21)
+            bw = bwd_ratio * f if bwd_fit is None else sharded_compute(bwd_fit.const, bwd_fit(b, seq), s.tp)
+            pf, pb, pe = self._data_parallel(local, s.zero, d, dp_stride, f, bw, overlap_sync, tail,
                                              accumulates)
             fwd, bwd, extra = fwd + pf, bwd + pb, extra + pe
             states += local * state_bytes_per_param(s.zero, d, precision)

@@ -655,7 +655,11 @@ class ModelProfile:
     embed_act_bytes: float = 0.0  # per local sample, on the first stage
     head_act_bytes: float = 0.0  # per local sample, on the last stage (logits, loss)
     embed_forward: TimeFit = TimeFit()
-    head_forward: TimeFit = TimeFit()
+    head_forward: TimeFit = TimeFit()  # final norm + output projection + loss
+    # measured backwards of the ends (ModelProfiler with make_embed / make_head); None: not measured, and the cost
+    # model prices them from the forward (embedding: as long; head: twice as long)
+    embed_backward: TimeFit | None = None
+    head_backward: TimeFit | None = None
     framework_bytes: float = 0.0  # CUDA/CPU context, allocator slack, workspace: per rank
     source: str = "custom"
     # bytes/s of a memory-bound optimizer step measured on this model's block (0 = not measured). Kept with
@@ -674,7 +678,7 @@ class ModelProfile:
         lts = tuple(LayerTypeProfile(**lt) if isinstance(lt, Mapping) else lt for lt in self.layer_types)
         object.__setattr__(self, "layer_types", lts)
         object.__setattr__(self, "layer_type_of", tuple(self.layer_type_of))
-        for attr in ("embed_forward", "head_forward"):
+        for attr in ("embed_forward", "head_forward", "embed_backward", "head_backward"):
             v = getattr(self, attr)
             if isinstance(v, Mapping):
                 object.__setattr__(self, attr, TimeFit(**v))
@@ -792,6 +796,9 @@ class ModelProfile:
                 lt.pop("optimizer_overhead", None)
             if not lt.get("recompute_comm"):  # and profiles without measured recompute collectives
                 lt.pop("recompute_comm", None)
+        for attr in ("embed_backward", "head_backward"):  # and profiles whose ends' backwards were not measured
+            if d[attr] is None:
+                d.pop(attr)
         if self.ends is None:  # so do profiles without Galvatron's end tables
             d.pop("ends")
         else:

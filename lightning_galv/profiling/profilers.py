@@ -15,7 +15,7 @@ import itertools
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -139,6 +139,23 @@ def moe_facts(block: nn.Module) -> MoELayerFacts | None:
                          layer.capacity_factor, expert_tensors / max(1, sum(1 for _ in block.parameters())))
 
 
+#: Fewest Adam steps the ModelProfiler times for the optimizer bandwidth (their median).
+OPTIMIZER_REPEATS = 5
+
+
+@dataclass
+class _Ends:
+    """What :meth:`ModelProfiler._time_ends` measured (fits stay as in an unmeasured profile where there was
+    nothing to time)."""
+
+    head_act: float
+    buffers: float = 0.0
+    embed_forward: TimeFit = field(default_factory=TimeFit)
+    embed_backward: TimeFit | None = None
+    head_forward: TimeFit = field(default_factory=TimeFit)
+    head_backward: TimeFit | None = None
+
+
 class ModelProfiler:
     """Profile the block types of a model: ``make_block()`` builds a block called as ``block(x)`` on
     ``[b, s, h]``; a sequence of them builds one block per layer type, ``layer_type_of`` saying which type
@@ -151,8 +168,12 @@ class ModelProfiler:
                  cache: ProfileCache | None = None, progress: bool = True,
                  make_head: Callable[[], nn.Module] | None = None, buffer_bytes: float | None = None,
                  device: str = "cpu", layer_type_of: Sequence[int] | None = None,
-                 kinds: Sequence[str] | None = None) -> None:
-        """``buffer_bytes``: bytes of the model's buffers (non-parameter tensors such as RoPE cos/sin
+                 kinds: Sequence[str] | None = None, make_embed: Callable[[], nn.Module] | None = None) -> None:
+        """``make_head`` / ``make_embed``: copies of the model's ends (final norm + output projection, called on
+        ``[b, s, h]``; the token embedding, called on ``[b, s]`` token ids), timed forward and backward so that the
+        cost model prices them (None: that end's fits stay zero).
+
+        ``buffer_bytes``: bytes of the model's buffers (non-parameter tensors such as RoPE cos/sin
         tables) one rank holds, when the caller knows the whole model (automatic mode counts its distinct
         buffer storages). ``None`` counts the buffers of one block and the head once: the reference models
         share one RoPE table across blocks, so a per-block count would overstate them L times.
@@ -172,6 +193,7 @@ class ModelProfiler:
         self.buffer_bytes = buffer_bytes
         self.device = torch.device(device)  # time the block where training will run it
         self.make_head = make_head  # final norm + output projection, called on [b, s, h] -> logits
+        self.make_embed = make_embed  # token ids [b, s] -> [b, s, h]
         self.optimizer_bandwidth = 0.0  # bytes/s of a memory-bound Adam step, set by fit() (also in the profile)
         self.batch_sizes = tuple(batch_sizes)
         self.seq_lens = tuple(seq_lens or (max(1, shape.seq_len // 2), shape.seq_len))
@@ -180,10 +202,12 @@ class ModelProfiler:
     def key(self) -> str:
         # "v": bump when the profile gains fields, so older cache files are measured again instead of
         # loading with defaults (v2: optimizer_bandwidth; v3: buffers in framework_bytes; v4: median
-        # times, optimizer bandwidth on the whole model's parameter volume; v5: the step timed after a backward)
-        facts = {"v": 5, "buffers": self.buffer_bytes, "shape": self.shape.to_dict(), "b": self.batch_sizes,
+        # times, optimizer bandwidth on the whole model's parameter volume; v5: the step timed after a backward;
+        # v6: the embedding and the head's backward measured)
+        facts = {"v": 6, "buffers": self.buffer_bytes, "shape": self.shape.to_dict(), "b": self.batch_sizes,
                  "s": self.seq_lens, "dtype": str(self.dtype), "torch": torch.__version__,
-                 "threads": torch.get_num_threads(), "head": self.make_head is not None, "device": self.device.type}
+                 "threads": torch.get_num_threads(), "head": self.make_head is not None,
+                 "embed": self.make_embed is not None, "device": self.device.type}
         if len(self.makes) > 1 or self.kinds is not None:  # one unnamed block type keeps its old key
             facts["types"] = {"kinds": self.kinds, "layer_type_of": self.layer_type_of}
         return fingerprint(facts)
@@ -214,44 +238,88 @@ class ModelProfiler:
         # OPTIMIZER_TRAFFIC_BYTES per parameter / bandwidth, so report the bandwidth that reproduces it.
         from ..planner.cost import OPTIMIZER_TRAFFIC_BYTES
 
-        self.optimizer_bandwidth = _optimizer_bandwidth(block, self.shape.num_layers, self.repeats,
+        # at least OPTIMIZER_REPEATS steps: one costs a b=1 forward and backward plus the step, and with automatic
+        # mode's 2 repeats the stored MoE accuracy profiles' bandwidths spread 2.3-7.6 GB/s over launches at 4 ranks
+        self.optimizer_bandwidth = _optimizer_bandwidth(block, self.shape.num_layers,
+                                                        max(self.repeats, OPTIMIZER_REPEATS),
                                                         OPTIMIZER_TRAFFIC_BYTES, (1, self.shape.seq_len, h),
                                                         self._sync)
-        head_fit = TimeFit()
-        head_act = float((4 + el) * self.shape.seq_len * self.shape.vocab_size)
-        if self.make_head is not None:  # forward of norm + output projection + cross entropy
-            head = self.make_head().to(self.device, self.dtype)
-            if self.buffer_bytes is None:
-                fixed += buffer_bytes(head)
-            pts = []
+        ends = self._time_ends(points)
+        if self.buffer_bytes is None:
+            fixed += ends.buffers
+        prof = ModelProfile("profiled", self.shape, tuple(layers), self.layer_type_of,
+                            "fp32" if self.dtype == torch.float32 else "bf16",
+                            embed_params=self.shape.vocab_size * h, head_params=self.shape.vocab_size * h,
+                            embed_act_bytes=float(el * self.shape.seq_len * h),
+                            head_act_bytes=float(ends.head_act), embed_forward=ends.embed_forward,
+                            embed_backward=ends.embed_backward, head_forward=ends.head_forward,
+                            head_backward=ends.head_backward, framework_bytes=fixed, source="ModelProfiler",
+                            optimizer_bandwidth=self.optimizer_bandwidth)
+        if self.cache is not None:
+            self.cache.save("model", self.key(), prof)
+        return prof
+
+    def _time_ends(self, points: list[tuple[int, int]]) -> "_Ends":
+        """Forward and backward fits of the embedding (``make_embed``: tokens ``[b, s]`` -> ``[b, s, h]``) and of
+        the head with its loss (``make_head``: ``[b, s, h]`` -> logits, then cross entropy), each timed as a step
+        runs it: the backward from the loss through the head into a hidden state that wants a gradient, and the
+        embedding's backward writing its weight's gradient (a fresh ``V x h`` tensor each step, as after
+        Lightning's ``zero_grad``). Why measured and not derived from the forward (head backward = 2x, embedding
+        unpriced): benchmarks/moe_step_parts.py at 3d30475 found the ends of 2-rank MoE steps predicted at 1.7 ms
+        and measured at 5.4-9.1 ms. Also the head's saved activation bytes."""
+        h, v = self.shape.hidden, self.shape.vocab_size
+        el = torch.finfo(self.dtype).bits // 8
+        out = _Ends(head_act=float((4 + el) * self.shape.seq_len * v))
+        if self.make_embed is not None:
+            emb = self.make_embed().to(self.device, self.dtype)
+            out.buffers += buffer_bytes(emb)
+            fwd, bwd = [], []
             for b, s in points:
-                hts = []
+                tfs, tbs = [], []
+                for _ in range(self.repeats + 1):  # the first pass warms up
+                    tokens = torch.randint(0, v, (b, s), device=self.device)
+                    self._sync()
+                    t0 = time.perf_counter()
+                    y = emb(tokens)
+                    self._sync()
+                    t1 = time.perf_counter()
+                    y.backward(torch.ones_like(y))
+                    self._sync()
+                    tfs.append(t1 - t0)
+                    tbs.append(time.perf_counter() - t1)
+                    emb.zero_grad(set_to_none=True)
+                fwd.append((b, s, statistics.median(tfs[1:])))
+                bwd.append((b, s, statistics.median(tbs[1:])))
+            out.embed_forward, out.embed_backward = TimeFit.fit(fwd), TimeFit.fit(bwd)
+        if self.make_head is not None:  # norm + output projection + cross entropy, then its backward
+            head = self.make_head().to(self.device, self.dtype)
+            out.buffers += buffer_bytes(head)
+            fwd, bwd = [], []
+            for b, s in points:
+                tfs, tbs = [], []
                 for _ in range(self.repeats + 1):
                     x = torch.randn(b, s, h, dtype=self.dtype, device=self.device, requires_grad=True)
-                    tgt = torch.randint(0, self.shape.vocab_size, (b * s,), device=self.device)
+                    tgt = torch.randint(0, v, (b * s,), device=self.device)
                     saved = _SavedBytes(_storages(head))
                     self._sync()
                     t0 = time.perf_counter()
                     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                         logits = head(x)
-                        torch.nn.functional.cross_entropy(logits.reshape(b * s, -1), tgt)
+                        loss = torch.nn.functional.cross_entropy(logits.reshape(b * s, -1), tgt)  # [b*s, V]
                     self._sync()
-                    hts.append(time.perf_counter() - t0)
-                pts.append((b, s, statistics.median(hts[1:])))
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    self._sync()
+                    tfs.append(t1 - t0)
+                    tbs.append(time.perf_counter() - t1)
+                    head.zero_grad(set_to_none=True)
+                fwd.append((b, s, statistics.median(tfs[1:])))
+                bwd.append((b, s, statistics.median(tbs[1:])))
                 if s == self.shape.seq_len:
                     # saved for backward + the logits the loop holds + their gradient at the start of backward
-                    head_act = saved.total / b + 2 * el * s * self.shape.vocab_size
-            head_fit = TimeFit.fit(pts)
-        prof = ModelProfile("profiled", self.shape, tuple(layers), self.layer_type_of,
-                            "fp32" if self.dtype == torch.float32 else "bf16",
-                            embed_params=self.shape.vocab_size * h, head_params=self.shape.vocab_size * h,
-                            embed_act_bytes=float(el * self.shape.seq_len * h),
-                            head_act_bytes=float(head_act),
-                            head_forward=head_fit, framework_bytes=fixed, source="ModelProfiler",
-                            optimizer_bandwidth=self.optimizer_bandwidth)
-        if self.cache is not None:
-            self.cache.save("model", self.key(), prof)
-        return prof
+                    out.head_act = saved.total / b + 2 * el * s * v
+            out.head_forward, out.head_backward = TimeFit.fit(fwd), TimeFit.fit(bwd)
+        return out
 
     def _measure(self, make: Callable[[], nn.Module], name: str, points: list[tuple[int, int]],
                  label: str) -> tuple[LayerTypeProfile, nn.Module]:
