@@ -107,9 +107,9 @@ def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: in
     dist.barrier()
     batches = profile_batch_sizes(8 // dist.get_world_size())
     prof = profile_model(model, parts, batch_sizes=batches)
-    bandwidth = prof.optimizer_bandwidth
     with _raw_timings() as calls:
         prof = sharded_profile(model, parts, prof, hw, None, False, batches)
+    bandwidth = prof.optimizer_bandwidth  # all ranks stepping at once (sharded_profile), as automatic mode prices it
     probes += [probe(cfg, seq) for _ in range(4)]
     # the speed reference, as in profile_machine: the profile's own raw timing of the block the probe times (the
     # MoE block, unsharded, local dispatch, its router statistics all-reduced over the world as a dp plan runs it
@@ -159,9 +159,10 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
                          progress=False, make_head=head, make_embed=embed)
     model = prof.fit()
     with _raw_timings() as calls:
-        layer = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=5,
-                                     progress=False).fit(model.layer(0))
-    model = model.with_(layer_types=(layer,))
+        sharded = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=5, progress=False)
+        layer = sharded.fit(model.layer(0))
+    # the optimizer step every rank takes at once, as automatic mode prices it (auto.sharded_profile)
+    model = model.with_(layer_types=(layer,), optimizer_bandwidth=sharded.optimizer_bandwidth)
     # the speed reference: the profile's own unsharded block at the probe's shape (fwd+bwd, b=2). The
     # ShardedLayerProfiler times it interleaved with every variant over the whole sharded-profiling window, so it
     # tells the speed those fits were taken at; the probes around the profile did not: in the 10-launch run at
@@ -172,7 +173,7 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     # differs: the profiler's passes run between other variants' while the probe's follow each other (paired at
     # equal speed over 15 rounds: profiler-style / probe 1.017 with 2 ranks, 1.012 with 4).
     ref = _raw_reference(calls)
-    return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": prof.optimizer_bandwidth,
+    return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": model.optimizer_bandwidth,
             "probe_s": ref}
 
 

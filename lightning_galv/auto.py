@@ -462,8 +462,9 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # of the collectives a recompute really repeats (counted), and expert-parallel variants timed checkpointed;
     # v10: that share weighted by payload bytes, and an MoE block's saved activations and recompute peak measured
     # per expert-parallel degree; v11: SHARDED_PROFILE_ROUNDS rounds (was 2), and an MoE block's FSDP2 overhead per
-    # expert-parallel degree as the runtime wraps it
-    what = {"v": 11, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS}
+    # expert-parallel degree as the runtime wraps it; v12: the optimizer bandwidth of an Adam step every rank takes
+    # at once (ShardedLayerProfiler.optimizer_bandwidth) replaces the one rank 0 measured alone
+    what = {"v": 12, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
     if tuple(batch_sizes) != (1, 2):
@@ -479,12 +480,18 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
         return ModelProfile.from_json(hit)
     sp_kinds = parts.sp_modes if tuple(parts.sp_modes) != tuple(SP_MODES) else ("none", "megatron", "ulysses")
     types: list[LayerTypeProfile] = []
+    bandwidth = profile.optimizer_bandwidth
     for j, lt in enumerate(profile.layer_types):
         block = parts.blocks[profile.layer_type_of.index(j)]
-        types.append(ShardedLayerProfiler(lambda b=block: copy.deepcopy(b).float(), profile.shape, hw,
-                                          batch_sizes=batch_sizes, repeats=SHARDED_PROFILE_ROUNDS,
-                                          progress=verbose, sp_kinds=sp_kinds).fit(lt))
-    out = profile.with_(layer_types=tuple(types))
+        profiler = ShardedLayerProfiler(lambda b=block: copy.deepcopy(b).float(), profile.shape, hw,
+                                        batch_sizes=batch_sizes, repeats=SHARDED_PROFILE_ROUNDS,
+                                        progress=verbose, sp_kinds=sp_kinds)
+        types.append(profiler.fit(lt))
+        if j == 0 and profiler.optimizer_bandwidth > 0:  # the first block type's, as the ModelProfiler measures
+            # the optimizer step: rank 0 took that alone while the other ranks waited, which on a machine whose
+            # ranks share cores and memory is not the speed of a step every rank takes at once
+            bandwidth = profiler.optimizer_bandwidth
+    out = profile.with_(layer_types=tuple(types), optimizer_bandwidth=bandwidth)
     if cache is not None and rank == 0:
         cache.save("model", key, out)
     return out

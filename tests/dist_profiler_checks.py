@@ -29,7 +29,8 @@ def sharded_profile() -> dict[str, Any]:
     prof = ShardedLayerProfiler(block, shape, hw, batch_sizes=(1, 2), repeats=1, progress=False)
     layer = prof.fit(plain.layer(0))
     return {"hw": hw.to_dict(), "plain": plain.to_dict(), "layer": plain.with_(layer_types=(layer,)).to_dict(),
-            "variants": prof.variants(), "moe": moe_sharded_profile(hw)}
+            "variants": prof.variants(), "together_bandwidth": prof.optimizer_bandwidth,
+            "moe": moe_sharded_profile(hw)}
 
 
 def moe_sharded_profile(hw: HardwareProfiler | Any) -> dict[str, Any]:
@@ -44,7 +45,8 @@ def moe_sharded_profile(hw: HardwareProfiler | Any) -> dict[str, Any]:
                                  max_seq_len=16, num_experts=4, top_k=2, expert_hidden=48, moe_every=2))
     parts = find_parts(model)
     prof = profile_model(model, parts)
-    return sharded_profile(model, parts, prof, hw, None, False).to_dict()
+    out = sharded_profile(model, parts, prof, hw, None, False).to_dict()
+    return {**out, "alone_bandwidth": prof.optimizer_bandwidth}
 
 
 def moe_zero_blocks() -> dict[str, Any]:

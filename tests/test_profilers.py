@@ -178,6 +178,8 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     r = ranks[0]
     # what the profiler takes the largest of over ranks is the same on both (the MoE block's ep activations vary
     # with routing; the repeated shares could)
+    for x in ranks:
+        x["moe_alone_bandwidth"] = x["moe"].pop("alone_bandwidth")
     for key in ("layer", "moe"):
         for a, b in zip(*(ModelProfile.from_dict(x[key]).layer_types for x in ranks)):
             assert a.recompute_comm == b.recompute_comm and a.activation_bytes == b.activation_bytes, key
@@ -220,6 +222,11 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     from lightning_galv.plan import LayerStrategy
 
     moe_prof = ModelProfile.from_dict(r["moe"])
+    # the optimizer step is priced at the bandwidth of every rank stepping at once, slowest rank (the same on both),
+    # not at what rank 0's ModelProfiler measured alone
+    assert r["together_bandwidth"] > 0 and ranks[1]["together_bandwidth"] == r["together_bandwidth"]
+    assert moe_prof.optimizer_bandwidth > 0 and moe_prof.optimizer_bandwidth != r["moe_alone_bandwidth"]
+    assert ModelProfile.from_dict(ranks[1]["moe"]).optimizer_bandwidth == moe_prof.optimizer_bandwidth
     dense_t, moe_t = (moe_prof.layer_types[j] for j in (0, 1))
     assert moe_t.moe is not None and dense_t.moe is None
     assert "tp1/none/ep2" in moe_t.sharded and not any("/ep" in k for k in dense_t.sharded)

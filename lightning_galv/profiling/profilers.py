@@ -439,6 +439,9 @@ class ShardedLayerProfiler:
         self.sp_kinds, self.interleave, self.checkpoint = tuple(sp_kinds), interleave, checkpoint
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.progress = progress and self.rank == 0
+        # bytes/s of an Adam step over unsharded copies of the block, every rank stepping at once and the slowest
+        # one read (0 until fit() has measured it; one rank measures nothing). See :meth:`_optimizer_overhead`.
+        self.optimizer_bandwidth = 0.0
 
     def _sync(self) -> None:
         if torch.device(self.device).type == "cuda":
@@ -694,6 +697,13 @@ class ShardedLayerProfiler:
             out[name] = (float(t), numel)
             del params, blocks
         plain_s, plain_n = out.pop("plain")
+        # the plain step is the one every rank of a data-parallel step takes at once, after the gradient sync:
+        # the bandwidth it reaches is what the cost model should price the update with. ModelProfiler's, timed on
+        # rank 0 alone in automatic mode, ran 1.2x (2 ranks) to 2.3-3x (4 ranks on 2 cores) faster in a one-off
+        # check on the MoE accuracy benchmark's block; the in-step optimizer phase matched this one
+        from ..planner.cost import OPTIMIZER_TRAFFIC_BYTES
+
+        self.optimizer_bandwidth = OPTIMIZER_TRAFFIC_BYTES * plain_n / plain_s if plain_s > 0 else 0.0
         return {name: max(0.0, (sec - plain_s * n / plain_n) / copies) for name, (sec, n) in out.items()}
 
     def ep_degrees(self, layer: LayerTypeProfile) -> list[int]:
