@@ -408,8 +408,14 @@ def test_measured_end_backwards_replace_the_ratios() -> None:
     assert cm.end_cost(alone, one, True, False).bwd == pytest.approx(3.5 * MS)
     assert cm.end_cost(alone, one, False, True).bwd == pytest.approx(2.5 * MS)
     assert cm.end_cost(alone, one, True, True).bwd == pytest.approx(6 * MS)
-    tp2 = cm.end_cost(LayerStrategy(tp=2), one, True, False)
-    assert tp2.bwd == pytest.approx(0.5 * MS + 1.5 * MS)  # the per-call constant is not shared
+    # tp 2: the embedding's backward scatter-adds every token into half the rows (constant halved), the head's
+    # math is split (its per-call constant is not)
+    assert cm.end_cost(LayerStrategy(tp=2), one, True, False).bwd == pytest.approx(0.25 * MS + 3 * MS)
+    tp_head = measured.with_(head_backward=TimeFit(0.5 * MS, 2 * MS / SEQ))
+    head2 = GalvatronCostModel(tp_head, hardware(), runtime="native").end_cost(LayerStrategy(tp=2), one, False, True)
+    assert head2.bwd == pytest.approx(0.5 * MS + 1.0 * MS)
+    both2 = GalvatronCostModel(tp_head, hardware(), runtime="native").end_cost(LayerStrategy(tp=2), one, True, True)
+    assert both2.bwd == pytest.approx(0.25 * MS + 3 * MS + 0.5 * MS + 1.0 * MS)  # one stage: each end its own rule
     assert type(measured).from_json(measured.to_json()) == measured
     assert "head_backward" not in prof.to_dict()  # unmeasured: serialized as before
 

@@ -30,6 +30,20 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
+def test_model_profiler_times_the_ends_and_a_frozen_embedding_takes_no_backward() -> None:
+    """The embedding and the head with its loss are timed forward and backward; a frozen embedding (its weight
+    without a gradient) has no backward in training, so it is timed without one instead of failing."""
+    head = lambda: nn.Linear(32, 64)  # noqa: E731
+    prof = ModelProfiler(Block, SHAPE, batch_sizes=(1, 4), repeats=1, progress=False, make_head=head,
+                         make_embed=lambda: nn.Embedding(64, 32)).fit()
+    for fit in (prof.embed_forward, prof.embed_backward, prof.head_forward, prof.head_backward):
+        assert fit is not None and fit(4, 16) > 0, prof
+    frozen = ModelProfiler(Block, SHAPE, batch_sizes=(1, 4), repeats=1, progress=False, make_head=head,
+                           make_embed=lambda: nn.Embedding(64, 32).requires_grad_(False)).fit()
+    assert frozen.embed_forward(4, 16) > 0 and frozen.embed_backward is not None
+    assert frozen.embed_backward(4, 16) < prof.embed_backward(4, 16)  # nothing but the timer's own reads
+
+
 def test_model_profiler_fits_and_caches(tmp_path) -> None:
     cache = ProfileCache(tmp_path)
     prof = ModelProfiler(Block, SHAPE, batch_sizes=(1, 4), repeats=2, cache=cache, progress=False).fit()

@@ -1008,16 +1008,23 @@ class GalvatronCostModel(CostModel):
         overlap_sync, accumulates = self.context_key(ctx) or (False, False)
         # the embedding registers first, so its gradient is the last one backward makes: its all-reduce bucket
         # (ZeRO-0/1) or its FSDP2 unit's reduce-scatter waits for the end of backward, all of it
-        for present, params, fit, bwd_fit, act_per_sample, bwd_ratio, tail, at_peak in (
-                (first, m.embed_params, m.embed_forward, m.embed_backward, m.embed_act_bytes, 1.0, 1.0, False),
-                (last, m.head_params, m.head_forward, m.head_backward, m.head_act_bytes, 2.0, None, True)):
+        for embed, present, params, fit, bwd_fit, act_per_sample, bwd_ratio, tail, at_peak in (
+                (True, first, m.embed_params, m.embed_forward, m.embed_backward, m.embed_act_bytes, 1.0, 1.0, False),
+                (False, last, m.head_params, m.head_forward, m.head_backward, m.head_act_bytes, 2.0, None, True)):
             if not present:
                 continue
             local = params / s.tp
             f = sharded_compute(fit.const, fit(b, seq), s.tp)
             # measured where profiled; else embedding backward ~ a scatter-add as long as the lookup, head
             # backward = 2 matmuls (SC'21)
-            bw = bwd_ratio * f if bwd_fit is None else sharded_compute(bwd_fit.const, bwd_fit(b, seq), s.tp)
+            if bwd_fit is None:
+                bw = bwd_ratio * f
+            elif embed:
+                # a vocab-parallel embedding's backward scatter-adds every token into its 1/tp of the rows: the
+                # per-token part stays whole, the fit's constant (the V x h gradient's fill) shrinks with tp
+                bw = bwd_fit.const / s.tp + (bwd_fit(b, seq) - bwd_fit.const)
+            else:
+                bw = sharded_compute(bwd_fit.const, bwd_fit(b, seq), s.tp)
             pf, pb, pe = self._data_parallel(local, s.zero, d, dp_stride, f, bw, overlap_sync, tail,
                                              accumulates)
             fwd, bwd, extra = fwd + pf, bwd + pb, extra + pe

@@ -175,7 +175,7 @@ class ModelProfiler:
 
         ``buffer_bytes``: bytes of the model's buffers (non-parameter tensors such as RoPE cos/sin
         tables) one rank holds, when the caller knows the whole model (automatic mode counts its distinct
-        buffer storages). ``None`` counts the buffers of one block and the head once: the reference models
+        buffer storages). ``None`` counts the buffers of one block, the embedding and the head once: the reference models
         share one RoPE table across blocks, so a per-block count would overstate them L times.
 
         ``kinds``: a name per layer type that says what the block is (class, parameter shapes), part of the
@@ -264,62 +264,71 @@ class ModelProfiler:
         the head with its loss (``make_head``: ``[b, s, h]`` -> logits, then cross entropy), each timed as a step
         runs it: the backward from the loss through the head into a hidden state that wants a gradient, and the
         embedding's backward writing its weight's gradient (a fresh ``V x h`` tensor each step, as after
-        Lightning's ``zero_grad``). Why measured and not derived from the forward (head backward = 2x, embedding
-        unpriced): benchmarks/moe_step_parts.py at 3d30475 found the ends of 2-rank MoE steps predicted at 1.7 ms
-        and measured at 5.4-9.1 ms. Also the head's saved activation bytes."""
+        Lightning's ``zero_grad``). Why measured rather than derived from the forward: the embedding was priced
+        at 0 (its backward writes a dense ``V x h`` gradient, not free with a large vocabulary), and the head's
+        backward at 2x its forward, a matmul count that leaves out the loss and the launch overheads. A frozen
+        embedding has no backward to time (fit zero). Also the head's saved activation bytes."""
         h, v = self.shape.hidden, self.shape.vocab_size
         el = torch.finfo(self.dtype).bits // 8
         out = _Ends(head_act=float((4 + el) * self.shape.seq_len * v))
         if self.make_embed is not None:
             emb = self.make_embed().to(self.device, self.dtype)
             out.buffers += buffer_bytes(emb)
-            fwd, bwd = [], []
-            for b, s in points:
-                tfs, tbs = [], []
-                for _ in range(self.repeats + 1):  # the first pass warms up
-                    tokens = torch.randint(0, v, (b, s), device=self.device)
-                    self._sync()
-                    t0 = time.perf_counter()
-                    y = emb(tokens)
-                    self._sync()
-                    t1 = time.perf_counter()
+            rows = getattr(emb, "num_embeddings", v)
+
+            def embed_pass(b: int, s: int) -> tuple[float, float]:
+                tokens = torch.randint(0, rows, (b, s), device=self.device)
+                self._sync()
+                t0 = time.perf_counter()
+                y = emb(tokens)  # [b, s, h]
+                self._sync()
+                t1 = time.perf_counter()
+                if y.requires_grad:  # a frozen embedding takes no backward
                     y.backward(torch.ones_like(y))
-                    self._sync()
-                    tfs.append(t1 - t0)
-                    tbs.append(time.perf_counter() - t1)
-                    emb.zero_grad(set_to_none=True)
-                fwd.append((b, s, statistics.median(tfs[1:])))
-                bwd.append((b, s, statistics.median(tbs[1:])))
-            out.embed_forward, out.embed_backward = TimeFit.fit(fwd), TimeFit.fit(bwd)
+                self._sync()
+                t2 = time.perf_counter()
+                emb.zero_grad(set_to_none=True)
+                return t1 - t0, t2 - t1
+
+            out.embed_forward, out.embed_backward = self._fit_passes(points, embed_pass)
+            del emb  # a large vocabulary's copy is not kept alive while the head is timed
         if self.make_head is not None:  # norm + output projection + cross entropy, then its backward
             head = self.make_head().to(self.device, self.dtype)
             out.buffers += buffer_bytes(head)
-            fwd, bwd = [], []
-            for b, s in points:
-                tfs, tbs = [], []
-                for _ in range(self.repeats + 1):
-                    x = torch.randn(b, s, h, dtype=self.dtype, device=self.device, requires_grad=True)
-                    tgt = torch.randint(0, v, (b * s,), device=self.device)
-                    saved = _SavedBytes(_storages(head))
-                    self._sync()
-                    t0 = time.perf_counter()
-                    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                        logits = head(x)
-                        loss = torch.nn.functional.cross_entropy(logits.reshape(b * s, -1), tgt)  # [b*s, V]
-                    self._sync()
-                    t1 = time.perf_counter()
-                    loss.backward()
-                    self._sync()
-                    tfs.append(t1 - t0)
-                    tbs.append(time.perf_counter() - t1)
-                    head.zero_grad(set_to_none=True)
-                fwd.append((b, s, statistics.median(tfs[1:])))
-                bwd.append((b, s, statistics.median(tbs[1:])))
-                if s == self.shape.seq_len:
+
+            def head_pass(b: int, s: int) -> tuple[float, float]:
+                x = torch.randn(b, s, h, dtype=self.dtype, device=self.device, requires_grad=True)
+                tgt = torch.randint(0, v, (b * s,), device=self.device)
+                saved = _SavedBytes(_storages(head))
+                self._sync()
+                t0 = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                    logits = head(x)
+                    loss = torch.nn.functional.cross_entropy(logits.reshape(b * s, -1), tgt)  # [b*s, V]
+                self._sync()
+                t1 = time.perf_counter()
+                loss.backward()
+                self._sync()
+                t2 = time.perf_counter()
+                head.zero_grad(set_to_none=True)
+                if s == self.shape.seq_len:  # the last such pass is at the largest batch
                     # saved for backward + the logits the loop holds + their gradient at the start of backward
                     out.head_act = saved.total / b + 2 * el * s * v
-            out.head_forward, out.head_backward = TimeFit.fit(fwd), TimeFit.fit(bwd)
+                return t1 - t0, t2 - t1
+
+            out.head_forward, out.head_backward = self._fit_passes(points, head_pass)
         return out
+
+    def _fit_passes(self, points: list[tuple[int, int]], one_pass: Callable[[int, int], tuple[float, float]]
+                    ) -> tuple[TimeFit, TimeFit]:
+        """Forward and backward fits of ``one_pass(b, s) -> (forward s, backward s)``: its median over
+        ``repeats`` passes per point, after one that warms up."""
+        fwd, bwd = [], []
+        for b, s in points:
+            times = [one_pass(b, s) for _ in range(self.repeats + 1)][1:]
+            fwd.append((b, s, statistics.median(f for f, _ in times)))
+            bwd.append((b, s, statistics.median(t for _, t in times)))
+        return TimeFit.fit(fwd), TimeFit.fit(bwd)
 
     def _measure(self, make: Callable[[], nn.Module], name: str, points: list[tuple[int, int]],
                  label: str) -> tuple[LayerTypeProfile, nn.Module]:
@@ -653,7 +662,8 @@ class ShardedLayerProfiler:
         """``{"tp": s, "zero": s}`` for :class:`LayerTypeProfile`.optimizer_overhead: per layer, what an Adam
         step over its parameters takes beyond its memory traffic when they are DTensors.
 
-        Why: the cost model prices the update by bytes moved (``ModelProfiler``'s optimizer bandwidth), which
+        Why: the cost model prices the update by bytes moved (the optimizer bandwidth: with several ranks the plain
+        step timed here, :attr:`optimizer_bandwidth`; on one rank ``ModelProfiler``'s), which
         holds for plain tensors. Split by tp or sharded by FSDP2, every parameter is a DTensor; stepped through
         DTensor's ops, each of its ~10 update ops dispatched through sharding propagation and on CPU a tp2
         model's step took as long as the unsharded one, at half the bytes. The runtime now steps elementwise
@@ -689,8 +699,9 @@ class ShardedLayerProfiler:
                 elif name == "zero":
                     apply_fsdp(block, factory.data_mesh(s), s, self.world)
                 blocks.append(block)
-            t = torch.tensor([_step_after_backward(blocks, (1, self.shape.seq_len, self.shape.hidden), self.repeats,
-                                                   self._sync, together=True)], dtype=torch.float64)
+            t = torch.tensor([_step_after_backward(blocks, (1, self.shape.seq_len, self.shape.hidden),
+                                                   max(self.repeats, OPTIMIZER_REPEATS), self._sync, together=True)],
+                             dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
             params = [p for b in blocks for p in b.parameters() if p.requires_grad]
             numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
