@@ -151,7 +151,7 @@ def head_maker(parts: ModelParts) -> Callable[[], nn.Module] | None:
     to time the head with its loss, forward and backward.
 
     Why: without it the profile's head fit is zero and every plan's head goes unpriced (before 4cfcf3f automatic
-    mode never passed one: benchmarks/costmodel_accuracy.py --model moe read most MoE plans' fwd+bwd 5-16 % under)."""
+    mode never passed one, so every automatic-mode profile priced the head at 0 ms)."""
     if parts.head is None:
         return None
     mods = [m for m in (parts.final_norm, parts.head) if m is not None]
