@@ -194,8 +194,10 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
                 accumulate: int = 1, clip: float | None = None, clip_algorithm: str = "norm", dropout: float = 0.0,
                 strategy_kwargs: dict | None = None, moe_callbacks: bool | str = False,
                 switches: tuple[tuple[int, dict], ...] = (), scheduled: bool = False,
-                profile_pipeline: bool = False, manual: bool = False) -> dict[str, Any]:
+                profile_pipeline: bool = False, manual: bool = False, precision: str = "32-true") -> dict[str, Any]:
     """Trainer.fit under ``plan`` vs the single-process loop: losses and final weights.
+
+    ``precision``: the Trainer's; the reference stays fp32, so a bf16 run is near it rather than equal.
 
     ``manual``: the module optimizes manually (:class:`ManualLM`), accumulating ``accumulate`` synced backwards
     per step itself (the Trainer then accumulates nothing).
@@ -243,10 +245,12 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
         extra.append(prof)
     trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[rec, *extra],
                         accumulate_grad_batches=1 if manual else accumulate,
-                        gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm, **trainer_kwargs())
+                        gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm, precision=precision,
+                        **trainer_kwargs())
     with ShardedLogitsRecorder() as seen:
         trainer.fit(module, loader)
     got = full_state(module.model)
+    dtypes = sorted({str(p.dtype) for p in got.values()})
     # Lightning's injected DistributedSampler shuffles training data with seed 0, epoch 0: at step t the
     # union of the ranks' batches is perm[t*G:(t+1)*G], which is what the reference consumes
     perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
@@ -256,7 +260,7 @@ def fit_compare(plan: dict | None, kind: str = "llama", steps: int = 10, global_
     return {
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(_step_means(rec.losses, accumulate), ref_losses)),
         "weight_err": weight_err(got, want),
-        "keys_equal": set(got) <= set(want), "n_losses": len(loss_rec),
+        "keys_equal": set(got) <= set(want), "n_losses": len(loss_rec), "dtypes": dtypes,
         "sampler": strategy.distributed_sampler_kwargs, "losses": rec.losses, "ref_losses": ref_losses,
         "vocab_parallel_loss": strategy.plan.vocab_parallel_loss, "sharded_seen": seen,
         "relayout": [r.__dict__ for r in extra[0].records] if moe_callbacks else [],
