@@ -40,6 +40,24 @@ PLANS = {2: [("2r moe dp2", dict(dp=2)), ("2r moe ep2", dict(dp=2, ep=2)),
              ("2r moe ep2·ckpt", dict(dp=2, ep=2, checkpoint=True))],
          4: [("4r moe dp4", dict(dp=4)), ("4r moe ep4", dict(dp=4, ep=4)),
              ("4r moe ep4·ckpt", dict(dp=4, ep=4, checkpoint=True))]}
+# the rest of costmodel_accuracy.py's MoE plans, for ``--plans``
+MORE = {2: [("2r moe ep2·zero1", dict(dp=2, ep=2, zero=1)), ("2r moe tp2 attn", dict(tp=2))],
+        4: [("4r moe ep2", dict(dp=4, ep=2)), ("4r moe ep4·zero3", dict(dp=4, ep=4, zero=3)),
+            ("4r moe ep2·tp2 attn", dict(tp=2, dp=2, ep=2))]}
+
+
+def selected(names: list[str] | None) -> dict[int, list[tuple[str, dict]]]:
+    """:data:`PLANS`, or the named plans of :data:`PLANS` and :data:`MORE` (a ``ValueError`` names an unknown one)."""
+    if not names:
+        return PLANS
+    known = {name: (w, spec) for src in (PLANS, MORE) for w, ps in src.items() for name, spec in ps}
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"--plans {bad}: not a plan of this benchmark. HINT: choose from {sorted(known)}")
+    out: dict[int, list[tuple[str, dict]]] = {}
+    for n in names:
+        out.setdefault(known[n][0], []).append((n, known[n][1]))
+    return out
 
 
 def _ci(xs: list[float]) -> str:
@@ -53,16 +71,20 @@ def parse_args(doc: str) -> argparse.Namespace:
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--plans", nargs="*", default=None,
+                    help="plan names (default: the six of PLANS; see MORE for the rest); a run with --plans "
+                         "does not write RESULTS.md")
     return ap.parse_args()
 
 
-def launches(n: int, steps: int, before: Callable[[int], object] | None = None
+def launches(n: int, steps: int, before: Callable[[int], object] | None = None,
+             plans_by_world: dict[int, list[tuple[str, dict]]] = PLANS
              ) -> Iterator[tuple[object, list[str], list[dict[str, float]]]]:
     """Run ``_moe_insitu_ranks.measure_all`` ``n`` times per world size of :data:`PLANS` (fresh processes each
     time, plan order rotated per launch so no plan always runs first) and yield, per launch, what ``before(world)``
     returned just ahead of it, the plan names in run order, and per plan the slowest rank's value of each key."""
     env = {"PYTHONPATH": f"{HERE}:{HERE.parent}"}
-    for world, plans in PLANS.items():
+    for world, plans in plans_by_world.items():
         for launch in range(n):
             ahead = before(world) if before is not None else None
             order = plans[launch % len(plans):] + plans[:launch % len(plans)]
@@ -76,7 +98,7 @@ def launches(n: int, steps: int, before: Callable[[int], object] | None = None
 def main() -> None:
     args = parse_args(__doc__)
     runs: dict[str, list[dict[str, float]]] = {}
-    for _, names, slowest in launches(args.launches, args.steps):
+    for _, names, slowest in launches(args.launches, args.steps, plans_by_world=selected(args.plans)):
         for name, r in zip(names, slowest):
             runs.setdefault(name, []).append(r)
     ms = lambda rs, k: statistics.median(r[k] for r in rs) * 1e3  # noqa: E731
@@ -98,7 +120,7 @@ def main() -> None:
                      f"{statistics.median(r['after_faults'] for r in rs) / 1e3:.1f} k |")
     report = "\n".join(lines)
     print(report)
-    if not args.no_write:
+    if not args.no_write and not args.plans:
         write_section("moe_block_insitu", "## MoE blocks inside a training step vs alone "
                       "(benchmarks/moe_block_insitu.py)\n\n" + NOTES + "\n\n" + report)
 

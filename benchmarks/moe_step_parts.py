@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 from _results import write_section  # noqa: E402
 from _stats import interval  # noqa: E402
 from costmodel_accuracy import MOE_CFG, MOE_SEQ, moe_plans, profile_world  # noqa: E402
-from moe_block_insitu import launches, parse_args  # noqa: E402
+from moe_block_insitu import launches, parse_args, selected  # noqa: E402
 
 from lightning_galv.planner.cost import GalvatronCostModel, StageContext  # noqa: E402
 
@@ -66,7 +66,8 @@ def main() -> None:
     by_name = dict(moe_plans())
     rows: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {}
     fresh = lambda world: profile_world(world, MOE_CFG, MOE_SEQ, "profile_machine_moe")  # noqa: E731
-    for (model, hw), names, slowest in launches(args.launches, args.steps, before=fresh):  # type: ignore[misc]
+    for (model, hw), names, slowest in launches(args.launches, args.steps, before=fresh,
+                                                        plans_by_world=selected(args.plans)):  # type: ignore[misc]
         for name, r in zip(names, slowest):
             meas = {"fwd": r["overlap_fwd"], "bwd": r["overlap_bwd"],
                     "ends": r["overlap_fb"] - r["overlap_fwd"] - r["overlap_bwd"],
@@ -90,7 +91,7 @@ def main() -> None:
         lines.append("| " + " | ".join(cells) + " |")
     report = "\n".join(lines)
     print(report)
-    if not args.no_write:
+    if not args.no_write and not args.plans:
         write_section("moe_step_parts", "## MoE step parts, predicted vs measured (benchmarks/moe_step_parts.py)"
                       "\n\n" + NOTES + "\n\n" + report)
 
