@@ -57,8 +57,8 @@ def free_port() -> int:
 def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: float = 600.0,
                     init_process_group: bool = True, env: dict[str, str] | None = None,
                     threads: int = 1, may_die: Collection[int] = (), poll: Callable[[], None] | None = None,
-                    log_tail: list[str] | None = None, rank0_lines: Callable[[str], None] | None = None
-                    ) -> list[Any]:
+                    log_tail: list[str] | None = None, rank0_lines: Callable[[str], None] | None = None,
+                    rank_logs: list[str] | None = None) -> list[Any]:
     """Run ``target(*args)`` on ``world_size`` ranks (separate processes, gloo) and return results.
 
     ``init_process_group=False`` leaves process-group creation to the function (a Lightning Trainer
@@ -67,7 +67,8 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
     ``poll`` is called while the ranks run; if it raises (the tuner's pruner does), every rank is killed
     and the exception propagates. ``log_tail``, if given, receives the ranks' log tails (also on failure).
     ``rank0_lines``, if given, is called with each complete line rank 0 writes while the ranks run (the
-    CLI shows profiling progress so).
+    CLI shows profiling progress so). ``rank_logs``, if given, receives every rank's whole log (stdout and
+    stderr), in rank order, once the ranks are done (also on failure).
 
     The ranks are forks of a server process that has torch and Lightning imported (``lightning_galv.forkserver``:
     a fresh ``import lightning`` costs seconds per rank); ``GALV_START_METHOD=subprocess`` starts each rank as a
@@ -137,6 +138,8 @@ def run_distributed(target: str, world_size: int, args: tuple = (), *, timeout: 
                     p.kill()
             for p in procs:
                 p.wait()
+            if rank_logs is not None:
+                rank_logs.extend(Path(log.name).read_text(errors="replace") for log in logs)
         if failed is not None:
             code = procs[failed].returncode
             raise RankCrashed(f"rank {failed} of {target} failed (exit {code}{_signal_name(code)}).\n"

@@ -6,14 +6,27 @@ later test that starts ``galv fit`` in a subprocess with that environment would 
 external launcher started it (``LOCAL_RANK`` set) and wait forever for ranks that never come.
 
 ``one_rank_group``: a one-rank gloo process group for the test (DTensors on a one-rank mesh, in-process).
+
+One environment for the whole session, set before any rank starts: this checkout and ``tests/`` first on
+``PYTHONPATH`` (rank processes import the package and the tests' helper modules, e.g. a tuner trial's
+factories) and the Hugging Face hubs offline (tests use local data only). Why here rather than per test:
+ranks fork from servers keyed by their environment (``lightning_galv.forkserver``), and every distinct
+environment costs a set of servers that each import torch and Lightning again (~11 s of CPU apiece).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+_FIRST = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    _FIRST + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in _FIRST])
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -86,11 +86,18 @@ def test_strategy_is_registered_whichever_is_imported_first() -> None:
         assert type(s).__name__ == "GalvatronStrategy" and s._shortcuts == {{"zero": 3}}, s
         print("OK")
     """
-    for first in ("import lightning_galv\n        import lightning.pytorch",
-                  "import lightning.pytorch\n        import lightning_galv"):
-        out = subprocess.run([sys.executable, "-c", textwrap.dedent(code.format(first=first))], capture_output=True,
-                             text=True, timeout=300)
-        assert out.returncode == 0 and "OK" in out.stdout, (first, out.stderr[-3000:])
+    orders = ("import lightning_galv\n        import lightning.pytorch",
+              "import lightning.pytorch\n        import lightning_galv")
+    # both fresh interpreters at once (each import is single-threaded: the second core would idle)
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code.format(first=first))],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for first in orders]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for first, p, (stdout, stderr) in zip(orders, procs, outs):
+        assert p.returncode == 0 and "OK" in stdout, (first, stderr[-3000:])
 
 
 # ---------------------------------------------------------------------------------------------------

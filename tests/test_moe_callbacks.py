@@ -87,7 +87,7 @@ def _cases4() -> list[tuple[str, dict, dict]]:
 
 
 def _cases8() -> list[tuple[str, dict, dict]]:
-    moe = {"kind": "moe", "global_batch": 16}
+    moe = {"kind": "moe", "global_batch": 16, "steps": STEPS4}
     return [
         ("place_ep4x2_nodes", _plan(8, L(dp=8, ep=4), L(dp=8), embed=L(dp=8), head=L(dp=8)),
          {**moe, "placement": 2, "placement_shuffle": True}),

@@ -163,9 +163,10 @@ def _cases8() -> list[tuple[str, dict, dict]]:
     )
     pp_tp_dp = ParallelPlan.uniform(8, 4, L(tp=2, dp=2), pp=2, micro_batches=2)
     moe8 = ParallelPlan(8, (L(dp=8, ep=4), L(tp=2, dp=4), L(dp=8, ep=4, zero=2)), embed=L(dp=8), head=L(tp=2, dp=4))
-    return [("hybrid8", plan.to_dict(), {"layers": 4, "global_batch": 16}),
-            ("moe_ep4_x_dp2", moe8.to_dict(), {"kind": "moe", "global_batch": 16, "clip": 0.05}),
-            ("pp2_tp2_dp2", pp_tp_dp.to_dict(), {"layers": 4, "global_batch": 8})]
+    steps = {"steps": STEPS4}  # as many as a 4-rank case
+    return [("hybrid8", plan.to_dict(), {"layers": 4, "global_batch": 16, **steps}),
+            ("moe_ep4_x_dp2", moe8.to_dict(), {"kind": "moe", "global_batch": 16, "clip": 0.05, **steps}),
+            ("pp2_tp2_dp2", pp_tp_dp.to_dict(), {"layers": 4, "global_batch": 8, **steps})]
 
 
 def _cases_vocab_loss() -> list[tuple[str, dict, dict]]:

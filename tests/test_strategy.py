@@ -69,6 +69,7 @@ def vpl_results() -> dict:
         ("vpl_pp2_eval", "fit_then_eval", dict(plan=VPL_PP2)),
         ("vpl_bf16_mixed", "fit_precision", dict(plan=VPL, precision="bf16-mixed")),
     ]
+    cases = [(name, fn, {"steps": FIT_STEPS, **kw} if fn == "fit_compare" else kw) for name, fn, kw in cases]
     return run_distributed(CHECKS, 4, (cases,), init_process_group=False, timeout=1200)[0]
 
 

@@ -19,12 +19,10 @@ def _plan(s: L) -> ParallelPlan:
 
 @pytest.fixture(autouse=True)
 def _importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
     from pathlib import Path
 
     here = str(Path(__file__).parent)
-    monkeypatch.syspath_prepend(here)
-    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))  # for the trial ranks
+    monkeypatch.syspath_prepend(here)  # the trial ranks have it on PYTHONPATH (conftest's session environment)
 
 
 @pytest.mark.slow
