@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .errors import bad_value
 from .models.protocol import ModelParts
 from .plan import SP_MODES, LayerStrategy, ParallelPlan
 from .units import format_bytes
@@ -38,6 +39,7 @@ from .units import format_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from .planner import HardwareProfile, ModelProfile, ProfileCache
     from .planner.cost import GalvatronCostModel
+    from .profiling import ModelProfiler
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
@@ -128,22 +130,33 @@ def profile_batch_sizes(loader_batch: int | None) -> tuple[int, ...]:
 
 
 def profile_model(model: nn.Module, parts: ModelParts, cache: "ProfileCache | None" = None,
-                  verbose: bool = False, batch_sizes: tuple[int, ...] = (1, 2)) -> "ModelProfile":
+                  verbose: bool = False, batch_sizes: tuple[int, ...] = (1, 2),
+                  device: "torch.device | str" = "cpu") -> "ModelProfile":
     """The model profile automatic mode searches with (from ``cache`` when these blocks were measured
     before): one layer type per kind of block (:func:`block_types`), each measured on its first block at
-    ``batch_sizes`` samples (:func:`profile_batch_sizes`)."""
+    ``batch_sizes`` samples (:func:`profile_batch_sizes`), on ``device`` (where training runs)."""
+    return model_profiler(model, parts, cache, verbose, batch_sizes, device).fit()
+
+
+def model_profiler(model: nn.Module, parts: ModelParts, cache: "ProfileCache | None" = None,
+                   verbose: bool = False, batch_sizes: tuple[int, ...] = (1, 2),
+                   device: "torch.device | str" = "cpu", time_optimizer: bool = True) -> "ModelProfiler":
+    """The ModelProfiler :func:`profile_model` runs (its ``key()`` tells a cached profile without measuring);
+    ``time_optimizer=False`` when :func:`sharded_profile` will measure the optimizer step (several ranks)."""
     from .profiling import ModelProfiler
     from .profiling.profilers import buffer_bytes
 
-    assert parts.shape is not None
+    if parts.shape is None:
+        raise bad_value(f"{type(model).__name__}: no galv_shape", "profiling needs the model's shape",
+                        "implement the block protocol (lightning_galv.models.protocol)")
     type_of, first, names = block_types(parts.blocks)
     makes = [lambda b=parts.blocks[i]: copy.deepcopy(b).float() for i in first]
-    ends = dict(make_head=head_maker(parts), make_embed=embed_maker(parts))
+    common = dict(batch_sizes=batch_sizes, repeats=2, cache=cache, progress=verbose, buffer_bytes=buffer_bytes(model),
+                  make_head=head_maker(parts), make_embed=embed_maker(parts), device=str(torch.device(device)),
+                  time_optimizer=time_optimizer)
     if len(makes) == 1 and "[" not in names[0]:  # a dense model of one block kind: one unnamed layer type
-        return ModelProfiler(makes[0], parts.shape, batch_sizes=batch_sizes, repeats=2, cache=cache,
-                             progress=verbose, buffer_bytes=buffer_bytes(model), **ends).fit()
-    return ModelProfiler(makes, parts.shape, batch_sizes=batch_sizes, repeats=2, cache=cache, progress=verbose,
-                         buffer_bytes=buffer_bytes(model), layer_type_of=type_of, kinds=names, **ends).fit()
+        return ModelProfiler(makes[0], parts.shape, **common)
+    return ModelProfiler(makes, parts.shape, layer_type_of=type_of, kinds=names, **common)
 
 
 def head_maker(parts: ModelParts) -> Callable[[], nn.Module] | None:
@@ -228,7 +241,8 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
         plan = ParallelPlan.uniform(world_size, n_layers, LayerStrategy(dp=world_size, zero=zero))
         _say(verbose and rank == 0, f"auto plan (model without the block protocol): {plan.layers[0].short()}")
         return AutoSearch(plan, None, None, budget, margin, loader_batch, "model without the block protocol: data parallel")
-    profile, hw = measure_profiles(model, parts, world_size, budget, verbose, loader_batch=loader_batch)
+    profile, hw = measure_profiles(model, parts, world_size, budget, verbose, loader_batch=loader_batch,
+                                   device=device)
     box: list[Any] = [None]
     error: BaseException | None = None
     if rank == 0:
@@ -262,25 +276,59 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
 
 def measure_profiles(model: nn.Module, parts: ModelParts, world_size: int, budget: float, verbose: bool = True,
                      cache: "ProfileCache | None" = None, loader_batch: int | None = None,
-                     ) -> "tuple[ModelProfile, HardwareProfile | None]":
+                     device: "torch.device | str | None" = None) -> "tuple[ModelProfile, HardwareProfile | None]":
     """The profiles automatic mode (and ``galv profile`` / ``galv search``) plans with, measured or read from
     ``cache`` (default: ``$GALV_CACHE_DIR``): collectives on all ranks (None on one rank), the model's block
-    types on rank 0 (shared with every rank), then the runtime's sharded blocks on all ranks, at the sample
-    counts of :func:`profile_batch_sizes` (``loader_batch``: the training loader's per-shard batch, if known).
-    Every rank of the default process group must call it together."""
+    types and ends (rank 0's measurement, shared with every rank), then the runtime's sharded blocks on all
+    ranks, at the sample counts of :func:`profile_batch_sizes` (``loader_batch``: the training loader's
+    per-shard batch, if known), each rank on ``device`` (where training runs; None: this rank's GPU under NCCL,
+    else the CPU).
+    Every rank of the default process group must call it together.
+
+    Why every rank runs the ModelProfiler while only rank 0's result is kept: in training every rank computes at
+    once, and ranks that share cores and memory are slower together (4 CPU ranks on 2 cores: rank 0 alone timed
+    Adam steps 2.3-3x faster). The ends (embedding, head + loss) are priced from this profiler only."""
     from .planner import ModelProfile, ProfileCache
     from .profiling import HardwareProfiler
 
     cache = cache if cache is not None else ProfileCache()
     rank = dist.get_rank()
+    if device is None:
+        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
     hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, device_memory_bytes=budget, cache=cache,
-                          progress=verbose).fit() if world_size > 1 else None
+                          progress=verbose, device=str(torch.device(device))).fit() if world_size > 1 else None
     sizes = profile_batch_sizes(loader_batch)
-    profile = ModelProfile.from_json(_shared(rank, lambda: profile_model(model, parts, cache, verbose,
-                                                                         sizes).to_json()))
+    # rank 0 reads the cache and saves to it; a miss is measured on every rank at once
+    profiler = model_profiler(model, parts, cache if rank == 0 else None, verbose and rank == 0, sizes, device,
+                              time_optimizer=hw is None)
+    hit = _shared(rank, lambda: (lambda p: None if p is None else p.to_json())(profiler.cached()))
+    if hit is None:
+        mine = _on_every_rank(profiler.fit)  # every rank measures beside the others; rank 0's is kept (and cached)
+        hit = _shared(rank, mine.to_json)
+    profile = ModelProfile.from_json(hit)
     if hw is not None:  # every rank: the runtime's own sharded blocks, timed on real tp groups (issue 13)
-        profile = sharded_profile(model, parts, profile, hw, cache, verbose, sizes)
+        profile = sharded_profile(model, parts, profile, hw, cache, verbose, sizes, device)
     return profile, hw
+
+
+def _on_every_rank(make: Callable[[], Any]) -> Any:
+    """``make()`` on every rank at once; an error on any rank is raised on every rank (none waits for a peer that
+    failed). Returns this rank's value."""
+    value, mine = None, None
+    try:
+        value = make()
+    except Exception as exc:  # noqa: BLE001 - every kind must reach the other ranks
+        mine = exc
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if mine is None else (type(mine).__name__, str(mine)))
+    if mine is not None:
+        raise mine
+    failed = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+    if failed is not None:
+        (r, (kind, message)) = failed
+        raise _RANK0_ERRORS.get(kind, RuntimeError)(
+            message if kind in _RANK0_ERRORS else f"rank {r} failed while profiling ({kind}): {message}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -443,7 +491,7 @@ def _shared(rank: int, make: Any) -> Any:
 
 def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile", hw: "HardwareProfile",
                     cache: "ProfileCache | None", verbose: bool,
-                    batch_sizes: tuple[int, ...] = (1, 2)) -> "ModelProfile":
+                    batch_sizes: tuple[int, ...] = (1, 2), device: "torch.device | str" = "cpu") -> "ModelProfile":
     """``profile`` with every layer type's sharded fits measured by :class:`ShardedLayerProfiler` (all ranks
     together; cached by what was measured). The block-only ModelProfiler divides compute by tp, which on
     CPU under-prices tensor parallelism by up to ~20 % (benchmarks/RESULTS.md, cost-model accuracy)."""
@@ -469,6 +517,8 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
         what["sp_modes"] = list(parts.sp_modes)
     if tuple(batch_sizes) != (1, 2):
         what["batch_sizes"] = list(batch_sizes)
+    if torch.device(device).type != "cpu":  # (CPU keys unchanged)
+        what["device"] = torch.device(device).type
     key = fingerprint(what)
 
     def cached() -> str | None:  # rank 0 decides, so every rank takes the same branch (profiling is collective)
@@ -485,7 +535,7 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
         block = parts.blocks[profile.layer_type_of.index(j)]
         profiler = ShardedLayerProfiler(lambda b=block: copy.deepcopy(b).float(), profile.shape, hw,
                                         batch_sizes=batch_sizes, repeats=SHARDED_PROFILE_ROUNDS,
-                                        progress=verbose, sp_kinds=sp_kinds)
+                                        progress=verbose, sp_kinds=sp_kinds, device=str(torch.device(device)))
         types.append(profiler.fit(lt))
         if j == 0 and profiler.optimizer_bandwidth > 0:  # the first block type's, as the ModelProfiler measures
             # the optimizer step: rank 0 took that alone while the other ranks waited, which on a machine whose

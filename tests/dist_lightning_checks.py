@@ -323,7 +323,7 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
     with which *any* plan without a pipeline fits (found by bisection with the same profile and cost model
     as automatic mode), so the search has to use pipeline stages; the predictions come back for the test.
     """
-    from lightning_galv.auto import priced_hardware, profile_batch_sizes, profile_model
+    from lightning_galv.auto import priced_hardware
     from lightning_galv.models.protocol import find_parts
     from lightning_galv.plan import LayerStrategy
     from lightning_galv.planner import GalvatronCostModel, HardwareProfile, ProfileCache
@@ -343,16 +343,12 @@ def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2G
         from lightning_galv.auto import run_configs
         from lightning_galv.planner import SearchSpace, search
 
-        from lightning_galv.auto import sharded_profile
-        from lightning_galv.profiling import HardwareProfiler
+        from lightning_galv.auto import measure_profiles
 
-        # the profile automatic mode will use: block profile + the sharded blocks measured on these ranks
-        # (the same cached hardware profile, so the sharded measurement is cached for automatic mode too)
-        measured_hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, cache=ProfileCache(),
-                                       progress=False).fit()
-        sizes = profile_batch_sizes(per_shard)  # the sample counts automatic mode will profile at
-        prof = profile_model(module, find_parts(module), ProfileCache(), batch_sizes=sizes)
-        prof = sharded_profile(module, find_parts(module), prof, measured_hw, ProfileCache(), False, sizes)
+        # the profile automatic mode will use, measured as it measures (cached for it): block profile + the
+        # sharded blocks on these ranks, at the sample counts it profiles at
+        prof, _ = measure_profiles(module, find_parts(module), world, 8 * 2**30, verbose=False,
+                                   cache=ProfileCache(), loader_batch=per_shard)
         hw = priced_hardware(prof, HardwareProfile.uniform(1, world, 1e12), 1e12)
         cost = GalvatronCostModel(prof, hw, runtime="native")
         _, gb, ms = run_configs(world, n_layers, per_shard, pipeline=True)[0]

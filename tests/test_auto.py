@@ -140,3 +140,46 @@ def test_automatic_profiles_price_the_ends(tmp_path) -> None:  # type: ignore[no
         again = type(prof).from_json(prof.to_json())  # the measured backwards travel with the profile
         assert (again.head_backward, again.embed_backward) == (prof.head_backward, prof.embed_backward)
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_automatic_mode_profiles_on_the_training_device(tmp_path, monkeypatch, one_rank_group) -> None:  # type: ignore[no-untyped-def]
+    """The device automatic mode trains on reaches every profiler: a GPU run profiled its blocks and ends on the
+    CPU (the ModelProfiler's and ShardedLayerProfiler's default), and the sharded profiler's meshes took the
+    device's full name where DeviceMesh wants its type. No GPU here: the profilers are spied on, not run there."""
+    import torch
+
+    from lightning_galv import auto
+    from lightning_galv.models import Llama, LlamaConfig
+    from lightning_galv.models.protocol import find_parts
+    from lightning_galv.planner import HardwareProfile, ProfileCache
+    from lightning_galv.profiling import profilers
+
+    model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                              max_seq_len=16))
+    parts = find_parts(model)
+    gpu = torch.device("cuda", 1)
+    assert auto.model_profiler(model, parts, device=gpu).device == gpu
+    seen: list[object] = []
+    real = auto.model_profiler
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(kw.pop("device", args[5] if len(args) > 5 else None))
+        return real(*args[:5], **kw)  # measured on the CPU here
+
+    monkeypatch.setattr(auto, "model_profiler", spy)
+    profile, hw = auto.measure_profiles(model, parts, 1, 1e9, verbose=False, cache=ProfileCache(tmp_path),
+                                        device=gpu)
+    assert seen == [gpu] and hw is None and profile.head_backward is not None
+
+    class Stop(Exception):
+        pass
+
+    class Sharded:  # records what sharded_profile builds, then stops before any timing
+        def __init__(self, *args, **kw):  # type: ignore[no-untyped-def]
+            seen.append(kw["device"])
+            raise Stop
+
+    monkeypatch.setattr(profilers, "ShardedLayerProfiler", Sharded)
+    with __import__("pytest").raises(Stop):
+        auto.sharded_profile(model, parts, profile, HardwareProfile.uniform(1, 2, 1e10), None, False, device=gpu)
+    assert seen[-1] == "cuda:1"

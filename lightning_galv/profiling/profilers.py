@@ -168,7 +168,8 @@ class ModelProfiler:
                  cache: ProfileCache | None = None, progress: bool = True,
                  make_head: Callable[[], nn.Module] | None = None, buffer_bytes: float | None = None,
                  device: str = "cpu", layer_type_of: Sequence[int] | None = None,
-                 kinds: Sequence[str] | None = None, make_embed: Callable[[], nn.Module] | None = None) -> None:
+                 kinds: Sequence[str] | None = None, make_embed: Callable[[], nn.Module] | None = None,
+                 time_optimizer: bool = True) -> None:
         """``make_head`` / ``make_embed``: copies of the model's ends (final norm + output projection, called on
         ``[b, s, h]``; the token embedding, called on ``[b, s]`` token ids), timed forward and backward so that the
         cost model prices them (None: that end's fits stay zero).
@@ -179,7 +180,11 @@ class ModelProfiler:
         share one RoPE table across blocks, so a per-block count would overstate them L times.
 
         ``kinds``: a name per layer type that says what the block is (class, parameter shapes), part of the
-        cache key -- without it two models of one shape share a cached profile whatever their blocks are."""
+        cache key -- without it two models of one shape share a cached profile whatever their blocks are.
+
+        ``time_optimizer=False`` leaves the Adam-step bandwidth at 0: automatic mode on several ranks takes the
+        one :class:`ShardedLayerProfiler` measures with every rank stepping at once, and this one's copies of up to
+        64 Mi parameters with their Adam states cost memory and time on every rank for nothing."""
         makes = [make_block] if callable(make_block) else list(make_block)
         type_of = tuple(layer_type_of) if layer_type_of is not None else (0,) * shape.num_layers
         if not makes or len(type_of) != shape.num_layers or sorted(set(type_of)) != list(range(len(makes))):
@@ -198,6 +203,7 @@ class ModelProfiler:
         self.batch_sizes = tuple(batch_sizes)
         self.seq_lens = tuple(seq_lens or (max(1, shape.seq_len // 2), shape.seq_len))
         self.repeats, self.dtype, self.cache, self.progress = repeats, dtype, cache, progress
+        self.time_optimizer = time_optimizer
 
     def key(self) -> str:
         # "v": bump when the profile gains fields, so older cache files are measured again instead of
@@ -210,19 +216,27 @@ class ModelProfiler:
                  "embed": self.make_embed is not None, "device": self.device.type}
         if len(self.makes) > 1 or self.kinds is not None:  # one unnamed block type keeps its old key
             facts["types"] = {"kinds": self.kinds, "layer_type_of": self.layer_type_of}
+        if not self.time_optimizer:  # (keys of profiles with the bandwidth unchanged)
+            facts["optimizer"] = False
         return fingerprint(facts)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def cached(self) -> ModelProfile | None:
+        """The profile :meth:`fit` would return from the cache, if it holds one (None: fit measures)."""
+        hit = self.cache.load("model", self.key()) if self.cache is not None else None
+        if not isinstance(hit, ModelProfile):
+            return None
+        _progress("model profile from cache", self.progress)
+        self.optimizer_bandwidth = hit.optimizer_bandwidth
+        return hit
+
     def fit(self) -> ModelProfile:
-        if self.cache is not None:
-            hit = self.cache.load("model", self.key())
-            if isinstance(hit, ModelProfile):
-                _progress("model profile from cache", self.progress)
-                self.optimizer_bandwidth = hit.optimizer_bandwidth
-                return hit
+        hit = self.cached()
+        if hit is not None:
+            return hit
         h = self.shape.hidden
         points = [(b, s) for s in self.seq_lens for b in self.batch_sizes]
         layers: list[LayerTypeProfile] = []
@@ -240,10 +254,11 @@ class ModelProfiler:
 
         # at least OPTIMIZER_REPEATS steps: one costs a b=1 forward and backward plus the step, and with automatic
         # mode's 2 repeats the stored MoE accuracy profiles' bandwidths spread 2.3-7.6 GB/s over launches at 4 ranks
-        self.optimizer_bandwidth = _optimizer_bandwidth(block, self.shape.num_layers,
-                                                        max(self.repeats, OPTIMIZER_REPEATS),
-                                                        OPTIMIZER_TRAFFIC_BYTES, (1, self.shape.seq_len, h),
-                                                        self._sync)
+        if self.time_optimizer:
+            self.optimizer_bandwidth = _optimizer_bandwidth(block, self.shape.num_layers,
+                                                            max(self.repeats, OPTIMIZER_REPEATS),
+                                                            OPTIMIZER_TRAFFIC_BYTES, (1, self.shape.seq_len, h),
+                                                            self._sync)
         ends = self._time_ends(points)
         if self.buffer_bytes is None:
             fixed += ends.buffers
@@ -541,7 +556,7 @@ class ShardedLayerProfiler:
         from ..planner.cost import block_comm_time, moe_layer_comm
         from ..planner.profiles import act_key, time_key
 
-        factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
+        factory = MeshFactory(RankLayout(self.world), torch.device(self.device).type, self.rank)
         seq, h = self.shape.seq_len, self.shape.hidden
         for tp, sp in self.variants():
             _progress(f"sharded block tp={tp} sp={sp}", self.progress)
@@ -681,7 +696,7 @@ class ShardedLayerProfiler:
 
         if self.world == 1:
             return {}
-        factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
+        factory = MeshFactory(RankLayout(self.world), torch.device(self.device).type, self.rank)
         copies = max(1, min(self.shape.num_layers, cap_params // max(1, layer.params)))
         tps = [tp for tp, sp in self.variants() if tp > 1 and sp == "none"]
         shardings: dict[str, LayerStrategy | None] = {"plain": None}
@@ -746,7 +761,7 @@ class ShardedLayerProfiler:
         moe = layer.moe
         if moe is None:
             raise ValueError("layer.moe: None. HINT: expert-parallel variants exist for MoE layer types only.")
-        factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
+        factory = MeshFactory(RankLayout(self.world), torch.device(self.device).type, self.rank)
         seq = self.shape.seq_len
         for ep in self.ep_degrees(layer):
             _progress(f"sharded block ep={ep}", self.progress)
@@ -853,7 +868,7 @@ class ShardedLayerProfiler:
 
         if self.world == 1:
             return
-        factory = MeshFactory(RankLayout(self.world), self.device, self.rank)
+        factory = MeshFactory(RankLayout(self.world), torch.device(self.device).type, self.rank)
         eps = [1] + (self.ep_degrees(layer) if layer is not None else [])
         for ep in eps:
             edp = self.world // ep

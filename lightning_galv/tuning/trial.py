@@ -143,14 +143,10 @@ def profile_run(module_factory: str, data_factory: str, memory_budget: Any) -> d
     """Every rank: profile this machine and the model the way automatic mode does (cached by what was measured).
 
     Runs inside an initialized process group (the tuner's launcher creates it)."""
-    import copy
-
     import torch.distributed as dist
 
-    from ..auto import device_memory, parse_bytes, profile_batch_sizes, profile_model, sharded_profile
+    from ..auto import device_memory, measure_profiles, parse_bytes, priced_hardware
     from ..models.protocol import find_parts
-    from ..planner import ModelProfile, ProfileCache
-    from ..profiling import HardwareProfiler
 
     module = load_object(module_factory)()
     data = load_object(data_factory)()
@@ -162,19 +158,9 @@ def profile_run(module_factory: str, data_factory: str, memory_budget: Any) -> d
                          "plain data parallelism without tuning.")
     world = dist.get_world_size()
     budget = parse_bytes(memory_budget) if memory_budget is not None else device_memory(torch.device("cpu"))
-    cache = ProfileCache()
-    hw = HardwareProfiler(sizes_bytes=(1 << 14, 1 << 18), repeats=2, device_memory_bytes=budget, cache=cache,
-                          progress=False).fit() if world > 1 else None
     loader_batch = getattr(loader, "batch_size", None)
-    sizes = profile_batch_sizes(loader_batch)  # as automatic mode profiles (same cache entries)
-    box: list[Any] = [profile_model(copy.deepcopy(module), parts, cache, batch_sizes=sizes).to_json()
-                      if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    model = ModelProfile.from_json(box[0])
-    if hw is not None:
-        model = sharded_profile(module, parts, model, hw, cache, False, sizes)
-    from ..auto import priced_hardware
-
+    # as automatic mode profiles (the same cache entries)
+    model, hw = measure_profiles(module, parts, world, budget, verbose=False, loader_batch=loader_batch)
     hw = priced_hardware(model, hw, budget)
     pipeline = all(callable(getattr(module, n, None)) for n in ("galv_pipeline_batch", "galv_pipeline_loss"))
     return {"model_profile": model.to_json(), "hardware_profile": hw.to_json(), "budget": budget,
