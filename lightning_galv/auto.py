@@ -140,9 +140,11 @@ def profile_model(model: nn.Module, parts: ModelParts, cache: "ProfileCache | No
 
 def model_profiler(model: nn.Module, parts: ModelParts, cache: "ProfileCache | None" = None,
                    verbose: bool = False, batch_sizes: tuple[int, ...] = (1, 2),
-                   device: "torch.device | str" = "cpu", time_optimizer: bool = True) -> "ModelProfiler":
+                   device: "torch.device | str" = "cpu", time_optimizer: bool = True,
+                   busy_ranks: int = 1) -> "ModelProfiler":
     """The ModelProfiler :func:`profile_model` runs (its ``key()`` tells a cached profile without measuring);
-    ``time_optimizer=False`` when :func:`sharded_profile` will measure the optimizer step (several ranks)."""
+    ``time_optimizer=False`` when :func:`sharded_profile` will measure the optimizer step (several ranks);
+    ``busy_ranks``: how many ranks run it at once."""
     from .profiling import ModelProfiler
     from .profiling.profilers import buffer_bytes
 
@@ -153,7 +155,7 @@ def model_profiler(model: nn.Module, parts: ModelParts, cache: "ProfileCache | N
     makes = [lambda b=parts.blocks[i]: copy.deepcopy(b).float() for i in first]
     common = dict(batch_sizes=batch_sizes, repeats=2, cache=cache, progress=verbose, buffer_bytes=buffer_bytes(model),
                   make_head=head_maker(parts), make_embed=embed_maker(parts), device=str(torch.device(device)),
-                  time_optimizer=time_optimizer)
+                  time_optimizer=time_optimizer, busy_ranks=busy_ranks)
     if len(makes) == 1 and "[" not in names[0]:  # a dense model of one block kind: one unnamed layer type
         return ModelProfiler(makes[0], parts.shape, **common)
     return ModelProfiler(makes, parts.shape, layer_type_of=type_of, kinds=names, **common)
@@ -287,7 +289,9 @@ def measure_profiles(model: nn.Module, parts: ModelParts, world_size: int, budge
 
     Why every rank runs the ModelProfiler while only rank 0's result is kept: in training every rank computes at
     once, and ranks that share cores and memory are slower together (4 CPU ranks on 2 cores: rank 0 alone timed
-    Adam steps 2.3-3x faster). The ends (embedding, head + loss) are priced from this profiler only."""
+    Adam steps 2.3-3x faster). The ends (embedding, head + loss) are priced from this profiler only. The cost:
+    every rank holds the profiler's copies of one block per kind, the embedding and the head at once (on a CPU
+    host with a large vocabulary, a V x h copy and its gradient per rank), where only rank 0 did before."""
     from .planner import ModelProfile, ProfileCache
     from .profiling import HardwareProfiler
 
@@ -300,7 +304,7 @@ def measure_profiles(model: nn.Module, parts: ModelParts, world_size: int, budge
     sizes = profile_batch_sizes(loader_batch)
     # rank 0 reads the cache and saves to it; a miss is measured on every rank at once
     profiler = model_profiler(model, parts, cache if rank == 0 else None, verbose and rank == 0, sizes, device,
-                              time_optimizer=hw is None)
+                              time_optimizer=hw is None, busy_ranks=dist.get_world_size())
     hit = _shared(rank, lambda: (lambda p: None if p is None else p.to_json())(profiler.cached()))
     if hit is None:
         mine = _on_every_rank(profiler.fit)  # every rank measures beside the others; rank 0's is kept (and cached)

@@ -159,6 +159,9 @@ def test_automatic_mode_profiles_on_the_training_device(tmp_path, monkeypatch, o
     parts = find_parts(model)
     gpu = torch.device("cuda", 1)
     assert auto.model_profiler(model, parts, device=gpu).device == gpu
+    # a profile timed beside other busy ranks is cached for that rank count only (one rank keeps its old key)
+    keys = {n: auto.model_profiler(model, parts, busy_ranks=n).key() for n in (1, 2, 4)}
+    assert len(set(keys.values())) == 3 and keys[1] == auto.model_profiler(model, parts).key()
     seen: list[object] = []
     real = auto.model_profiler
 

@@ -34,7 +34,8 @@ def test_a_stopped_rank_fails_every_other_rank_with_its_name_within_the_timeout(
     timeout = 8.0
     plan = {"world_size": 4, "layers": [{"tp": 2, "dp": 2}] * 3, "embed": {"tp": 2, "dp": 2},
             "head": {"tp": 2, "dp": 2}}
-    # no TORCH_FR_BUFFER_SIZE here: the strategy turns the flight recorder on itself, as a user's run has it
+    # no TORCH_FR_BUFFER_SIZE here: the strategy sets it before its first collective (the launcher's process group
+    # already exists then, so this also checks that the recorder is sized at its first use, not at group creation)
     results = run_distributed(LIGHTNING + "::fit_stopped_rank", 4, (plan, str(tmp_path), 3, timeout),
                               may_die={3}, timeout=300)
     assert results[3] is None  # killed by rank 0 after the diagnosis

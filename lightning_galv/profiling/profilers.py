@@ -169,7 +169,7 @@ class ModelProfiler:
                  make_head: Callable[[], nn.Module] | None = None, buffer_bytes: float | None = None,
                  device: str = "cpu", layer_type_of: Sequence[int] | None = None,
                  kinds: Sequence[str] | None = None, make_embed: Callable[[], nn.Module] | None = None,
-                 time_optimizer: bool = True) -> None:
+                 time_optimizer: bool = True, busy_ranks: int = 1) -> None:
         """``make_head`` / ``make_embed``: copies of the model's ends (final norm + output projection, called on
         ``[b, s, h]``; the token embedding, called on ``[b, s]`` token ids), timed forward and backward so that the
         cost model prices them (None: that end's fits stay zero).
@@ -184,7 +184,11 @@ class ModelProfiler:
 
         ``time_optimizer=False`` leaves the Adam-step bandwidth at 0: automatic mode on several ranks takes the
         one :class:`ShardedLayerProfiler` measures with every rank stepping at once, and this one's copies of up to
-        64 Mi parameters with their Adam states cost memory and time on every rank for nothing."""
+        64 Mi parameters with their Adam states cost memory and time on every rank for nothing.
+
+        ``busy_ranks``: how many ranks run this profiler at once (automatic mode: every rank of the run), part of
+        the cache key -- ranks that share cores and memory time slower together, so a profile taken beside 1 other
+        rank must not price a run of 4."""
         makes = [make_block] if callable(make_block) else list(make_block)
         type_of = tuple(layer_type_of) if layer_type_of is not None else (0,) * shape.num_layers
         if not makes or len(type_of) != shape.num_layers or sorted(set(type_of)) != list(range(len(makes))):
@@ -203,7 +207,7 @@ class ModelProfiler:
         self.batch_sizes = tuple(batch_sizes)
         self.seq_lens = tuple(seq_lens or (max(1, shape.seq_len // 2), shape.seq_len))
         self.repeats, self.dtype, self.cache, self.progress = repeats, dtype, cache, progress
-        self.time_optimizer = time_optimizer
+        self.time_optimizer, self.busy_ranks = time_optimizer, busy_ranks
 
     def key(self) -> str:
         # "v": bump when the profile gains fields, so older cache files are measured again instead of
@@ -218,6 +222,8 @@ class ModelProfiler:
             facts["types"] = {"kinds": self.kinds, "layer_type_of": self.layer_type_of}
         if not self.time_optimizer:  # (keys of profiles with the bandwidth unchanged)
             facts["optimizer"] = False
+        if self.busy_ranks > 1:  # (one rank's keys unchanged)
+            facts["busy_ranks"] = self.busy_ranks
         return fingerprint(facts)
 
     def _sync(self) -> None:
@@ -519,8 +525,12 @@ class ShardedLayerProfiler:
             for b in self.batch_sizes:
                 tf, tb, cf, cb = measured[(key, b)]
                 comm_f, comm_b = comm_of(b)
-                # compute = wall minus the collectives' predicted share, but never below the rank's own CPU time
-                times = torch.tensor([max(tf - comm_f, cf), max(tb - comm_b, cb)], dtype=torch.float64)
+                # compute = wall minus the collectives' predicted share, but on CPU never below the rank's own CPU
+                # time (a GPU rank's CPU time is no floor: it busy-waits in synchronize, collectives included)
+                if torch.device(self.device).type == "cpu":
+                    times = torch.tensor([max(tf - comm_f, cf), max(tb - comm_b, cb)], dtype=torch.float64)
+                else:
+                    times = torch.tensor([max(tf - comm_f, 0.0), max(tb - comm_b, 0.0)], dtype=torch.float64)
                 dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
                 computed[(key, b)] = (float(times[0]), float(times[1]))
         sharded: dict[str, dict[str, TimeFit]] = {}
