@@ -95,8 +95,9 @@ def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: in
     (which reads each MoE layer's facts: experts, top-k, expert parameters), then every block kind as the
     runtime shards it, timed on all ranks (``auto.sharded_profile``, as automatic mode does), at the sample
     counts automatic mode takes for a loader that gives every rank ``8 / world`` samples (the plans' global
-    batch of 8; ``auto.profile_batch_sizes``)."""
-    from lightning_galv.auto import profile_batch_sizes, profile_model, sharded_profile
+    batch of 8; ``auto.profile_batch_sizes``, and for each tp degree the counts its blocks run at,
+    ``auto.tp_batch_sizes``)."""
+    from lightning_galv.auto import profile_batch_sizes, profile_model, sharded_profile, tp_batch_sizes
     from lightning_galv.models.protocol import find_parts
     from lightning_galv.profiling import HardwareProfiler
 
@@ -105,10 +106,12 @@ def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: in
     model = make_model(cfg)
     parts = find_parts(model)
     dist.barrier()
-    batches = profile_batch_sizes(8 // dist.get_world_size())
+    loader = 8 // dist.get_world_size()
+    batches = profile_batch_sizes(loader)
     prof = profile_model(model, parts, batch_sizes=batches)
     with _raw_timings() as calls:
-        prof = sharded_profile(model, parts, prof, hw, None, False, batches)
+        prof = sharded_profile(model, parts, prof, hw, None, False, batches,
+                               tp_sizes=tp_batch_sizes(loader, dist.get_world_size()))
     bandwidth = prof.optimizer_bandwidth  # all ranks stepping at once (sharded_profile), as automatic mode prices it
     probes += [probe(cfg, seq) for _ in range(4)]
     # the speed reference, as in profile_machine: the profile's own raw timing of the block the probe times (the

@@ -25,7 +25,7 @@ import copy
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -116,17 +116,32 @@ def block_types(blocks: "list[nn.Module] | nn.ModuleList") -> tuple[list[int], l
     return type_of, first, names
 
 
-def profile_batch_sizes(loader_batch: int | None) -> tuple[int, ...]:
+def profile_batch_sizes(loader_batch: int | None, ways: int = 1) -> tuple[int, ...]:
     """Samples per block the model profiles time: 1 and 2 (cheap, and they pin the fit's constant), plus the
-    training loader's per-shard batch (at most 8) when it is larger: a data-parallel layer runs at exactly
-    that size, so its time is measured rather than read off an affine fit of two small, noisy runs. (In the
-    MoE accuracy benchmark this did not by itself close the gap of the plans without ep: the 2-rank dp2 plan
-    stayed ~33 % under-predicted when its 4-sample block was measured directly -- the missing time is
-    outside the block's own fwd/bwd.)"""
+    per-rank batch the block runs at when it is larger: a data-parallel layer runs at exactly the training
+    loader's per-shard batch, so its time is measured rather than read off an affine fit of two small, noisy
+    runs. (In the MoE accuracy benchmark this did not by itself close the gap of the plans without ep: the
+    2-rank dp2 plan stayed ~33 % under-predicted when its 4-sample block was measured directly -- the missing
+    time is outside the block's own fwd/bwd.)
+
+    ``ways``: the block's tensor-parallel degree. A tp-t block's data group is t times smaller than the loader's
+    shards, so each of its ranks runs ``t x loader_batch`` samples (:func:`run_configs`: global batch = loader
+    batch x stage size; a pipeline's micro-batches split that); the sharded profiler times such a variant at that
+    count (capped at ``8 x ways``: as many samples' worth of tp-split math per rank as a tp-1 block's cap). Why:
+    per-sample time grows with the batch on CPU (caches), so a line through 1 and 2 samples priced a block run at
+    4 samples ~8 % low and at 8 ~18 % low (MoE block, one rank), and tp plans looked cheaper than they are."""
     sizes = {1, 2}
-    if loader_batch is not None and loader_batch > 2:
-        sizes.add(min(int(loader_batch), 8))
+    if loader_batch is not None and loader_batch * ways > 2:
+        sizes.add(min(int(loader_batch) * ways, 8 * ways))
     return tuple(sorted(sizes))
+
+
+def tp_batch_sizes(loader_batch: int | None, world_size: int) -> dict[int, tuple[int, ...]]:
+    """Per tensor-parallel degree t > 1 of this world, the sample counts its sharded variants are timed at
+    (:func:`profile_batch_sizes` with ``ways=t``); an unknown loader batch is taken as the one the search then
+    assumes."""
+    loader = _ASSUMED_LOADER_BATCH if loader_batch is None else loader_batch
+    return {t: profile_batch_sizes(loader, t) for t in range(2, world_size + 1) if world_size % t == 0}
 
 
 def profile_model(model: nn.Module, parts: ModelParts, cache: "ProfileCache | None" = None,
@@ -311,7 +326,8 @@ def measure_profiles(model: nn.Module, parts: ModelParts, world_size: int, budge
         hit = _shared(rank, mine.to_json)
     profile = ModelProfile.from_json(hit)
     if hw is not None:  # every rank: the runtime's own sharded blocks, timed on real tp groups (issue 13)
-        profile = sharded_profile(model, parts, profile, hw, cache, verbose, sizes, device)
+        profile = sharded_profile(model, parts, profile, hw, cache, verbose, sizes, device,
+                                  tp_batch_sizes(loader_batch, world_size))
     return profile, hw
 
 
@@ -495,9 +511,11 @@ def _shared(rank: int, make: Any) -> Any:
 
 def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile", hw: "HardwareProfile",
                     cache: "ProfileCache | None", verbose: bool,
-                    batch_sizes: tuple[int, ...] = (1, 2), device: "torch.device | str" = "cpu") -> "ModelProfile":
+                    batch_sizes: tuple[int, ...] = (1, 2), device: "torch.device | str" = "cpu",
+                    tp_sizes: "Mapping[int, tuple[int, ...]] | None" = None) -> "ModelProfile":
     """``profile`` with every layer type's sharded fits measured by :class:`ShardedLayerProfiler` (all ranks
-    together; cached by what was measured). The block-only ModelProfiler divides compute by tp, which on
+    together; cached by what was measured); ``tp_sizes``: per tp degree, the sample counts its variants are timed
+    at instead of ``batch_sizes`` (:func:`tp_batch_sizes`). The block-only ModelProfiler divides compute by tp, which on
     CPU under-prices tensor parallelism by up to ~20 % (benchmarks/RESULTS.md, cost-model accuracy)."""
     from .planner import ModelProfile
     from .planner.profiles import LayerTypeProfile, fingerprint
@@ -515,12 +533,15 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # v10: that share weighted by payload bytes, and an MoE block's saved activations and recompute peak measured
     # per expert-parallel degree; v11: SHARDED_PROFILE_ROUNDS rounds (was 2), and an MoE block's FSDP2 overhead per
     # expert-parallel degree as the runtime wraps it; v12: the optimizer bandwidth of an Adam step every rank takes
-    # at once (ShardedLayerProfiler.optimizer_bandwidth) replaces the one rank 0 measured alone
-    what = {"v": 12, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS}
+    # at once (ShardedLayerProfiler.optimizer_bandwidth) replaces the one rank 0 measured alone; v13: tp variants
+    # timed at the per-rank batch they run (``tp_sizes``)
+    what = {"v": 13, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
     if tuple(batch_sizes) != (1, 2):
         what["batch_sizes"] = list(batch_sizes)
+    if tp_sizes:
+        what["tp_sizes"] = {str(t): list(v) for t, v in sorted(tp_sizes.items())}
     if torch.device(device).type != "cpu":  # (CPU keys unchanged)
         what["device"] = torch.device(device).type
     key = fingerprint(what)
@@ -538,7 +559,8 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     for j, lt in enumerate(profile.layer_types):
         block = parts.blocks[profile.layer_type_of.index(j)]
         profiler = ShardedLayerProfiler(lambda b=block: copy.deepcopy(b).float(), profile.shape, hw,
-                                        batch_sizes=batch_sizes, repeats=SHARDED_PROFILE_ROUNDS,
+                                        batch_sizes=batch_sizes, tp_batch_sizes=tp_sizes,
+                                        repeats=SHARDED_PROFILE_ROUNDS,
                                         progress=verbose, sp_kinds=sp_kinds, device=str(torch.device(device)))
         types.append(profiler.fit(lt))
         if j == 0 and profiler.optimizer_bandwidth > 0:  # the first block type's, as the ModelProfiler measures

@@ -26,6 +26,24 @@ def test_profile_batch_sizes_cover_the_loader_batch() -> None:
     assert profile_batch_sizes(64) == (1, 2, 8)
 
 
+def test_tp_variants_are_profiled_at_the_batch_a_tp_block_runs() -> None:
+    """At global batch = loader batch x world (run_configs, pp 1) a tp-t block's data group is world / t, so each
+    rank runs t x the loader batch; automatic mode times the tp-t variants there (capped at 8 x t), not only at
+    the tp-1 counts a line would extrapolate from."""
+    from lightning_galv.auto import profile_batch_sizes, tp_batch_sizes
+
+    assert profile_batch_sizes(2, 2) == (1, 2, 4) and profile_batch_sizes(1, 2) == (1, 2)
+    assert profile_batch_sizes(4, 4) == (1, 2, 16) and profile_batch_sizes(64, 2) == (1, 2, 16)
+    assert tp_batch_sizes(2, 4) == {2: (1, 2, 4), 4: (1, 2, 8)}
+    assert tp_batch_sizes(4, 2) == {2: (1, 2, 8)} and tp_batch_sizes(3, 1) == {}
+    assert tp_batch_sizes(None, 2) == {2: (1, 2, 4)}  # the loader batch the search then assumes (2)
+    for world in (2, 4, 8):
+        for loader in (1, 2, 3, 4):
+            gb = run_configs(world, 8, loader, pipeline=False)[0][1]
+            for t, sizes in tp_batch_sizes(loader, world).items():
+                assert gb // (world // t) in sizes or gb // (world // t) <= 2
+
+
 def test_run_configs_without_hooks_or_batch() -> None:
     assert run_configs(4, 8, 4, pipeline=False) == [(1, 16, (1,))]
     # unknown loader batch: only what runs with any batch size

@@ -342,6 +342,49 @@ def test_sharded_profiler_times_variants_interleaved(one_rank_group: None) -> No
     assert out_layer.sharded["tp1/none"]["forward"](2, 2) > 0.005
 
 
+def test_tp_variants_are_timed_and_fitted_at_the_batch_they_run(one_rank_group: None) -> None:
+    """A tp-t block runs t times a tp-1 block's per-rank batch (its data group is t times smaller), so
+    ``tp_batch_sizes`` times its variants, checkpointed twin included, at those counts -- and fits them there --,
+    while tp-1, expert-parallel and ZeRO variants keep ``batch_sizes``. The time grows with the batch faster
+    than a line through the small counts (here by construction: 1 ms per sample squared), and a fit through
+    the counts the block runs at prices that count as measured instead of extrapolating low."""
+    from lightning_galv.planner.profiles import HardwareProfile, ModelProfile, ModelShape
+    from lightning_galv.profiling.profilers import ShardedLayerProfiler
+
+    timed: list[tuple[str, int]] = []
+
+    class Convex(torch.nn.Module):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name, self.w = name, torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            timed.append((self.name, x.shape[0]))
+            time.sleep(1e-3 * x.shape[0] ** 2)
+            return x * self.w
+
+    def variant_blocks(layer, acts, repeated):  # stands in for the real (tp, sp) variants
+        for key in ("tp1/none", "tp1/none/ckpt", "tp2/none", "tp2/none/ckpt"):
+            yield key, Convex(key), (lambda n: (0.0, 0.0))
+
+    shape = ModelShape(1, 4, 1, 1, 8, 8, 2)
+    prof = ShardedLayerProfiler(lambda: torch.nn.Linear(4, 4), shape, HardwareProfile.uniform(1, 1, 1e9),
+                                batch_sizes=(1, 2), tp_batch_sizes={2: (1, 2, 4)}, repeats=1, progress=False)
+    assert prof.sizes("tp1/none") == (1, 2) and prof.sizes("tp1/none/ep2") == (1, 2)
+    assert prof.sizes("zero3/ep2/edp2") == (1, 2) and prof.sizes("tp2/ulysses/ckpt") == (1, 2, 4)
+    prof._variant_blocks = variant_blocks  # type: ignore[method-assign]
+    prof._optimizer_overhead = lambda layer: {}  # type: ignore[method-assign]
+    layer = prof.fit(ModelProfile.from_shape(shape).layer(0))
+    for key in ("tp1/none", "tp1/none/ckpt"):
+        assert sorted({b for k, b in timed if k == key}) == [1, 2], timed
+    for key in ("tp2/none", "tp2/none/ckpt"):
+        assert sorted({b for k, b in timed if k == key}) == [1, 2, 4], timed
+    fwd = layer.sharded["tp2/none"]["forward"](4, shape.seq_len)
+    assert 0.013 < fwd < 0.03, fwd  # ~16 ms measured at 4 samples; a line through 1 and 2 gives ~10 ms
+    assert layer.sharded["tp2/none"]["checkpoint_forward"](4, shape.seq_len) > 0.013
+    assert layer.sharded["tp1/none"]["forward"](4, shape.seq_len) < 0.013  # tp 1: fitted on 1 and 2 only
+
+
 def test_an_moe_block_is_profiled_with_its_router_statistics_over_the_data_group(one_rank_group: None) -> None:
     """The runtime all-reduces an MoE layer's router statistics over its data group (GlobalRouterStats, wired by
     parallelize()); every rank waits for the slowest there, once per MoE layer forward. The profiled block must

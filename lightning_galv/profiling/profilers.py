@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 import statistics
 import sys
 import time
@@ -453,8 +454,11 @@ class ShardedLayerProfiler:
     def __init__(self, make_block: Callable[[], nn.Module], shape: ModelShape, hw: HardwareProfile,
                  batch_sizes: Sequence[int] = (1, 2, 4), repeats: int = 3, device: str = "cpu",
                  sp_kinds: Sequence[str] = ("none", "megatron", "ulysses"), progress: bool = True,
-                 interleave: bool = True, checkpoint: bool = True) -> None:
-        """``interleave``: time all variants interleaved over rounds (see :meth:`_time_interleaved`), which keeps
+                 interleave: bool = True, checkpoint: bool = True,
+                 tp_batch_sizes: Mapping[int, Sequence[int]] | None = None) -> None:
+        """``tp_batch_sizes``: per tp degree t > 1, the sample counts its (tp, sp) variants are timed and fitted at
+        instead of ``batch_sizes`` -- the per-rank batch a tp-t block runs is t times a tp-1 block's at equal
+        global batch, and a line fitted below it extrapolates low (``auto.profile_batch_sizes``). ``interleave``: time all variants interleaved over rounds (see :meth:`_time_interleaved`), which keeps
         every variant's block alive at once (about 6 blocks' worth per rank at 8 ranks with ``checkpoint``, more
         for an MoE block, whose experts are replicated over tp, and which adds four blocks per expert-parallel
         degree: plain, checkpointed, and under ZeRO-2 and ZeRO-3); False times each as soon as it is built and
@@ -466,6 +470,7 @@ class ShardedLayerProfiler:
             raise ValueError("process group: not initialized. HINT: call torch.distributed.init_process_group first.")
         self.make_block, self.shape, self.hw = make_block, shape, hw
         self.batch_sizes, self.repeats, self.device = tuple(batch_sizes), repeats, device
+        self.tp_batch_sizes = {int(t): tuple(v) for t, v in (tp_batch_sizes or {}).items()}
         self.sp_kinds, self.interleave, self.checkpoint = tuple(sp_kinds), interleave, checkpoint
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.progress = progress and self.rank == 0
@@ -476,6 +481,12 @@ class ShardedLayerProfiler:
     def _sync(self) -> None:
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def sizes(self, key: str) -> tuple[int, ...]:
+        """Sample counts the variant ``key`` (a time key, its checkpointed twin or a ZeRO key) is timed at: its
+        tp degree's entry of ``tp_batch_sizes``, else ``batch_sizes`` (ZeRO and expert-parallel variants are tp 1)."""
+        m = re.match(r"tp([0-9]+)/", key)
+        return self.tp_batch_sizes.get(int(m.group(1)), self.batch_sizes) if m else self.batch_sizes
 
     def variants(self) -> list[tuple[int, str]]:
         """(tp, sp) pairs this model and world allow (the rules of ``ParallelPlan.check_model``)."""
@@ -514,15 +525,15 @@ class ShardedLayerProfiler:
                 measured.update(self._time_blocks([(key, block)]))
             del block
         if held:
-            _progress(f"timing {len(held)} blocks x {len(self.batch_sizes)} batch sizes, {self.repeats} interleaved "
-                      "rounds", self.progress)
+            _progress(f"timing {len(held)} blocks x {max(len(self.sizes(k)) for k, _ in held)} batch sizes, "
+                      f"{self.repeats} interleaved rounds", self.progress)
             measured.update(self._time_blocks(held))
         del held
         computed: dict[tuple[str, int], tuple[float, float]] = {}
         for key, comm_of in comms.items():
             if key.startswith("zero"):
                 continue
-            for b in self.batch_sizes:
+            for b in self.sizes(key):
                 tf, tb, cf, cb = measured[(key, b)]
                 comm_f, comm_b = comm_of(b)
                 # compute = wall minus the collectives' predicted share, but on CPU never below the rank's own CPU
@@ -537,16 +548,17 @@ class ShardedLayerProfiler:
         for key in comms:
             if key.startswith("zero") or key.endswith(CKPT_SUFFIX):
                 continue
-            fits = {"forward": TimeFit.fit([(b, seq, computed[(key, b)][0]) for b in self.batch_sizes]),
-                    "backward": TimeFit.fit([(b, seq, computed[(key, b)][1]) for b in self.batch_sizes])}
+            sizes = self.sizes(key)
+            fits = {"forward": TimeFit.fit([(b, seq, computed[(key, b)][0]) for b in sizes]),
+                    "backward": TimeFit.fit([(b, seq, computed[(key, b)][1]) for b in sizes])}
             if key + CKPT_SUFFIX in comms:
                 # the checkpointed block's forward, and what its backward takes beyond the plain one's: the
                 # recompute as it really runs (non-reentrant checkpointing stops once the last saved tensor is
                 # back, and adds bookkeeping of its own), rather than one more plain forward
-                ck = [computed[(key + CKPT_SUFFIX, b)] for b in self.batch_sizes]
-                fits["checkpoint_forward"] = TimeFit.fit([(b, seq, f) for b, (f, _) in zip(self.batch_sizes, ck)])
+                ck = [computed[(key + CKPT_SUFFIX, b)] for b in sizes]
+                fits["checkpoint_forward"] = TimeFit.fit([(b, seq, f) for b, (f, _) in zip(sizes, ck)])
                 fits["recompute"] = TimeFit.fit([(b, seq, max(0.0, bw - computed[(key, b)][1]))
-                                                 for b, (_, bw) in zip(self.batch_sizes, ck)])
+                                                 for b, (_, bw) in zip(sizes, ck)])
             sharded[key] = fits
         zero = self._zero_overhead(sharded, {k: c for k, c in comms.items() if k.startswith("zero")}, measured)
         prof = replace(layer, sharded=sharded, activation_bytes=acts, recompute_comm=repeated)
@@ -649,7 +661,7 @@ class ShardedLayerProfiler:
     def _time_blocks(self, blocks: Sequence[tuple[str, nn.Module]]
                      ) -> dict[tuple[str, int], tuple[float, float, float, float]]:
         """:meth:`_time_interleaved` over every block at every batch size, keyed ``(key, batch)``."""
-        runs = [(key, block, b) for key, block in blocks for b in self.batch_sizes]
+        runs = [(key, block, b) for key, block in blocks for b in self.sizes(key)]
         walls = self._time_interleaved([(block, b) for _, block, b in runs])
         return {(key, b): w for (key, _, b), w in zip(runs, walls)}
 
