@@ -286,10 +286,11 @@ def main() -> None:
                 # changes within a plan's steps too (one launch here: factors 0.92-1.35 a few seconds apart)
                 after = r0.get("probes_after") or r0["probes"]
                 mt = statistics.median(t * ref / math.sqrt(a * b) for t, a, b in zip(r0["times"], r0["probes"], after))
+                # the prediction split as the step is measured: the bucket copies of the gradient hooks in fwd+bwd
+                pfb, pex = pred.phases(0, c.plan.micro_batches) if one else (None, None)
                 per_launch[c.name].append(dict(launch=launch, raw=r0["step_s"], mt=mt,
                                                load=1 / f, pred=pred.step_time_s, pm=pred.peak_memory_bytes, ph=ph,
-                                               pfb=pred.stage_mb_time_s[0] * c.plan.micro_batches if one else None,
-                                               pex=pred.stage_extra_s[0] if one else None))
+                                               pfb=pfb, pex=pex))
                 if launch == 0:
                     memory[c.name] = dict(mm=max(r[c.name]["peak_bytes"] for r in res),
                                           rss=max(r[c.name]["rss_peak_bytes"] for r in res),

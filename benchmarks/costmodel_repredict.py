@@ -77,8 +77,8 @@ def phases(data: list[dict], profiles: list[dict]) -> list[tuple[str, list[float
             m, h = profiles[run["launch"]][str(r["world"])][:2]
             pred = GalvatronCostModel(profile_for(_load(m, ModelProfile), case), _load(h, HardwareProfile),
                                       runtime="native").evaluate(case.plan)
-            vals = (run["pfb"], pred.stage_mb_time_s[0] * case.plan.micro_batches, run["ph"][0],
-                    run["pex"], pred.stage_extra_s[0], run["ph"][1] + run["ph"][2])
+            fb, ex = pred.phases(0, case.plan.micro_batches)
+            vals = (run["pfb"], fb, run["ph"][0], run["pex"], ex, run["ph"][1] + run["ph"][2])
             for c, v in zip(cols, vals):
                 c.append(v * 1e3)
         out.append((r["name"], [statistics.median(c) for c in cols]))

@@ -46,12 +46,16 @@ def predicted_parts(model, hw, plan) -> dict[str, float]:  # type: ignore[no-unt
                        plan.virtual_stages)
     ends, extra, _ = cm.stage_fixed(plan.embed, plan.head, ctx, plan.vocab_parallel_loss)
     ends += cm.chunk_boundary_time(plan, 0, ctx)
-    fwd = bwd = 0.0
+    fwd = bwd = hooked = 0.0
     for i, s in enumerate(plan.layers):
         c = cm.layer_cost(i, s, ctx)
-        fwd, bwd, extra = fwd + c.fwd, bwd + c.bwd, extra + c.step_extra
-    total = cm.evaluate(plan).step_time_s
-    return {"fwd": fwd, "bwd": bwd, "ends": ends, "extra": extra, "step": total}
+        # the bucket copies the gradient hooks run inside backward count there, as measured
+        fwd, bwd, extra = fwd + c.fwd, bwd + c.bwd + c.in_backward, extra + c.step_extra - c.in_backward
+        hooked += c.in_backward
+    cost = cm.evaluate(plan)
+    ends_hooked = cost.stage_in_backward_s[0] - hooked  # the ends' own (embedding and head gradients)
+    return {"fwd": fwd, "bwd": bwd, "ends": ends + ends_hooked, "extra": extra - ends_hooked,
+            "step": cost.step_time_s}
 
 
 def _ci(xs: list[float]) -> str:

@@ -120,10 +120,11 @@ def main() -> None:
         ar = hw.collective_time("allreduce", grad_bytes(c.cfg), dp) * 1e3 if dp > 1 else 0.0
         runs = per[c.name]
         col = {k: [r[k] for r in runs] for k in runs[0]}
+        fb, ex = pred.phases(0, c.plan.micro_batches)
         rows.append(f"| {c.name} | {_ci(col['wait'])} | {_ci(col['skew'])} | {_ci(col['tail'])} | "
                     f"{_ci(col['start'])} | {ar:.1f} | {_ci(col['fb'])} | "
-                    f"{pred.stage_mb_time_s[0] * c.plan.micro_batches * 1e3:.1f} | {_ci(col['after'])} | "
-                    f"{pred.stage_extra_s[0] * 1e3:.1f} | {_ci(col['step'])} | {pred.step_time_s * 1e3:.1f} |")
+                    f"{fb * 1e3:.1f} | {_ci(col['after'])} | "
+                    f"{ex * 1e3:.1f} | {_ci(col['step'])} | {pred.step_time_s * 1e3:.1f} |")
         shares.append((c.name, statistics.median(col["skew"]) / statistics.median(col["wait"])
                        if statistics.median(col["wait"]) > 0 else 0.0))
     head = ("## Gradient-sync wait split into rank skew and collective tail (benchmarks/sync_wait.py)\n\n"

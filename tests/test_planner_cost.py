@@ -270,9 +270,13 @@ def test_native_dp_sync_overlaps_the_last_backward_without_a_pipeline() -> None:
             native = _layer_cost(GalvatronCostModel(profile(params), hw, runtime="native"), LayerStrategy(dp=2))
             hidden = overlapped(bwd, allreduce - tail, slowdown) - bwd  # the rest: under backward, slowed
             assert native.step_extra == pytest.approx(optimizer + copy + tail + hidden)
+            # of which the hooks move each gradient into its bucket inside backward (half the traffic); the scaling
+            # runs after the wait
+            assert native.in_backward == pytest.approx(copy / 2)
             piped = GalvatronCostModel(profile(params), hw, runtime="native").layer_cost(
                 0, LayerStrategy(dp=2), StageContext(2, 8, 4, pp=2))
             assert piped.step_extra == pytest.approx(optimizer + allreduce + copy)
+            assert piped.in_backward == 0.0  # under a pipeline every copy runs after the schedule
         if params == 1_000_000:
             assert tail == pytest.approx(allreduce)  # one bucket: nothing hidden
         else:
@@ -359,6 +363,9 @@ def test_native_zero3_reduce_scatters_once_per_step_under_accumulation() -> None
     assert acc.bwd == pytest.approx(overlapped(bwd, comm, 1.0))  # gather only
     assert acc.step_extra - single.step_extra == \
         pytest.approx(overlapped(bwd, 2 * comm - tail, 1.0) - overlapped(bwd, comm, 1.0))  # the last backward's scatter
+    # FSDP2 runs both inside backward (its hooks): the exposed tail, and the last micro-batch's scatter
+    assert single.in_backward == pytest.approx(tail)
+    assert acc.in_backward == pytest.approx(acc.step_extra - single.step_extra + tail)
     assert single.step_extra == pytest.approx(_layer_cost(GalvatronCostModel(profile(), hardware(bw=1e30),
                                                                               runtime="native"), z3).step_extra + tail)
     piped = cm.layer_cost(0, z3, StageContext(2, 8, 4, pp=2))  # a stage scatters after every micro-batch
@@ -615,3 +622,21 @@ def test_native_prefetched_gathers_overlap_compute_on_an_inline_backend() -> Non
     assert z3_galvatron.fwd == pytest.approx(fwd + comm)  # Galvatron's runtime: no such prefetch
     asynchronous = GalvatronCostModel(profile(), hardware(bw=1e8, slowdown=1.5), runtime="native")
     assert asynchronous.layer_cost(0, LayerStrategy(dp=2, zero=3), one).fwd == pytest.approx(overlapped(fwd, comm, 1.5))
+
+
+def test_phases_move_what_backward_hooks_run_into_forward_backward_without_changing_the_step() -> None:
+    """A plan's phase split as a profiler of the running step sees it: fwd+bwd of all micro-batches plus the
+    per-step work the runtime's backward hooks do (bucket copies, FSDP2's last reduce-scatters), then the rest.
+    The step time is the same sum either way (nothing is priced twice or dropped)."""
+    hw = HardwareProfile.from_dict({**hardware(bw=1e9).to_dict(), "memory_bandwidth": 1e10})
+    cm = GalvatronCostModel(profile(), hw, runtime="native")
+    dp = ParallelPlan.uniform(2, 4, LayerStrategy(dp=2), global_batch=8)
+    cost = cm.evaluate(dp)
+    fb, after = cost.phases(0, 1)
+    copies = 4 * 4 * (1_000_000 * 2.0) / 1e10 / 2  # 4 layers, half of the 4 x grads traffic (ends: no parameters)
+    assert cost.stage_in_backward_s == pytest.approx((copies,))
+    assert fb == pytest.approx(cost.stage_mb_time_s[0] + copies) and after == pytest.approx(cost.stage_extra_s[0] - copies)
+    assert fb + after == pytest.approx(cost.step_time_s)
+    piped = cm.evaluate(ParallelPlan.uniform(2, 4, LayerStrategy(), pp=2, micro_batches=2, global_batch=8))
+    assert piped.stage_in_backward_s == (0.0, 0.0)
+    assert piped.phases(1, 2) == pytest.approx((2 * piped.stage_mb_time_s[1], piped.stage_extra_s[1]))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from ..errors import bad_value
@@ -79,6 +79,8 @@ class LayerCost:
     act: float  # bytes of activations kept per in-flight micro-batch
     transient: float = 0.0  # bytes briefly alive: a block's recompute / FSDP2 peak (the largest counts), the head's
     # FSDP2 bytes at the start of backward, the embedding's under a pipeline (stage_fixed adds them to the peak)
+    in_backward: float = 0.0  # s per step of ``step_extra`` that runs inside the last micro-batch's backward (the
+    # runtime's gradient hooks): counted in step_extra, so no total changes; it only tells a measured phase split
 
     def step_time(self, m: int) -> float:
         return m * (self.fwd + self.bwd) + self.step_extra
@@ -97,6 +99,16 @@ class PlanCost:
     stage_memory_bytes: tuple[float, ...]
     global_batch: int
     breakdown: Mapping[str, float] = field(default_factory=dict)
+    # per stage, the part of stage_extra_s that runs inside the last backward (LayerCost.in_backward); () when the
+    # model does not tell it
+    stage_in_backward_s: tuple[float, ...] = ()
+
+    def phases(self, stage: int, micro_batches: int) -> tuple[float, float]:
+        """(forward + backward of all micro-batches, what follows the last backward) of ``stage``, the split a
+        profiler of the running step measures: work the runtime does from backward's hooks (the bucket copies)
+        moves from the per-step part to the first."""
+        inside = self.stage_in_backward_s[stage] if self.stage_in_backward_s else 0.0
+        return self.stage_mb_time_s[stage] * micro_batches + inside, self.stage_extra_s[stage] - inside
 
     @property
     def throughput(self) -> float:
@@ -542,8 +554,17 @@ def vocab_parallel_embedding_comm(hw: HardwareProfile, act_bytes: float, tp: int
 
 def bucket_copy_time(grad_bytes: float, memory_bandwidth: float) -> float:
     """Flatten gradients into their all-reduce bucket and scale it: 2 reads + 2 writes; the gradients then are
-    views of the bucket, so nothing is copied back (DDP's gradient_as_bucket_view, Li et al. VLDB'20, Sec. 3.2.3)."""
+    views of the bucket, so nothing is copied back (DDP's gradient_as_bucket_view, Li et al. VLDB'20, Sec. 3.2.3).
+    The flatten half runs in backward when the all-reduces overlap it (:func:`bucket_copy_in_backward`)."""
     return 4.0 * grad_bytes / memory_bandwidth if memory_bandwidth > 0 else 0.0
+
+
+def bucket_copy_in_backward(grad_bytes: float, memory_bandwidth: float, overlap_sync: bool) -> float:
+    """The part of :func:`bucket_copy_time` that runs inside the syncing backward: with the all-reduces overlapped
+    (no pipeline), each gradient is moved into its bucket (1 read + 1 write) by a hook as autograd finishes it, and
+    only the scaling waits until after backward; under a pipeline both run after the schedule (DDP's
+    gradient-ready hooks, Li et al. VLDB'20, Sec. 3.2.3; parallel.data_parallel.GradientSync)."""
+    return bucket_copy_time(grad_bytes, memory_bandwidth) / 2.0 if overlap_sync else 0.0
 
 
 #: Gradients of replicated (ZeRO-0/1) parameters are all-reduced in buckets of about this many bytes (DDP's
@@ -798,8 +819,8 @@ class GalvatronCostModel(CostModel):
             bwd_t += moe_b + moe_f * repeated
         groups = self._param_groups(lt, s, d, dp_stride)
         precision = "fp32" if m.precision == "fp32" else "mixed"
-        fwd_t, bwd_t, extra = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t, overlap_sync, accumulates,
-                                                         prefetched=True, block=True)
+        fwd_t, bwd_t, extra, inside = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t, overlap_sync,
+                                                                 accumulates, prefetched=True, block=True)
         native = self.runtime == "native"
         entry = zero_overhead_entry(lt, s.zero, t, s.ep, d // s.ep) if native and d > 1 and s.zero >= 2 else None
         if entry is not None:  # FSDP2's own work around its collectives, on this rank's FSDP2-managed share
@@ -815,7 +836,7 @@ class GalvatronCostModel(CostModel):
         # recomputing a checkpointed layer briefly holds its activations again (+ gradient temporaries)
         transient = max(0.0, self._recompute_peak(lt, s) * b - act) if s.checkpoint else 0.0
         kept, held = self._fsdp_bytes(groups, s.zero, accumulates, gathered_units=2)
-        return LayerCost(fwd_t, bwd_t, extra, states + kept, act, transient + held)
+        return LayerCost(fwd_t, bwd_t, extra, states + kept, act, transient + held, inside)
 
     def _fsdp_bytes(self, groups: list[tuple[float, int, int, int]], zero: int, accumulates: bool,
                     gathered_units: int) -> tuple[float, float]:
@@ -846,16 +867,20 @@ class GalvatronCostModel(CostModel):
 
     def _data_parallel(self, local_params: float, zero: int, d: int, stride: int, fwd: float,
                        bwd: float, overlap_sync: bool = False, tail_share: float | None = None,
-                       accumulates: bool = False) -> tuple[float, float, float]:
-        """(fwd, bwd, per-step extra) once this rank's ``local_params`` are data parallel over ``d`` ranks."""
+                       accumulates: bool = False) -> tuple[float, float, float, float]:
+        """(fwd, bwd, per-step extra, its part inside the last backward) once this rank's ``local_params`` are data
+        parallel over ``d`` ranks."""
         return self._data_parallel_groups([(local_params, d, stride, 1)], zero, fwd, bwd, overlap_sync,
                                           accumulates=accumulates, tail_share=tail_share)
 
     def _data_parallel_groups(self, groups: list[tuple[float, int, int, int]], zero: int, fwd: float,
                               bwd: float, overlap_sync: bool = False,
                               accumulates: bool = False, tail_share: float | None = None,
-                              prefetched: bool = False, block: bool = False) -> tuple[float, float, float]:
-        """(fwd, bwd, per-step extra) of parameter groups each data parallel over its own ranks, given as
+                              prefetched: bool = False, block: bool = False) -> tuple[float, float, float, float]:
+        """(fwd, bwd, per-step extra, the part of that extra inside the last micro-batch's backward -- see
+        ``LayerCost.in_backward``: the bucket copies the gradient hooks make (:func:`bucket_copy_in_backward`),
+        FSDP2's exposed last reduce-scatter and, when accumulating, the last micro-batch's reduce-scatters, which
+        FSDP2 runs from its backward hooks) of parameter groups each data parallel over its own ranks, given as
         (parameters, ranks, stride, separate collectives): the collectives of all groups share one overlap
         with the compute (they queue on the same link), each pays its own latency. ``overlap_sync``: the
         native runtime's ZeRO-0/1 all-reduces run beside the last backward (no pipeline, see
@@ -880,7 +905,7 @@ class GalvatronCostModel(CostModel):
         hw = self.hw
         native = self.runtime == "native"
         el = 4.0 if self.model.precision == "fp32" else 2.0
-        extra = 0.0
+        extra = inside = 0.0
         fwd_comm = bwd_comm = last_comm = 0.0
         gathered = overlapped_last = False
         sync_comm = 0.0  # native ZeRO-0/1 all-reduces launched asynchronously during the last backward
@@ -930,6 +955,7 @@ class GalvatronCostModel(CostModel):
                 gathered = True
             elif native and zero <= 1:  # data.GradientSync: bucketed all-reduces, during or after the last backward
                 extra += bucket_copy_time(grad_bytes, hw.memory_bandwidth)
+                inside += bucket_copy_in_backward(grad_bytes, hw.memory_bandwidth, overlap_sync)
                 # a block's buckets: the stage's gradients taken as ``num_layers`` blocks like this one (as for
                 # :func:`last_bucket_share`); an end rides in the blocks' buckets (a full bucket's latency share)
                 stage = nb * self.model.num_layers if block else None
@@ -948,6 +974,7 @@ class GalvatronCostModel(CostModel):
                                 else tail_share)
             extra += tail + overlapped(bwd, sync_comm - tail, hw.overlap_slowdown) - bwd
         extra += exposed
+        inside += exposed
         if gathered:
             if fwd_hidden > 0:  # prefetched gathers beside compute (Galvatron VLDB'23's overlap slowdown)
                 fwd = overlapped(fwd, fwd_hidden, hw.overlap_slowdown)
@@ -955,11 +982,13 @@ class GalvatronCostModel(CostModel):
                 bwd = overlapped(bwd, bwd_hidden, hw.overlap_slowdown)
             bwd_mb = self._overlap(bwd, bwd_comm)
             if last_rs > 0:  # the last micro-batch's backward also reduce-scatters: its increment, once per step
-                extra += self._overlap(bwd, bwd_comm + last_rs) - bwd_mb
-            return self._overlap(fwd, fwd_comm), bwd_mb, extra
+                increment = self._overlap(bwd, bwd_comm + last_rs) - bwd_mb
+                extra += increment
+                inside += increment
+            return self._overlap(fwd, fwd_comm), bwd_mb, extra, inside
         if overlapped_last:
-            return fwd, bwd, extra + self._overlap(bwd, last_comm) - bwd
-        return fwd, bwd, extra
+            return fwd, bwd, extra + self._overlap(bwd, last_comm) - bwd, inside
+        return fwd, bwd, extra, inside
 
     def _optimizer_time(self, local_params: float, zero: int, d: int) -> float:
         """Memory-bound optimizer update of this rank's shard (ZeRO SC'20: stages >= 1 shard the update)."""
@@ -995,7 +1024,7 @@ class GalvatronCostModel(CostModel):
         m, hw = self.model, self.hw
         b = ctx.micro_batch / s.dp
         seq = m.seq_len
-        fwd = bwd = extra = states = act = peak_transient = 0.0
+        fwd = bwd = extra = states = act = peak_transient = hooked = 0.0
         precision = "fp32" if m.precision == "fp32" else "mixed"
         d = s.dp
         dp_stride = s.tp if (s.tp_consecutive and s.tp > 1) else 1
@@ -1025,9 +1054,9 @@ class GalvatronCostModel(CostModel):
                 bw = bwd_fit.const / s.tp + (bwd_fit(b, seq) - bwd_fit.const)
             else:
                 bw = sharded_compute(bwd_fit.const, bwd_fit(b, seq), s.tp)
-            pf, pb, pe = self._data_parallel(local, s.zero, d, dp_stride, f, bw, overlap_sync, tail,
-                                             accumulates)
-            fwd, bwd, extra = fwd + pf, bwd + pb, extra + pe
+            pf, pb, pe, pin = self._data_parallel(local, s.zero, d, dp_stride, f, bw, overlap_sync, tail,
+                                                  accumulates)
+            fwd, bwd, extra, hooked = fwd + pf, bwd + pb, extra + pe, hooked + pin
             states += local * state_bytes_per_param(s.zero, d, precision)
             # FSDP2's own bytes (as for a block, :meth:`_fsdp_bytes`). The head's transient ones (its gathered
             # ZeRO-3 parameters, its reduce-scatter buffers) are alive when backward starts, with every
@@ -1040,7 +1069,7 @@ class GalvatronCostModel(CostModel):
             act += act_per_sample * b * (head_share if last else 1.0)
         embed_t = vocab_parallel_embedding_comm(hw, b * seq * m.shape.hidden * m.act_dtype_bytes, s.tp,
                                                 1 if s.tp_consecutive else s.dp) if first else 0.0
-        return LayerCost(fwd + head_t + embed_t, bwd, extra, states, act, peak_transient)
+        return LayerCost(fwd + head_t + embed_t, bwd, extra, states, act, peak_transient, hooked)
 
     def stage_fixed(self, plan_embed: LayerStrategy, plan_head: LayerStrategy, ctx: StageContext,
                     vocab_parallel_loss: bool = False) -> tuple[float, float, float]:
@@ -1073,4 +1102,21 @@ class GalvatronCostModel(CostModel):
         if len(plan.layers) != self.model.num_layers:
             raise bad_value(f"{len(plan.layers)} layers in plan", f"the profile has {self.model.num_layers}",
                             "evaluate the plan against the profile of the same model.")
-        return super().evaluate(plan)
+        return replace(super().evaluate(plan), stage_in_backward_s=self._in_backward(plan))
+
+    def _in_backward(self, plan: ParallelPlan) -> tuple[float, ...]:
+        """Per stage, the per-step seconds its blocks and ends spend inside the last backward (``in_backward``)."""
+        assert plan.global_batch is not None and plan.embed is not None and plan.head is not None
+        mb = plan.global_batch // plan.micro_batches
+        out = []
+        for st in range(plan.pp):
+            ctx = StageContext(plan.stage_size, mb, plan.micro_batches, plan.pp, st, plan.pipeline_schedule,
+                               plan.virtual_stages)
+            t = sum(self.layer_cost(i, plan.layers[i], ctx).in_backward
+                    for chunk in range(st, plan.pp * plan.virtual_stages, plan.pp) for i in plan.stage_layers(chunk))
+            if st == 0:
+                t += self.end_cost(plan.embed, ctx, True, False).in_backward
+            if st == plan.pp - 1:
+                t += self.end_cost(plan.head, ctx, False, True, plan.vocab_parallel_loss).in_backward
+            out.append(t)
+        return tuple(out)
