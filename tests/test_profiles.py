@@ -27,6 +27,39 @@ def test_timefit_recovers_affine_and_quadratic_terms() -> None:
     assert fit.per_token_ctx == pytest.approx(3e-10, rel=1e-6)
 
 
+def test_timefit_reads_the_measured_batches_off_its_points() -> None:
+    """Per-sample time on CPU depends on the batch (caches), so a line through the measured batches misses them;
+    at the sequence length it was measured at, a fit returns each measured time exactly, interpolates between
+    two, and continues the nearest segment past the ends (never sloping down); elsewhere the line serves."""
+    meas = {1: 4.59e-3, 2: 5.44e-3, 4: 7.76e-3, 8: 12.82e-3}  # an MoE block on one CPU rank, seq 64
+    fit = TimeFit.fit([(b, 64, t) for b, t in meas.items()] + [(4, 32, 6.0e-3)])
+    for b, t in meas.items():
+        assert fit(b, 64) == pytest.approx(t)
+    assert abs(fit.line(8, 64) / meas[8] - 1) > 0.005  # the line alone misses a measured batch
+    assert fit(3, 64) == pytest.approx((meas[2] + meas[4]) / 2)
+    assert fit(16, 64) == pytest.approx(meas[8] + 8 * (meas[8] - meas[4]) / 4)  # the last segment's slope
+    assert fit(4, 32) == fit.line(4, 32)  # another sequence length: the line
+    assert fit.times(2.0)(4, 64) == pytest.approx(2 * meas[4])
+    assert fit.scaled(2.0)(4, 64) == pytest.approx(fit.const + 2 * (meas[4] - fit.const))
+    falling = TimeFit.fit([(1, 8, 2.0), (2, 8, 1.0)])  # noise: a segment sloping down is kept inside, flat past it
+    assert falling(2, 8) == 1.0 and falling(4, 8) == 1.0
+    with pytest.raises(ValueError, match="HINT"):
+        TimeFit(points=((64.0, 1.0),), points_seq=64.0)
+    with pytest.raises(ValueError, match="HINT"):
+        TimeFit(points=((64.0, 1.0), (64.0, 2.0)), points_seq=64.0)
+
+
+def test_profiles_with_points_round_trip_and_without_them_serialize_as_before() -> None:
+    pts = TimeFit.fit([(1, 128, 1e-3), (2, 128, 1.5e-3), (4, 128, 3.5e-3)])
+    lt = LayerTypeProfile("block", pts, pts.times(2.0), 1000, {act_key(1, "none", False): 1.0}, 256,
+                          sharded={"tp2/none": {"forward": pts, "backward": pts}})
+    prof = ModelProfile("m", SHAPE, (lt,), (0,) * 4, head_forward=pts)
+    again = ModelProfile.from_json(prof.to_json())
+    assert again == prof and again.layer_types[0].sharded["tp2/none"]["forward"](4, 128) == pytest.approx(3.5e-3)
+    plain = ModelProfile.from_shape(SHAPE)
+    assert "points" not in plain.to_json()  # no measured points: the document is what it always was
+
+
 def test_timefit_single_batch_is_per_sample_only() -> None:
     fit = TimeFit.fit([(4, 128, 0.004)])
     assert fit.const == 0.0 and fit.per_token == pytest.approx(0.004 / 512)

@@ -73,7 +73,7 @@ class LayerObservation:
 
 
 def _scaled_fit(fit: TimeFit, f: float) -> TimeFit:
-    return TimeFit(fit.const * f, fit.per_token * f, fit.per_token_ctx * f)
+    return fit.times(f)
 
 
 @dataclass(frozen=True)

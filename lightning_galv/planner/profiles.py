@@ -234,26 +234,59 @@ class HardwareProfile:
 # ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TimeFit:
-    """Seconds of one layer pass: ``const + per_token * b*s + per_token_ctx * b*s*s``.
+    """Seconds of one layer pass: ``const + per_token * b*s + per_token_ctx * b*s*s``, or, at the sequence length
+    it was measured at, the measured times themselves.
 
     Affine in tokens plus the attention term quadratic in sequence length (Narayanan et al. SC'21
     count 24bsh^2 + 4bs^2h FLOPs per layer). ``const`` is the per-call launch overhead: it is what
     makes larger micro-batches more efficient, and it is *zero* when only per-sample times are known.
+
+    ``points``: measured ``(tokens, seconds)`` at sequence length ``points_seq`` (:meth:`fit` keeps them). There
+    the time is read off them piecewise linearly -- exact at every measured batch, linear between two, and past
+    the ends along the nearest segment (never sloping down) -- and the line serves other sequence lengths. Why:
+    on CPU a block's time per sample is not constant in the batch (caches: one dense block ran 7.7, 6.4, 6.1 and
+    6.7 ms per sample at 1, 2, 4 and 8 samples on one rank), so a line through three measured batches missed them
+    by up to 8 % -- and a plan runs at one of exactly those batches.
     """
 
     const: float = 0.0
     per_token: float = 0.0
     per_token_ctx: float = 0.0
+    points: tuple[tuple[float, float], ...] = ()
+    points_seq: float = 0.0
 
-    def __call__(self, batch: float, seq: float) -> float:
+    def __post_init__(self) -> None:
+        pts = tuple(sorted((float(t), float(y)) for t, y in self.points))
+        if pts and (len(pts) < 2 or self.points_seq <= 0 or len({t for t, _ in pts}) != len(pts)
+                    or any(not (math.isfinite(t) and math.isfinite(y) and t > 0 and y >= 0) for t, y in pts)):
+            raise bad_value(f"points={list(self.points)}, points_seq={self.points_seq}",
+                            "needs >= 2 (tokens, seconds) pairs with distinct positive token counts, finite seconds "
+                            ">= 0, and the sequence length they were measured at (> 0)",
+                            "let TimeFit.fit keep them, or leave points empty (the line only).")
+        object.__setattr__(self, "points", pts)
+
+    def line(self, batch: float, seq: float) -> float:
         return self.const + self.per_token * batch * seq + self.per_token_ctx * batch * seq * seq
 
+    def __call__(self, batch: float, seq: float) -> float:
+        if not self.points or seq != self.points_seq:
+            return self.line(batch, seq)
+        return _piecewise(self.points, batch * seq)
+
     def scaled(self, factor: float) -> "TimeFit":
-        return TimeFit(self.const, self.per_token * factor, self.per_token_ctx * factor)
+        """The per-token work ``factor`` times, the launch overhead as it is."""
+        pts = tuple((t, self.const + (y - self.const) * factor) for t, y in self.points)
+        return TimeFit(self.const, self.per_token * factor, self.per_token_ctx * factor, pts, self.points_seq)
+
+    def times(self, factor: float) -> "TimeFit":
+        """Every term ``factor`` times (a whole pass slower or faster)."""
+        return TimeFit(self.const * factor, self.per_token * factor, self.per_token_ctx * factor,
+                       tuple((t, y * factor) for t, y in self.points), self.points_seq)
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[float, float, float]]) -> "TimeFit":
-        """Non-negative least squares fit of ``(batch, seq, seconds)`` measurements.
+        """Non-negative least squares fit of ``(batch, seq, seconds)`` measurements, keeping the measurements at
+        the longest sequence length as ``points`` when they span two or more batch sizes (repeats averaged).
 
         With one sequence length the quadratic term is not identifiable and is left at 0; with one
         batch size the constant is not identifiable either (a pure per-sample fit).
@@ -271,7 +304,36 @@ class TimeFit:
             cols.append(lambda b, s: b * s * s)
             names.append("per_token_ctx")
         coef = _nnls([[c(b, s) for c in cols] for b, s, _ in samples], [t for _, _, t in samples])
-        return cls(**dict(zip(names, coef)))
+        top = max(seqs)
+        at: dict[float, list[float]] = {}
+        for b, s, t in samples:
+            if s == top:
+                at.setdefault(float(b * s), []).append(max(0.0, float(t)))
+        points = tuple((t, sum(v) / len(v)) for t, v in at.items()) if len(at) >= 2 else ()
+        return cls(**dict(zip(names, coef)), points=points, points_seq=float(top) if points else 0.0)
+
+
+def _without_empty_points(obj: Any) -> Any:
+    """``obj`` (a serialized profile) with the ``points`` / ``points_seq`` entries of fits that have no points
+    dropped, so such fits serialize (and fingerprint) as before :class:`TimeFit` kept points."""
+    if isinstance(obj, dict):
+        drop = {"points", "points_seq"} if "points" in obj and "per_token" in obj and not obj["points"] else set()
+        return {k: _without_empty_points(v) for k, v in obj.items() if k not in drop}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_without_empty_points(v) for v in obj)
+    return obj
+
+
+def _piecewise(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """``points`` (sorted by x, >= 2) joined by straight lines, continued past either end along the end segment, whose
+    slope is taken as >= 0 there (more tokens never take less time); never below 0."""
+    i = next((k for k in range(1, len(points) - 1) if x < points[k][0]), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    slope = (y1 - y0) / (x1 - x0)
+    if x < x0 or x > x1:  # past an end
+        slope = max(0.0, slope)
+        return max(0.0, (y0 if x < x0 else y1) + slope * (x - (x0 if x < x0 else x1)))
+    return max(0.0, y0 + slope * (x - x0))
 
 
 def _nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -638,7 +700,7 @@ class EndsProfile:
     def to_dict(self) -> dict[str, Any]:
         return {"model_states": self.model_states, "activation": self.activation,
                 "model_states_sp": self.model_states_sp, "activation_sp": self.activation_sp,
-                "forward": asdict(self.forward)}
+                "forward": _without_empty_points(asdict(self.forward))}
 
 
 @dataclass(frozen=True)
@@ -786,7 +848,7 @@ class ModelProfile:
 
     # -- serialization ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = _without_empty_points(asdict(self))  # fits without measured points serialize as before they existed
         for lt in d["layer_types"]:  # dense layer types serialize exactly as before MoE existed
             if lt.get("moe") is None:
                 lt.pop("moe", None)

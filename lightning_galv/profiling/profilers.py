@@ -214,8 +214,8 @@ class ModelProfiler:
         # "v": bump when the profile gains fields, so older cache files are measured again instead of
         # loading with defaults (v2: optimizer_bandwidth; v3: buffers in framework_bytes; v4: median
         # times, optimizer bandwidth on the whole model's parameter volume; v5: the step timed after a backward;
-        # v6: the embedding and the head's backward measured)
-        facts = {"v": 6, "buffers": self.buffer_bytes, "shape": self.shape.to_dict(), "b": self.batch_sizes,
+        # v6: the embedding and the head's backward measured; v7: fits keep their measured points, TimeFit.points)
+        facts = {"v": 7, "buffers": self.buffer_bytes, "shape": self.shape.to_dict(), "b": self.batch_sizes,
                  "s": self.seq_lens, "dtype": str(self.dtype), "torch": torch.__version__,
                  "threads": torch.get_num_threads(), "head": self.make_head is not None,
                  "embed": self.make_embed is not None, "device": self.device.type}
