@@ -438,7 +438,8 @@ def table(rows: list[dict], launches: int, steps: int, warmup: int, fresh: bool 
         # per launch: that launch's prediction against that launch's measurement; the row shows the median
         r["ets"] = [rel(x["pred"], x["mt"]) for x in r["runs"]]
         r["et"] = statistics.median(r["ets"])
-        r["er"] = statistics.median(rel(x["pred"], x["raw"]) for x in r["runs"])
+        r["ers"] = [rel(x["pred"], x["raw"]) for x in r["runs"]]
+        r["er"] = statistics.median(r["ers"])
         r["em"] = rel(r["pm"], r["mm"])
         _, lo, hi = interval(r["mts"]) if len(r["mts"]) > 1 else (0, float("nan"), float("nan"))
         spread = f" [{min(r['preds']) * 1e3:.0f}, {max(r['preds']) * 1e3:.0f}]" if fresh else ""
@@ -478,7 +479,8 @@ def table(rows: list[dict], launches: int, steps: int, warmup: int, fresh: bool 
               "Goal check at the pessimistic end (95 % percentile bootstrap over the launches: a draw resamples "
               "launches, each plan's error is its median over the drawn launches): " + "; ".join(
                   f"{w} ranks{' (oversubscribed: 4 ranks on 2 cores)' if w == 4 else ' (one core per rank)'}: "
-                  f"before calibration {_boot([r for r in ins if r['world'] == w], 'ets')}; after "
+                  f"before calibration {_boot([r for r in ins if r['world'] == w], 'ets')} (raw, no speed "
+                  f"correction: {_boot([r for r in ins if r['world'] == w], 'ers')}); after "
                   f"{_boot([r for r in ins if r['world'] == w], 'cal_errs')}; held-out after "
                   f"{_boot([r for r in out if r['world'] == w], 'cal_errs')}" for w in (2, 4)
                   if any(r["world"] == w for r in ins)) + ".",
