@@ -549,7 +549,9 @@ automatic mode takes them (HardwareProfiler incl. all-to-all, ModelProfiler per 
 then each block kind as the runtime shards it by the ShardedLayerProfiler, `auto.sharded_profile`, which for an
 MoE block also times every expert-parallel degree, and FSDP2's overhead at each of them as the runtime wraps the
 experts), both at the sample counts automatic mode takes (`auto.profile_batch_sizes`: 1, 2 and the loader's
-per-rank batch -- 1/2/4 samples at 2 ranks, 1/2 at 4), the sharded variants over `auto.SHARDED_PROFILE_ROUNDS`
+per-rank batch -- 1/2/4 samples at 2 ranks, 1/2 at 4; since 8ea3e32 a tp-t variant at the t x larger batch its
+blocks run, `auto.tp_batch_sizes`: tp2 at 1/2/8 on 2 ranks, 1/2/4 on 4; since f798122 every fit returns its
+measured times at the measured batches), the sharded variants over `auto.SHARDED_PROFILE_ROUNDS`
 rounds (4 since 2026-11-28; 2 before, and the probe took as many passes);
 everything else as in the dense section above (MemTracker peak, leave-one-out calibration, speed correction),
 except that the probe times the decoder's own MoE block (unsharded, every expert local, its router statistics

@@ -128,8 +128,9 @@ def profile_batch_sizes(loader_batch: int | None, ways: int = 1) -> tuple[int, .
     shards, so each of its ranks runs ``t x loader_batch`` samples (:func:`run_configs`: global batch = loader
     batch x stage size; a pipeline's micro-batches split that); the sharded profiler times such a variant at that
     count (capped at ``8 x ways``: as many samples' worth of tp-split math per rank as a tp-1 block's cap). Why:
-    per-sample time grows with the batch on CPU (caches), so a line through 1 and 2 samples priced a block run at
-    4 samples ~8 % low and at 8 ~18 % low (MoE block, one rank), and tp plans looked cheaper than they are."""
+    what one more sample costs grows with the batch on CPU (caches), so a line through 1 and 2 samples priced a
+    block run at 4 samples ~8 % low and at 8 ~18 % low (MoE block, one rank), and tp plans looked cheaper than
+    they are."""
     sizes = {1, 2}
     if loader_batch is not None and loader_batch * ways > 2:
         sizes.add(min(int(loader_batch) * ways, 8 * ways))

@@ -244,9 +244,9 @@ class TimeFit:
     ``points``: measured ``(tokens, seconds)`` at sequence length ``points_seq`` (:meth:`fit` keeps them). There
     the time is read off them piecewise linearly -- exact at every measured batch, linear between two, and past
     the ends along the nearest segment (never sloping down) -- and the line serves other sequence lengths. Why:
-    on CPU a block's time per sample is not constant in the batch (caches: one dense block ran 7.7, 6.4, 6.1 and
-    6.7 ms per sample at 1, 2, 4 and 8 samples on one rank), so a line through three measured batches missed them
-    by up to 8 % -- and a plan runs at one of exactly those batches.
+    on CPU a block's time is not affine in the batch (caches: one dense block ran 7.7, 6.4, 6.1 and 6.7 ms per
+    sample at 1, 2, 4 and 8 samples on one rank), so a line through three measured batches missed them by up to
+    8 % -- and a plan runs at one of exactly those batches.
     """
 
     const: float = 0.0
