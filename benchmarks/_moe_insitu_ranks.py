@@ -1,4 +1,5 @@
-"""Rank side of benchmarks/moe_block_insitu.py: per plan, the MoE blocks timed inside training steps and alone."""
+"""Rank side of benchmarks/moe_block_insitu.py: per plan, the model's blocks (MoE or dense) timed inside training
+steps and alone."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from costmodel_accuracy import GLOBAL_BATCH, MOE_CFG, MOE_SEQ
+from costmodel_accuracy import CFG, MOE_CFG, MOE_SEQ, SEQ
 from costmodel_ranks import make_model
 from lightning_galv.layout import MeshFactory, RankLayout
 from lightning_galv.parallel.parallelize import parallelize
-from lightning_galv.plan import LayerStrategy, ParallelPlan
+from lightning_galv.plan import ParallelPlan
 
 
 def _block_clock(blocks: torch.nn.ModuleList, events: list[tuple[str, int, float]]) -> list[Any]:
@@ -45,23 +46,24 @@ def _sums(events: list[tuple[str, int, float]]) -> tuple[float, float]:
     return fwd, bwd
 
 
-def measure(strategy: dict, steps: int) -> dict[str, float]:
-    """Medians (seconds) on this rank. ``overlap``: steps as the runtime runs them (gradient all-reduce buckets
-    launched from backward hooks); ``after``: the same steps with the sync switched off during backward and run
-    after it; ``alone``: one of the model's own (parallelized) blocks, fresh random input, ``y.backward(ones)``,
-    sync off -- the ModelProfiler's protocol -- times the number of blocks."""
+def measure(plan_dict: dict, steps: int, model_kind: str = "moe") -> dict[str, float]:
+    """Medians (seconds) on this rank for the plan ``plan_dict`` (one stage, one micro-batch) of the MoE decoder
+    (``model_kind="moe"``) or the dense LLaMA (``"dense"``) of costmodel_accuracy.py. ``overlap``: steps as the
+    runtime runs them (gradient all-reduce buckets launched from backward hooks); ``after``: the same steps with
+    the sync switched off during backward and run after it; ``alone``: each of the model's own (parallelized)
+    blocks, fresh random input at the per-rank batch its strategy runs, ``y.backward(ones)``, sync off -- the
+    profilers' protocol -- summed over the blocks."""
     torch.set_num_threads(1)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    n = MOE_CFG["n_layers"]
-    plan = ParallelPlan.uniform(world, n, LayerStrategy(**strategy), global_batch=GLOBAL_BATCH).with_(
-        embed=LayerStrategy(dp=world), head=LayerStrategy(dp=world))
-    model = make_model(MOE_CFG)
-    rt = parallelize(model, plan, MeshFactory(RankLayout(world, 1), "cpu", rank))
+    rank = dist.get_rank()
+    cfg, seq = (MOE_CFG, MOE_SEQ) if model_kind == "moe" else (CFG, SEQ)
+    plan = ParallelPlan.from_dict(plan_dict)
+    model = make_model(cfg)
+    rt = parallelize(model, plan, MeshFactory(RankLayout(plan.world_size, 1), "cpu", rank))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
     rt.wrap_optimizer(opt)
     shard, shards = rt.data_shard
-    b = GLOBAL_BATCH // shards
-    data = torch.randint(0, MOE_CFG["vocab_size"], (GLOBAL_BATCH, MOE_SEQ + 1), generator=torch.Generator().manual_seed(1))
+    b = plan.global_batch // shards
+    data = torch.randint(0, cfg["vocab_size"], (plan.global_batch, seq + 1), generator=torch.Generator().manual_seed(1))
     x, y = data[shard * b:(shard + 1) * b, :-1], data[shard * b:(shard + 1) * b, 1:]
     events: list[tuple[str, int, float]] = []
     hooks = _block_clock(model.layers, events)
@@ -92,23 +94,25 @@ def measure(strategy: dict, steps: int) -> dict[str, float]:
     for h in hooks:
         h.remove()
     rt.set_gradient_sync(False)
-    blk = model.layers[1]
-    for i in range(steps + warm):
-        xi = torch.randn(b, MOE_SEQ, MOE_CFG["dim"], requires_grad=True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        out = blk(xi)
-        out = out[0] if isinstance(out, tuple) else out
-        t1 = time.perf_counter()
-        out.backward(torch.ones_like(out))
-        t2 = time.perf_counter()
-        blk.zero_grad(set_to_none=True)
-        if i >= warm:
-            got.setdefault("alone_fwd", []).append(n * (t1 - t0))
-            got.setdefault("alone_bwd", []).append(n * (t2 - t1))
+    got["alone_fwd"], got["alone_bwd"] = [0.0] * steps, [0.0] * steps
+    for blk, s in zip(model.layers, plan.layers):
+        bb = plan.global_batch // s.dp  # the per-rank batch this block runs: its data-parallel degree's share
+        for i in range(steps + warm):
+            xi = torch.randn(bb, seq, cfg["dim"], requires_grad=True)
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = blk(xi)
+            out = out[0] if isinstance(out, tuple) else out
+            t1 = time.perf_counter()
+            out.backward(torch.ones_like(out))
+            t2 = time.perf_counter()
+            blk.zero_grad(set_to_none=True)
+            if i >= warm:  # step i's sample of the sum over blocks
+                got["alone_fwd"][i - warm] += t1 - t0
+                got["alone_bwd"][i - warm] += t2 - t1
     rt.set_gradient_sync(True)
     return {k: statistics.median(v) for k, v in got.items()}
 
 
-def measure_all(strategies: list[dict], steps: int) -> list[dict[str, float]]:
-    return [measure(s, steps) for s in strategies]
+def measure_all(plans: list[dict], steps: int, model_kind: str = "moe") -> list[dict[str, float]]:
+    return [measure(p, steps, model_kind) for p in plans]

@@ -1,4 +1,5 @@
-"""Why the cost model under-predicts MoE fwd+bwd (issue 17): the MoE blocks inside a training step vs alone.
+"""Why the cost model under-predicts fwd+bwd (issue 17): the blocks inside a training step vs alone, for the MoE
+decoder (default) or the dense LLaMA (``--model dense``).
 
 benchmarks/costmodel_accuracy.py --model moe finds the measured fwd+bwd of most MoE plans 5-16 % above the
 prediction, while the checkpointed ep plans match it. The prediction composes per-block times that the profilers
@@ -11,12 +12,14 @@ into backward. This script measures, per plan and launch (fresh processes), on e
   gradient; a recompute's second forward is not counted as forward);
 - the same steps with the gradient sync as the runtime runs it (``overlap``: buckets launched from backward
   hooks) and switched off during backward, run after it (``after``), interleaved step by step;
-- ``alone``: one of the same model's blocks (as parallelized), timed the profilers' way, times the blocks.
+- ``alone``: each of the same model's blocks (as parallelized), timed the profilers' way at the per-rank batch
+  its strategy runs, summed over the blocks (until this script took ``--model``, one block times the blocks, at the
+  data shard's batch: half a tp-2 block's).
 
 Each launch's value is the slowest rank's median over its steps; the table gives the median over launches and
-the 95 % t-interval of the mean of the per-launch ratios. Model and batch: costmodel_accuracy.py's MoE ones.
+the 95 % t-interval of the mean of the per-launch ratios. Models, batch and plans: costmodel_accuracy.py's.
 
-    python benchmarks/moe_block_insitu.py [--launches 5] [--steps 10] [--no-write]
+    python benchmarks/moe_block_insitu.py [--model moe|dense] [--launches 5] [--steps 10] [--no-write]
 """
 
 from __future__ import annotations
@@ -34,29 +37,32 @@ sys.path.insert(0, str(HERE))
 from _results import write_section  # noqa: E402
 from _stats import interval  # noqa: E402
 
+from costmodel_accuracy import moe_plans, plans  # noqa: E402
+
+from lightning_galv.plan import ParallelPlan  # noqa: E402
 from lightning_galv.testing import run_distributed  # noqa: E402
 
-PLANS = {2: [("2r moe dp2", dict(dp=2)), ("2r moe ep2", dict(dp=2, ep=2)),
-             ("2r moe ep2·ckpt", dict(dp=2, ep=2, checkpoint=True))],
-         4: [("4r moe dp4", dict(dp=4)), ("4r moe ep4", dict(dp=4, ep=4)),
-             ("4r moe ep4·ckpt", dict(dp=4, ep=4, checkpoint=True))]}
-# the rest of costmodel_accuracy.py's MoE plans, for ``--plans``
-MORE = {2: [("2r moe ep2·zero1", dict(dp=2, ep=2, zero=1)), ("2r moe tp2 attn", dict(tp=2))],
-        4: [("4r moe ep2", dict(dp=4, ep=2)), ("4r moe ep4·zero3", dict(dp=4, ep=4, zero=3)),
-            ("4r moe ep2·tp2 attn", dict(tp=2, dp=2, ep=2))]}
+# the default plans per model (names of costmodel_accuracy.py's plans); ``--plans`` takes any of them that runs
+# one stage and one micro-batch
+PLANS = {"moe": ("2r moe dp2", "2r moe ep2", "2r moe ep2·ckpt", "4r moe dp4", "4r moe ep4", "4r moe ep4·ckpt"),
+         "dense": ("2r dp2", "2r dp2·zero3", "2r tp2", "2r dp2·ckpt", "4r dp4", "4r tp2·dp2", "4r tp4")}
 
 
-def selected(names: list[str] | None) -> dict[int, list[tuple[str, dict]]]:
-    """:data:`PLANS`, or the named plans of :data:`PLANS` and :data:`MORE` (a ``ValueError`` names an unknown one)."""
-    if not names:
-        return PLANS
-    known = {name: (w, spec) for src in (PLANS, MORE) for w, ps in src.items() for name, spec in ps}
-    bad = [n for n in names if n not in known]
+def selected(names: list[str] | None, model: str = "moe") -> dict[int, list[tuple[str, ParallelPlan]]]:
+    """The plans of ``model`` named ``names`` (default :data:`PLANS`), by world size; a ``ValueError`` names an
+    unknown plan or one this measurement cannot run (a pipeline or several micro-batches: the rank side runs one
+    forward and backward per step)."""
+    if model not in PLANS:
+        raise ValueError(f"--model {model!r}: not a model of this benchmark. HINT: choose from {sorted(PLANS)}")
+    known = dict(moe_plans() if model == "moe" else plans())
+    runnable = {n for n, p in known.items() if p.pp == 1 and p.micro_batches == 1}
+    bad = [n for n in names or () if n not in runnable]
     if bad:
-        raise ValueError(f"--plans {bad}: not a plan of this benchmark. HINT: choose from {sorted(known)}")
-    out: dict[int, list[tuple[str, dict]]] = {}
-    for n in names:
-        out.setdefault(known[n][0], []).append((n, known[n][1]))
+        raise ValueError(f"--plans {bad}: not a one-stage, one-micro-batch plan of the {model} model. HINT: choose "
+                         f"from {sorted(runnable)}")
+    out: dict[int, list[tuple[str, ParallelPlan]]] = {}
+    for n in names or PLANS[model]:
+        out.setdefault(known[n].world_size, []).append((n, known[n]))
     return out
 
 
@@ -71,25 +77,28 @@ def parse_args(doc: str) -> argparse.Namespace:
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--model", choices=sorted(PLANS), default="moe",
+                    help="costmodel_accuracy.py's MoE decoder (default) or its dense LLaMA")
     ap.add_argument("--plans", nargs="*", default=None,
-                    help="plan names (default: the six of PLANS; see MORE for the rest); a run with --plans "
-                         "does not write RESULTS.md")
+                    help="plan names (default: the model's PLANS; any one-stage, one-micro-batch plan of "
+                         "costmodel_accuracy.py for that model); a run with --plans does not write RESULTS.md")
     return ap.parse_args()
 
 
-def launches(n: int, steps: int, before: Callable[[int], object] | None = None,
-             plans_by_world: dict[int, list[tuple[str, dict]]] = PLANS
+def launches(n: int, steps: int, plans_by_world: dict[int, list[tuple[str, ParallelPlan]]],
+             before: Callable[[int], object] | None = None, model: str = "moe"
              ) -> Iterator[tuple[object, list[str], list[dict[str, float]]]]:
-    """Run ``_moe_insitu_ranks.measure_all`` ``n`` times per world size of :data:`PLANS` (fresh processes each
-    time, plan order rotated per launch so no plan always runs first) and yield, per launch, what ``before(world)``
-    returned just ahead of it, the plan names in run order, and per plan the slowest rank's value of each key."""
+    """Run ``_moe_insitu_ranks.measure_all`` ``n`` times per world size of ``plans_by_world`` (fresh processes
+    each time, plan order rotated per launch so no plan always runs first) and yield, per launch, what
+    ``before(world)`` returned just ahead of it, the plan names in run order, and per plan the slowest rank's
+    value of each key."""
     env = {"PYTHONPATH": f"{HERE}:{HERE.parent}"}
     for world, plans in plans_by_world.items():
         for launch in range(n):
             ahead = before(world) if before is not None else None
             order = plans[launch % len(plans):] + plans[:launch % len(plans)]
             per_rank = run_distributed("_moe_insitu_ranks:measure_all", world,
-                                       ([s for _, s in order], steps), env=env, timeout=1200)
+                                       ([p.to_dict() for _, p in order], steps, model), env=env, timeout=1200)
             slowest = [{k: max(rank[j][k] for rank in per_rank) for k in per_rank[0][j]} for j in range(len(order))]
             yield ahead, [name for name, _ in order], slowest
             print(f"{world} ranks, launch {launch + 1}/{n} done", flush=True)
@@ -98,7 +107,8 @@ def launches(n: int, steps: int, before: Callable[[int], object] | None = None,
 def main() -> None:
     args = parse_args(__doc__)
     runs: dict[str, list[dict[str, float]]] = {}
-    for _, names, slowest in launches(args.launches, args.steps, plans_by_world=selected(args.plans)):
+    for _, names, slowest in launches(args.launches, args.steps, selected(args.plans, args.model),
+                                      model=args.model):
         for name, r in zip(names, slowest):
             runs.setdefault(name, []).append(r)
     ms = lambda rs, k: statistics.median(r[k] for r in rs) * 1e3  # noqa: E731
@@ -121,8 +131,12 @@ def main() -> None:
     report = "\n".join(lines)
     print(report)
     if not args.no_write and not args.plans:
-        write_section("moe_block_insitu", "## MoE blocks inside a training step vs alone "
-                      "(benchmarks/moe_block_insitu.py)\n\n" + NOTES + "\n\n" + report)
+        if args.model == "moe":
+            write_section("moe_block_insitu", "## MoE blocks inside a training step vs alone "
+                          "(benchmarks/moe_block_insitu.py)\n\n" + NOTES + "\n\n" + report)
+        else:
+            write_section("dense_block_insitu", "## Dense blocks inside a training step vs alone "
+                          "(benchmarks/moe_block_insitu.py --model dense)\n\n" + NOTES + "\n\n" + report)
 
 
 NOTES = """What it tells: a fwd or bwd ratio above 1 is time the blocks take in a real step that the profilers'

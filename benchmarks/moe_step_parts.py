@@ -1,4 +1,5 @@
-"""Which part of an MoE training step the cost model under-predicts (issue 17): blocks, ends, or per-step work.
+"""Which part of a training step the cost model under-predicts (issue 17): blocks, ends, or per-step work -- for the
+MoE decoder (default) or the dense LLaMA (``--model dense``).
 
 benchmarks/costmodel_accuracy.py --model moe finds most MoE plans' fwd+bwd 5-16 % above the prediction, and
 benchmarks/moe_block_insitu.py finds the blocks inside a step as fast as alone. This script takes, per launch, a
@@ -17,7 +18,7 @@ No speed correction: profile and measurement are minutes apart in one launch seq
 slowest rank's median; the table gives the median over launches and the 95 % t-interval of the mean of the
 per-launch (predicted / measured) ratios.
 
-    python benchmarks/moe_step_parts.py [--launches 5] [--steps 10] [--no-write]
+    python benchmarks/moe_step_parts.py [--model moe|dense] [--launches 5] [--steps 10] [--no-write]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ sys.path.insert(0, str(HERE))
 
 from _results import write_section  # noqa: E402
 from _stats import interval  # noqa: E402
-from costmodel_accuracy import MOE_CFG, MOE_SEQ, moe_plans, profile_world  # noqa: E402
+from costmodel_accuracy import MOE_CFG, MOE_SEQ, moe_plans, plans, profile_world  # noqa: E402
 from moe_block_insitu import launches, parse_args, selected  # noqa: E402
 
 from lightning_galv.planner.cost import GalvatronCostModel, StageContext  # noqa: E402
@@ -67,11 +68,13 @@ def _ci(xs: list[float]) -> str:
 
 def main() -> None:
     args = parse_args(__doc__)
-    by_name = dict(moe_plans())
+    moe = args.model == "moe"
+    by_name = dict(moe_plans() if moe else plans())
     rows: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {}
-    fresh = lambda world: profile_world(world, MOE_CFG, MOE_SEQ, "profile_machine_moe")  # noqa: E731
-    for (model, hw), names, slowest in launches(args.launches, args.steps, before=fresh,
-                                                        plans_by_world=selected(args.plans)):  # type: ignore[misc]
+    fresh = ((lambda world: profile_world(world, MOE_CFG, MOE_SEQ, "profile_machine_moe")) if moe  # noqa: E731
+             else (lambda world: profile_world(world)))
+    for (model, hw), names, slowest in launches(args.launches, args.steps, selected(args.plans, args.model),
+                                                before=fresh, model=args.model):  # type: ignore[misc]
         for name, r in zip(names, slowest):
             meas = {"fwd": r["overlap_fwd"], "bwd": r["overlap_bwd"],
                     "ends": r["overlap_fb"] - r["overlap_fwd"] - r["overlap_bwd"],
@@ -96,11 +99,19 @@ def main() -> None:
     report = "\n".join(lines)
     print(report)
     if not args.no_write and not args.plans:
-        write_section("moe_step_parts", "## MoE step parts, predicted vs measured (benchmarks/moe_step_parts.py)"
-                      "\n\n" + NOTES + "\n\n" + report)
+        if moe:
+            write_section("moe_step_parts", "## MoE step parts, predicted vs measured (benchmarks/moe_step_parts.py)"
+                          "\n\n" + NOTES + "\n\n" + report)
+        else:
+            write_section("dense_step_parts", "## Dense step parts, predicted vs measured "
+                          "(benchmarks/moe_step_parts.py --model dense)\n\n" + DENSE_NOTES + "\n\n" + report)
 
 
 NOTES = """Model, batch and plans: costmodel_accuracy.py's MoE ones (dim 128, 4 MoE blocks of 8 experts, top-2, seq 64,
+global batch 8). A ratio below 1 is a part the cost model under-predicts. "ends" is measured as fwd+bwd less the
+blocks, so it also holds what runs between blocks (the runtime's re-layouts at the ends, hook overhead)."""
+
+DENSE_NOTES = """Model, batch and plans: costmodel_accuracy.py's dense ones (reference LLaMA, dim 256, 4 blocks, seq 128,
 global batch 8). A ratio below 1 is a part the cost model under-predicts. "ends" is measured as fwd+bwd less the
 blocks, so it also holds what runs between blocks (the runtime's re-layouts at the ends, hook overhead)."""
 
