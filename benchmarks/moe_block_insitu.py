@@ -45,7 +45,7 @@ from lightning_galv.testing import run_distributed  # noqa: E402
 # the default plans per model (names of costmodel_accuracy.py's plans); ``--plans`` takes any of them that runs
 # one stage and one micro-batch
 PLANS = {"moe": ("2r moe dp2", "2r moe ep2", "2r moe ep2·ckpt", "4r moe dp4", "4r moe ep4", "4r moe ep4·ckpt"),
-         "dense": ("2r dp2", "2r dp2·zero3", "2r tp2", "2r dp2·ckpt", "4r dp4", "4r tp2·dp2", "4r tp4")}
+         "dense": ("2r dp2", "2r dp2·zero3", "2r tp2", "2r tp+sp2", "2r dp2·ckpt", "4r dp4", "4r tp2·dp2", "4r tp4")}
 
 
 def selected(names: list[str] | None, model: str = "moe") -> dict[int, list[tuple[str, ParallelPlan]]]:
