@@ -44,6 +44,53 @@ def test_model_profiler_times_the_ends_and_a_frozen_embedding_takes_no_backward(
     assert frozen.embed_backward(4, 16) < prof.embed_backward(4, 16)  # nothing but the timer's own reads
 
 
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        time.sleep(0.03)
+        return grad
+
+
+class _SlowBlock(nn.Module):
+    """30 ms in forward and 30 ms in backward, none of which is the ends'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.03)
+        return _SleepInBackward.apply(self.lin(x))
+
+
+class _RecordingHead(nn.Module):
+    """The head, noting what produced each input it gets."""
+
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.lin, self.seen = nn.Linear(32, 64), seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(type(x.grad_fn).__name__)
+        return self.lin(x)
+
+
+def test_model_profiler_times_the_ends_behind_a_block_and_without_its_time() -> None:
+    """The ends are timed in situ (profile v8): every head pass runs on a block's output, in the graph the
+    embedding started, as in a step -- and the ends' fits hold neither the block's forward nor its backward."""
+    seen: list[str] = []
+    prof = ModelProfiler(_SlowBlock, SHAPE, batch_sizes=(1, 4), repeats=1, progress=False, time_optimizer=False,
+                         make_head=lambda: _RecordingHead(seen), make_embed=lambda: nn.Embedding(64, 32)).fit()
+    assert seen and set(seen) == {"_SleepInBackwardBackward"}, seen
+    for fit in (prof.embed_forward, prof.embed_backward, prof.head_forward, prof.head_backward):
+        assert fit is not None and 0 < fit(4, 16) < 0.015, prof  # a block pass sleeps 30 ms each way
+    assert prof.layer(0).forward(4, 16) > 0.025 and prof.layer(0).backward(4, 16) > 0.025
+
+
 def test_model_profiler_fits_and_caches(tmp_path) -> None:
     cache = ProfileCache(tmp_path)
     prof = ModelProfiler(Block, SHAPE, batch_sizes=(1, 4), repeats=2, cache=cache, progress=False).fit()

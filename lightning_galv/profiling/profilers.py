@@ -214,8 +214,9 @@ class ModelProfiler:
         # "v": bump when the profile gains fields, so older cache files are measured again instead of
         # loading with defaults (v2: optimizer_bandwidth; v3: buffers in framework_bytes; v4: median
         # times, optimizer bandwidth on the whole model's parameter volume; v5: the step timed after a backward;
-        # v6: the embedding and the head's backward measured; v7: fits keep their measured points, TimeFit.points)
-        facts = {"v": 7, "buffers": self.buffer_bytes, "shape": self.shape.to_dict(), "b": self.batch_sizes,
+        # v6: the embedding and the head's backward measured; v7: fits keep their measured points, TimeFit.points;
+        # v8: the ends timed in situ, behind a block)
+        facts = {"v": 8, "buffers": self.buffer_bytes, "shape": self.shape.to_dict(), "b": self.batch_sizes,
                  "s": self.seq_lens, "dtype": str(self.dtype), "torch": torch.__version__,
                  "threads": torch.get_num_threads(), "head": self.make_head is not None,
                  "embed": self.make_embed is not None, "device": self.device.type}
@@ -266,7 +267,7 @@ class ModelProfiler:
                                                             max(self.repeats, OPTIMIZER_REPEATS),
                                                             OPTIMIZER_TRAFFIC_BYTES, (1, self.shape.seq_len, h),
                                                             self._sync)
-        ends = self._time_ends(points)
+        ends = self._time_ends(points, block)
         if self.buffer_bytes is None:
             fixed += ends.buffers
         prof = ModelProfile("profiled", self.shape, tuple(layers), self.layer_type_of,
@@ -281,76 +282,97 @@ class ModelProfiler:
             self.cache.save("model", self.key(), prof)
         return prof
 
-    def _time_ends(self, points: list[tuple[int, int]]) -> "_Ends":
+    def _time_ends(self, points: list[tuple[int, int]], block: nn.Module) -> "_Ends":
         """Forward and backward fits of the embedding (``make_embed``: tokens ``[b, s]`` -> ``[b, s, h]``) and of
-        the head with its loss (``make_head``: ``[b, s, h]`` -> logits, then cross entropy), each timed as a step
-        runs it: the backward from the loss through the head into a hidden state that wants a gradient, and the
-        embedding's backward writing its weight's gradient (a fresh ``V x h`` tensor each step, as after
-        Lightning's ``zero_grad``). Why measured rather than derived from the forward: the embedding was priced
-        at 0 (its backward writes a dense ``V x h`` gradient, not free with a large vocabulary), and the head's
-        backward at 2x its forward, a matmul count that leaves out the loss and the launch overheads. A frozen
-        embedding has no backward to time (fit zero). Also the head's saved activation bytes."""
+        the head with its loss (``make_head``: ``[b, s, h]`` -> logits, then cross entropy), timed *in situ*: each
+        pass runs tokens -> embedding -> ``block`` (the first layer type's) -> head -> loss and back, as a step
+        does, and splits it with clock reads around the ends in forward and, in backward, where the gradient
+        reaches the block's output and where it leaves the block's input. Also the head's saved activation bytes.
+
+        Why measured rather than derived from the forward: the embedding was priced at 0 (its backward writes a
+        dense ``V x h`` gradient, not free with a large vocabulary), and the head's backward at 2x its forward, a
+        matmul count that leaves out the loss and the launch overheads. Why in situ (profile v8): timed on their
+        own in a tight loop, the ends took about half of what they take inside a training step --
+        ``benchmarks/moe_step_parts.py --model dense`` found the step's ends (what fwd+bwd takes beyond its
+        blocks) predicted at 0.46-0.58 of measured over 5 launches, and one process of the dense benchmark model
+        ran its head and loss forward and backward in 4.9 ms alone, 6.2 ms behind one block and 6.9 ms at the end
+        of the 4-block model (1 thread, 4 samples). Behind a block the
+        head meets caches and an allocator the block has churned; which of these costs it is not pinned down,
+        and timing the head where it runs takes it in either way. A frozen embedding has no backward (fit zero);
+        without an embedding the block takes a random hidden state."""
         h, v = self.shape.hidden, self.shape.vocab_size
         el = torch.finfo(self.dtype).bits // 8
         out = _Ends(head_act=float((4 + el) * self.shape.seq_len * v))
-        if self.make_embed is not None:
-            emb = self.make_embed().to(self.device, self.dtype)
-            out.buffers += buffer_bytes(emb)
-            rows = getattr(emb, "num_embeddings", v)
+        emb = self.make_embed().to(self.device, self.dtype) if self.make_embed is not None else None
+        head = self.make_head().to(self.device, self.dtype) if self.make_head is not None else None
+        if emb is None and head is None:
+            return out
+        out.buffers += sum(buffer_bytes(m) for m in (emb, head) if m is not None)
+        rows = getattr(emb, "num_embeddings", v)
+        grads_at: dict[str, float] = {}
 
-            def embed_pass(b: int, s: int) -> tuple[float, float]:
-                tokens = torch.randint(0, rows, (b, s), device=self.device)
+        def stamp(key: str) -> Callable[[torch.Tensor], None]:
+            def hook(_grad: torch.Tensor) -> None:
                 self._sync()
-                t0 = time.perf_counter()
-                y = emb(tokens)  # [b, s, h]
-                self._sync()
-                t1 = time.perf_counter()
-                if y.requires_grad:  # a frozen embedding takes no backward
-                    y.backward(torch.ones_like(y))
-                self._sync()
-                t2 = time.perf_counter()
-                emb.zero_grad(set_to_none=True)
-                return t1 - t0, t2 - t1
+                grads_at[key] = time.perf_counter()
+            return hook
 
-            out.embed_forward, out.embed_backward = self._fit_passes(points, embed_pass)
-            del emb  # a large vocabulary's copy is not kept alive while the head is timed
-        if self.make_head is not None:  # norm + output projection + cross entropy, then its backward
-            head = self.make_head().to(self.device, self.dtype)
-            out.buffers += buffer_bytes(head)
-
-            def head_pass(b: int, s: int) -> tuple[float, float]:
+        def one_pass(b: int, s: int) -> tuple[float, float, float, float]:
+            grads_at.clear()
+            tokens = torch.randint(0, rows, (b, s), device=self.device)
+            tgt = torch.randint(0, v, (b * s,), device=self.device)
+            self._sync()
+            t0 = time.perf_counter()
+            if emb is not None:
+                x = emb(tokens)  # [b, s, h]
+            else:
                 x = torch.randn(b, s, h, dtype=self.dtype, device=self.device, requires_grad=True)
-                tgt = torch.randint(0, v, (b * s,), device=self.device)
+            self._sync()
+            t1 = time.perf_counter()
+            if x.requires_grad:  # a frozen embedding's output takes no gradient
+                x.register_hook(stamp("input"))
+            y = block(x)  # [b, s, h]
+            self._sync()
+            t2 = time.perf_counter()
+            if head is not None:
+                y.register_hook(stamp("output"))
                 saved = _SavedBytes(_storages(head))
-                self._sync()
-                t0 = time.perf_counter()
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                    logits = head(x)
+                    logits = head(y)
                     loss = torch.nn.functional.cross_entropy(logits.reshape(b * s, -1), tgt)  # [b*s, V]
                 self._sync()
-                t1 = time.perf_counter()
+                t3 = time.perf_counter()
                 loss.backward()
-                self._sync()
-                t2 = time.perf_counter()
-                head.zero_grad(set_to_none=True)
                 if s == self.shape.seq_len:  # the last such pass is at the largest batch
                     # saved for backward + the logits the loop holds + their gradient at the start of backward
                     out.head_act = saved.total / b + 2 * el * s * v
-                return t1 - t0, t2 - t1
+            else:
+                t3 = grads_at["output"] = time.perf_counter()
+                y.backward(torch.ones_like(y))
+            self._sync()
+            t4 = time.perf_counter()
+            for m in (emb, block, head):
+                if m is not None:
+                    m.zero_grad(set_to_none=True)
+            embed_bwd = t4 - grads_at["input"] if emb is not None and "input" in grads_at else 0.0
+            return t1 - t0, embed_bwd, t3 - t2, grads_at["output"] - t3
 
-            out.head_forward, out.head_backward = self._fit_passes(points, head_pass)
+        fits = self._fit_passes(points, one_pass)
+        if emb is not None:
+            out.embed_forward, out.embed_backward = fits[0], fits[1]
+        if head is not None:
+            out.head_forward, out.head_backward = fits[2], fits[3]
         return out
 
-    def _fit_passes(self, points: list[tuple[int, int]], one_pass: Callable[[int, int], tuple[float, float]]
-                    ) -> tuple[TimeFit, TimeFit]:
-        """Forward and backward fits of ``one_pass(b, s) -> (forward s, backward s)``: its median over
-        ``repeats`` passes per point, after one that warms up."""
-        fwd, bwd = [], []
+    def _fit_passes(self, points: list[tuple[int, int]], one_pass: Callable[[int, int], tuple[float, ...]]
+                    ) -> tuple[TimeFit, ...]:
+        """One fit per value ``one_pass(b, s)`` returns (seconds): its median over ``repeats`` passes per point,
+        after one that warms up."""
+        per_point = []
         for b, s in points:
             times = [one_pass(b, s) for _ in range(self.repeats + 1)][1:]
-            fwd.append((b, s, statistics.median(f for f, _ in times)))
-            bwd.append((b, s, statistics.median(t for _, t in times)))
-        return TimeFit.fit(fwd), TimeFit.fit(bwd)
+            per_point.append((b, s, [statistics.median(t[k] for t in times) for k in range(len(times[0]))]))
+        return tuple(TimeFit.fit([(b, s, ts[k]) for b, s, ts in per_point]) for k in range(len(per_point[0][2])))
 
     def _measure(self, make: Callable[[], nn.Module], name: str, points: list[tuple[int, int]],
                  label: str) -> tuple[LayerTypeProfile, nn.Module]:
