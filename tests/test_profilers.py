@@ -91,6 +91,16 @@ def test_model_profiler_times_the_ends_behind_a_block_and_without_its_time() -> 
     assert prof.layer(0).forward(4, 16) > 0.025 and prof.layer(0).backward(4, 16) > 0.025
 
 
+def test_model_profiler_times_a_head_behind_frozen_blocks_and_embedding() -> None:
+    """Linear probing: nothing before the head takes a gradient, so the in-situ pass has no block output to hook;
+    the head's backward is then the whole backward, and the embedding's is zero."""
+    prof = ModelProfiler(lambda: Block().requires_grad_(False), SHAPE, batch_sizes=(1, 4), repeats=1, progress=False,
+                         time_optimizer=False, make_head=lambda: nn.Linear(32, 64),
+                         make_embed=lambda: nn.Embedding(64, 32).requires_grad_(False)).fit()
+    assert prof.head_backward is not None and prof.head_backward(4, 16) > 0
+    assert prof.embed_backward is not None and prof.embed_backward(4, 16) == 0
+
+
 def test_model_profiler_fits_and_caches(tmp_path) -> None:
     cache = ProfileCache(tmp_path)
     prof = ModelProfiler(Block, SHAPE, batch_sizes=(1, 4), repeats=2, cache=cache, progress=False).fit()

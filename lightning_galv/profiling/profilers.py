@@ -335,7 +335,8 @@ class ModelProfiler:
             self._sync()
             t2 = time.perf_counter()
             if head is not None:
-                y.register_hook(stamp("output"))
+                if y.requires_grad:  # (frozen blocks behind a frozen embedding: the head's backward is all there is)
+                    y.register_hook(stamp("output"))
                 saved = _SavedBytes(_storages(head))
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                     logits = head(y)
@@ -348,14 +349,15 @@ class ModelProfiler:
                     out.head_act = saved.total / b + 2 * el * s * v
             else:
                 t3 = grads_at["output"] = time.perf_counter()
-                y.backward(torch.ones_like(y))
+                if y.requires_grad:
+                    y.backward(torch.ones_like(y))
             self._sync()
             t4 = time.perf_counter()
             for m in (emb, block, head):
                 if m is not None:
                     m.zero_grad(set_to_none=True)
             embed_bwd = t4 - grads_at["input"] if emb is not None and "input" in grads_at else 0.0
-            return t1 - t0, embed_bwd, t3 - t2, grads_at["output"] - t3
+            return t1 - t0, embed_bwd, t3 - t2, grads_at.get("output", t4) - t3
 
         fits = self._fit_passes(points, one_pass)
         if emb is not None:
