@@ -294,12 +294,13 @@ class ModelProfiler:
         matmul count that leaves out the loss and the launch overheads. Why in situ (profile v8): timed on their
         own in a tight loop, the ends took about half of what they take inside a training step --
         ``benchmarks/moe_step_parts.py --model dense`` found the step's ends (what fwd+bwd takes beyond its
-        blocks) predicted at 0.46-0.58 of measured in 6 of its 8 plans over 5 launches, and one process of the dense benchmark model
-        ran its head and loss forward and backward in 4.9 ms alone, 6.2 ms behind one block and 6.9 ms at the end
-        of the 4-block model (1 thread, 4 samples). Behind a block the
-        head meets caches and an allocator the block has churned; which of these costs it is not pinned down,
-        and timing the head where it runs takes it in either way. A frozen embedding has no backward (fit zero);
-        without an embedding the block takes a random hidden state."""
+        blocks) predicted at 0.46-0.58 of measured in 6 of its 8 plans over 5 launches, and one process of the
+        dense benchmark model ran its head and loss forward and backward in 4.9 ms alone, 6.2 ms behind one block
+        and 6.9 ms at the end of the 4-block model (1 thread, 4 samples). Behind a block the head meets caches and
+        an allocator the block has churned; which of these costs it is not pinned down, and timing the head where
+        it runs takes it in either way. The price is memory: the embedding, the head and their gradients are alive
+        together (timed apart, one end's copy was freed before the other's was built). A frozen embedding has no
+        backward (fit zero); without an embedding the block takes a random hidden state."""
         h, v = self.shape.hidden, self.shape.vocab_size
         el = torch.finfo(self.dtype).bits // 8
         out = _Ends(head_act=float((4 + el) * self.shape.seq_len * v))
