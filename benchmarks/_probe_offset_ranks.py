@@ -11,13 +11,13 @@ SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)  # costmodel_accuracy.profile_world
 
 
 def rounds(n: int, probes: int) -> list[tuple[float, list[float], list[float]]]:
-    """Per round: the profile's speed reference (``profile_machine``'s ``probe_s``), and ``probes`` probes taken
+    """Per round: the profile's speed reference (``profile_machine``'s ``interleaved_s``, the reference until 6565948), and ``probes`` probes taken
     right before and right after that profile run (seconds)."""
     torch.set_num_threads(1)
     out = []
     for _ in range(n):
         before = [probe(CFG, SEQ) for _ in range(probes)]
-        ref = profile_machine(SIZES, 5, CFG, SEQ)["probe_s"]
+        ref = profile_machine(SIZES, 5, CFG, SEQ)["interleaved_s"]
         after = [probe(CFG, SEQ) for _ in range(probes)]
         out.append((ref, before, after))
     return out

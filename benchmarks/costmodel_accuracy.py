@@ -136,16 +136,41 @@ def profile_world(world: int, cfg: dict = CFG, seq: int = SEQ, fn: str = "profil
     model = ModelProfile.from_json(r["model"])
     hw = replace(HardwareProfile.from_json(r["hardware"]), memory_bandwidth=r["optimizer_bandwidth"],
                  name=f"cpu-gloo-{world}")
-    return model.with_(source=f"ModelProfiler ref_s={r['probe_s']}"), hw
+    return model.with_(source=f"ModelProfiler around_s={r['probe_s']} interleaved_s={r['interleaved_s']}"), hw
+
+
+def _source_value(model: ModelProfile, key: str) -> float:
+    for part in model.source.split():
+        if part.startswith(key + "="):
+            return float(part.split("=", 1)[1])
+    raise ValueError(f"profile source {model.source!r}: no {key}= speed reference (a cache from before the "
+                     "probes around the profile became the reference). HINT: pass --reprofile or delete the "
+                     "--profiles cache.")
 
 
 def probe_of(model: ModelProfile) -> float:
-    """The profile's speed reference (``ref_s``; a profile cached before 4b5ff4e carries ``probe_s``, a reference
-    taken another way -- the mean over ranks of probes around profiling -- so it is refused, not misread)."""
-    if "ref_s=" not in model.source:
-        raise ValueError(f"profile source {model.source!r}: no ref_s= speed reference (a cache from before 4b5ff4e). "
-                         "HINT: pass --reprofile or delete the --profiles cache.")
-    return float(model.source.split("ref_s=")[1])
+    """The profile's speed reference: the median of the probes right before and right after its run
+    (``around_s``, ``costmodel_ranks._references``). A profile cached earlier carries ``ref_s``, the profiler's
+    interleaved timing, which reads 8 % slower than the probe at equal speed: it is refused, not misread."""
+    return _source_value(model, "around_s")
+
+
+def offset_line(launch_profiles: list[dict[int, tuple[ModelProfile, HardwareProfile]]]) -> str:
+    """The two speed references side by side per world size (what benchmarks/probe_offset.py measures), from the
+    profiles this run's predictions came from."""
+    from _stats import interval
+
+    parts = []
+    for world in (2, 4):
+        xs = [probe_of(lp[world][0]) / _source_value(lp[world][0], "interleaved_s")
+              for lp in launch_profiles if world in lp]
+        if len(xs) > 1:
+            m, lo, hi = interval(xs)
+            parts.append(f"{world} ranks {m:.3f} [{lo:.3f}, {hi:.3f}] over {len(xs)} profiles")
+        elif xs:
+            parts.append(f"{world} ranks {xs[0]:.3f} (one profile)")
+    return ("Speed reference: the probes around each profile / the profiler's interleaved timing of the same pass "
+            "(the reference until 6565948): " + ("; ".join(parts) or "n/a") + ".")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -305,7 +330,7 @@ def main() -> None:
                          load=statistics.median(r["load"] for r in runs), **memory[c.name]))
     for per_variant in (True, False):
         calibrate(rows, launch_profiles, per_variant)
-    report = table(rows, launches, steps, warmup, fresh)
+    report = table(rows, launches, steps, warmup, fresh) + "\n\n" + offset_line(launch_profiles)
     print(report)
     if args.only:
         for r in rows:
@@ -520,12 +545,14 @@ compute probe (the unsharded block's fwd+bwd at 2 samples on every rank at once,
 times its variants: a fresh input, all ranks starting each pass together, a warm-up and 5 timed passes (2 for the
 MoE decoder, as automatic mode profiles it), each rank's median forward and backward, then the slowest rank's of
 each) runs before every step and after the last; "at profile speed" scales each step's time
-by the profile's own time for that block and shape (the ShardedLayerProfiler's raw medians of its `tp1/none`
-variant at 2 samples, slowest rank's forward + slowest rank's backward: the very pass the probe repeats, timed
-interleaved with every other variant, so it reflects the speed all the block fits were taken at; until 257c0e1
-the reference was the fit at 2 samples, a straight line through 2/4/8 that missed the b=2 median by -11 % to
-+6 % at 4 ranks) / the geometric mean of the probes right before and right after that step, then takes the median
-over steps ("load" = median probe / profile reference; the phase columns use that one factor per plan). Raw errors are shown too. Memory: "live-tensor peak" = per-rank peak (max over
+by the profile's reference (the median of 3 probes right before and 3 right after the profile run: the same
+protocol as the step's probes, so the ratio is one of speeds) / the geometric mean of the probes right before and
+right after that step, then takes the median over steps ("load" = median probe / profile reference; the phase
+columns use that one factor per plan). From 257c0e1 to 6565948 the reference was the ShardedLayerProfiler's raw
+median of its `tp1/none` variant at 2 samples -- the pass the probe repeats, but timed between the other
+variants' passes, where it read slower: probe / it = 0.915 [0.865, 0.964] at 2 ranks and 0.924 [0.900, 0.948] at 4
+(section `probe_offset`), so every measured step was scaled up by ~8 % (the line under the table gives that ratio
+for this run's profiles); before 257c0e1 it was the fit at 2 samples. Raw errors are shown too. Memory: "live-tensor peak" = per-rank peak (max over
 ranks) of live tensor bytes during one step by torch's MemTracker (parameters + gradients kept between steps +
 optimizer states + activations + temporaries + buffers), which is what the prediction counts; "RSS peak growth"
 = the process's resident-set high-water mark during the plan's steps minus its RSS before the plan was built
@@ -555,11 +582,10 @@ measured times at the measured batches), the sharded variants over `auto.SHARDED
 rounds (4 since 2026-11-28; 2 before, and the probe took as many passes);
 everything else as in the dense section above (MemTracker peak, leave-one-out calibration, speed correction),
 except that the probe times the decoder's own MoE block (unsharded, every expert local, its router statistics
-all-reduced over the world as the profiler times it) and a profile's reference is the profiler's raw median of
-that block type's `tp1/none` variant at the probe's shape, collective included (until 257c0e1 the fit there plus
-the statistics all-reduce as priced: the probe read 3-9 % below it on every plan at 7b72695; until 0a74b18 the
-median of probes taken around profiling, a dense block's; in that run the raw errors were smaller than the
-corrected ones)."""
+all-reduced over the world as the profiler times it); the reference is the probes around the profile run, as
+above (from 0a74b18 to 6565948 the profiler's timing of that block's `tp1/none` variant at the probe's shape:
+its fit until 257c0e1, then its raw median; until 0a74b18 the median of probes taken around profiling, but of a dense block's, while the steps' probes
+timed the MoE block)."""
 
 
 def write_results(report: str, moe: bool = False) -> None:

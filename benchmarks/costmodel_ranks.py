@@ -89,6 +89,25 @@ def _raw_reference(calls: list[dict[tuple[str, int], tuple[float, float, float, 
     return float(t.sum())
 
 
+AROUND_PROBES = 3  # probes right before and right after a profile run: its speed reference
+
+
+def _references(before: list[float], after: list[float],
+                calls: list[dict[tuple[str, int], tuple[float, float, float, float]]]) -> dict[str, Any]:
+    """The profile's speed reference, ``probe_s``: the median of :func:`probe` right before and right after the
+    profile run, i.e. read by the very protocol the probes before and after each measured step use, so that their
+    ratio is a ratio of speeds and nothing else. ``interleaved_s`` is kept beside it: the profiler's own raw
+    timing of the pass the probe repeats (:func:`_raw_reference`), the reference every run from 257c0e1 to
+    6565948 scaled by. Timed between the other variants' passes it read slower than the probe seconds apart --
+    the probe / it = 0.915 [0.865, 0.964] at 2 ranks, 0.924 [0.900, 0.948] at 4 (benchmarks/probe_offset.py,
+    6 profile runs each; session 25 had found 1.017 / 1.012 in paired rounds) -- which scaled every measured step
+    at "profile speed" up by 8-9 % and made every 2-rank plan look under-predicted. (The probes around the
+    profile were the reference once before, at b2346bf, and tracked the predictions poorly; the probe then ran
+    another protocol -- one input, accumulated gradients, back to back -- and one probe stood on each side.)"""
+    return {"probe_s": statistics.median(before + after), "interleaved_s": _raw_reference(calls),
+            "probes_before_s": before, "probes_after_s": after}
+
+
 def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -> dict[str, Any]:
     """Profiles for the MoE decoder, the way automatic mode takes them: HardwareProfiler on this launch (the
     all-to-all included), the ModelProfiler per block kind (dense and MoE) through ``auto.profile_model``
@@ -101,7 +120,7 @@ def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: in
     from lightning_galv.models.protocol import find_parts
     from lightning_galv.profiling import HardwareProfiler
 
-    probes = [probe(cfg, seq)]
+    before = [probe(cfg, seq) for _ in range(AROUND_PROBES)]
     hw = HardwareProfiler(sizes_bytes=sizes, repeats=repeats, progress=False).fit()
     model = make_model(cfg)
     parts = find_parts(model)
@@ -113,17 +132,9 @@ def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: in
         prof = sharded_profile(model, parts, prof, hw, None, False, batches,
                                tp_sizes=tp_batch_sizes(loader, dist.get_world_size()))
     bandwidth = prof.optimizer_bandwidth  # all ranks stepping at once (sharded_profile), as automatic mode prices it
-    probes += [probe(cfg, seq) for _ in range(4)]
-    # the speed reference, as in profile_machine: the profile's own raw timing of the block the probe times (the
-    # MoE block, unsharded, local dispatch, its router statistics all-reduced over the world as a dp plan runs it
-    # and as the probe runs it) at the probe's shape -- timed interleaved with every other variant, so it tells
-    # the speed all the fits were taken at. The probes around the profile (kept as "probes_around_s") did not: in
-    # the 0a74b18 run the raw errors (in-sample median 5.1 %) were smaller than the ones they corrected (10.2 %).
-    # Until 257c0e1 the reference was the block's fit at 2 samples plus the statistics all-reduce as priced: the
-    # probe then read 3-9 % below it on every plan (the 7b72695 run, load x0.91-0.97).
-    ref = _raw_reference(calls)
+    after = [probe(cfg, seq) for _ in range(AROUND_PROBES)]
     return {"hardware": hw.to_json(), "model": prof.to_json(), "optimizer_bandwidth": bandwidth,
-            "probe_s": ref, "probes_around_s": statistics.median(probes)}
+            **_references(before, after, calls)}
 
 
 def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -> dict[str, Any]:
@@ -140,6 +151,7 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
     from lightning_galv.profiling import HardwareProfiler, ModelProfiler
     from lightning_galv.profiling.profilers import ShardedLayerProfiler
 
+    before = [probe(cfg, seq) for _ in range(AROUND_PROBES)]
     hw = HardwareProfiler(sizes_bytes=sizes, repeats=repeats, progress=False).fit()
     lcfg = LlamaConfig(**cfg)
 
@@ -166,18 +178,9 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
         layer = sharded.fit(model.layer(0))
     # the optimizer step every rank takes at once, as automatic mode prices it (auto.sharded_profile)
     model = model.with_(layer_types=(layer,), optimizer_bandwidth=sharded.optimizer_bandwidth)
-    # the speed reference: the profile's own unsharded block at the probe's shape (fwd+bwd, b=2). The
-    # ShardedLayerProfiler times it interleaved with every variant over the whole sharded-profiling window, so it
-    # tells the speed those fits were taken at; the probes around the profile did not: in the 10-launch run at
-    # b2346bf their median did not move with the predictions (correlation -0.6 .. +0.7 per plan over the
-    # launches), and scaling by it made the 2-rank errors noisier than raw ones. The probe times the block as the
-    # profiler does (``probe``), and the reference is the profiler's raw median of that very pass
-    # (``_raw_reference``; until 257c0e1 the fit at b=2, an end point of the line through 2/4/8). What still
-    # differs: the profiler's passes run between other variants' while the probe's follow each other (paired at
-    # equal speed over 15 rounds: profiler-style / probe 1.017 with 2 ranks, 1.012 with 4).
-    ref = _raw_reference(calls)
+    after = [probe(cfg, seq) for _ in range(AROUND_PROBES)]
     return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": model.optimizer_bandwidth,
-            "probe_s": ref}
+            **_references(before, after, calls)}
 
 
 _PROBE_BLOCKS: dict[tuple[str, int], tuple[torch.nn.Module, int]] = {}
