@@ -8,7 +8,12 @@ read alike at equal speed. This script takes, in one launch per world size, ``--
 before and right after each, seconds apart: a load (median of the round's probes / its reference) away from 1 is a
 difference between the protocols, not drift, and the accuracy benchmark's "at profile speed" column carries it.
 
-    python benchmarks/probe_offset.py [--rounds 6] [--probes 3] [--no-write]
+Part two (``--context``): the accuracy benchmark's steps are scaled by probes taken *between training steps*, with
+the plan's model, gradients and optimizer state alive. Per plan, probes with no model alive right before it is
+built and right after it is freed, next to the probes between its steps, seconds apart: a ratio away from 1 is the
+context, not the machine's speed, and the "at profile speed" column carries it as a load.
+
+    python benchmarks/probe_offset.py [--rounds 6] [--probes 3] [--context-launches 3] [--no-write]
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--probes", type=int, default=3)
     ap.add_argument("--worlds", type=int, nargs="*", default=[2, 4])
+    ap.add_argument("--context-launches", type=int, default=3,
+                    help="launches per world size for part two (0: skip it)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if args.rounds < 2 or args.probes < 1:
@@ -54,6 +61,8 @@ def main() -> None:
                      f"{med([x for _, b, _ in res for x in b]):.1f} / {med([x for _, _, a in res for x in a]):.1f} | "
                      f"{', '.join(f'{x:.3f}' for x in loads)} | {mean:.3f} [{lo:.3f}, {hi:.3f}] |")
         print(lines[-1], flush=True)
+    if args.context_launches:
+        lines += ["", *context(args.context_launches, args.probes, args.worlds, env)]
     report = "\n".join(lines)
     print(report)
     if not args.no_write:
@@ -61,10 +70,47 @@ def main() -> None:
                       "\n\n" + NOTES + "\n\n" + report)
 
 
+# from small to large plan state, with and without checkpointing (costmodel_accuracy.plans' names)
+CONTEXT_PLANS = ("2r dp2", "2r dp2·zero3", "2r tp2", "2r tp+sp2·ckpt", "4r dp4", "4r dp4·zero3", "4r tp4", "4r tp4·ckpt")
+
+
+def context(launches: int, probes: int, worlds: list[int], env: dict) -> list[str]:
+    """Part two's table: per world size and plan, probes between training steps / probes with no model alive
+    (the median of the ones right before and right after the plan), mean over launches with a t-interval."""
+    from costmodel_accuracy import plans
+
+    lines = [f"Probes between training steps vs with no model alive, seconds apart: {launches} launches per world "
+             f"size, per plan {probes} probes right before it is built and {probes} right after it is freed, the "
+             "probes between its steps as the accuracy benchmark takes them (before each of 5 measured steps after "
+             "2 warm-up steps, and after the last); ratio = median between / median of the ones around, mean over "
+             "launches [95 % t-interval].", "",
+             "| plan | around (ms) | between steps (ms) | ratio: mean [95 % CI] |", "|---|---|---|---|"]
+    for world in worlds:
+        chosen = [(n, p.to_dict()) for n, p in plans() if n in CONTEXT_PLANS and p.world_size == world]
+        per: dict[str, list[list[float]]] = {n: [] for n, _ in chosen}
+        for launch in range(launches):
+            k = launch % len(chosen)  # rotate the order: no plan always first
+            res = run_distributed("_probe_offset_ranks:between_steps", world, (chosen[k:] + chosen[:k], probes),
+                                  env=env, timeout=3600)[0]
+            for n, v in res.items():
+                per[n].append(v)
+        for n, runs in per.items():
+            ratios = [b / statistics.median([a, c]) for a, b, c in runs]
+            mean, lo, hi = interval(ratios) if len(ratios) > 1 else (ratios[0], float("nan"), float("nan"))
+            around = statistics.median(statistics.median([a, c]) for a, _, c in runs) * 1e3
+            between = statistics.median(b for _, b, _ in runs) * 1e3
+            lines.append(f"| {n} | {around:.1f} | {between:.1f} | {mean:.3f} [{lo:.3f}, {hi:.3f}] |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 NOTES = """Model: costmodel_accuracy.py's dense LLaMA; profiles as that benchmark takes them (every rank busy,
 collectives, ModelProfiler, ShardedLayerProfiler with every variant and its checkpointed twin interleaved over 5
 rounds). A load below 1 means the probe reads faster than the reference at the same moment: the accuracy
-benchmark's "at profile speed" column then scales every measured step up by 1 / load, on top of any drift."""
+benchmark's "at profile speed" column then scales every measured step up by 1 / load, on top of any drift (that
+benchmark's reference is, since a0d3602, the probes around the profile: the first table is why). In the second
+table a ratio above 1 means a probe between training steps reads slower than one with no model alive seconds
+apart: the accuracy benchmark then scales those steps down by it."""
 
 
 if __name__ == "__main__":
