@@ -100,7 +100,7 @@ def _references(before: list[float], after: list[float],
     timing of the pass the probe repeats (:func:`_raw_reference`), the reference every run from 257c0e1 to
     6565948 scaled by. Timed between the other variants' passes it read slower than the probe seconds apart --
     the probe / it = 0.915 [0.865, 0.964] at 2 ranks, 0.924 [0.900, 0.948] at 4 (benchmarks/probe_offset.py,
-    6 profile runs each; session 25 had found 1.017 / 1.012 in paired rounds) -- which scaled every measured step
+    6 profile runs each, at 6565948; 0.900 / 0.917 at a36a9f7; session 25 had found 1.017 / 1.012 in paired rounds) -- which scaled every measured step
     at "profile speed" up by 8-9 % and made every 2-rank plan look under-predicted. (The probes around the
     profile were the reference once before, at b2346bf, and tracked the predictions poorly; the probe then ran
     another protocol -- one input, accumulated gradients, back to back -- and one probe stood on each side.)"""
