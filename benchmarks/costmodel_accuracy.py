@@ -551,7 +551,7 @@ right after that step, then takes the median over steps ("load" = median probe /
 columns use that one factor per plan). From 257c0e1 to 6565948 the reference was the ShardedLayerProfiler's raw
 median of its `tp1/none` variant at 2 samples -- the pass the probe repeats, but timed between the other
 variants' passes, where it read slower: probe / it = 0.915 [0.865, 0.964] at 2 ranks and 0.924 [0.900, 0.948] at 4 in
-the first run of section `probe_offset` (6565948), 0.900 [0.877, 0.923] and 0.917 [0.884, 0.950] at a36a9f7), so every measured step was scaled up by ~8 % (the line under the table gives that ratio
+the first run of section `probe_offset` (6565948), 0.900 [0.877, 0.923] and 0.917 [0.884, 0.950] at a36a9f7 -- so every measured step was scaled up by ~8 % (the line under the table gives that ratio
 for this run's profiles); before 257c0e1 it was the fit at 2 samples. Raw errors are shown too. Memory: "live-tensor peak" = per-rank peak (max over
 ranks) of live tensor bytes during one step by torch's MemTracker (parameters + gradients kept between steps +
 optimizer states + activations + temporaries + buffers), which is what the prediction counts; "RSS peak growth"
