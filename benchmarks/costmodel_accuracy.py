@@ -548,11 +548,12 @@ each) runs before every step and after the last; "at profile speed" scales each 
 by the profile's reference (the median of 3 probes right before and 3 right after the profile run: the same
 protocol as the step's probes, so the ratio is one of speeds) / the geometric mean of the probes right before and
 right after that step, then takes the median over steps ("load" = median probe / profile reference; the phase
-columns use that one factor per plan). From 257c0e1 to 6565948 the reference was the ShardedLayerProfiler's raw
-median of its `tp1/none` variant at 2 samples -- the pass the probe repeats, but timed between the other
-variants' passes, where it read slower: probe / it = 0.915 [0.865, 0.964] at 2 ranks and 0.924 [0.900, 0.948] at 4 in
-the first run of section `probe_offset` (6565948), 0.900 [0.877, 0.923] and 0.917 [0.884, 0.950] at a36a9f7 -- so every measured step was scaled up by ~8 % (the line under the table gives that ratio
-for this run's profiles); before 257c0e1 it was the fit at 2 samples. Raw errors are shown too. Memory: "live-tensor peak" = per-rank peak (max over
+columns use that one factor per plan). From 257c0e1 to 6565948 the reference was the ShardedLayerProfiler's raw median
+of its `tp1/none` variant at 2 samples -- the pass the probe repeats, but timed between the other variants' passes,
+where it read slower: probe / it = 0.915 [0.865, 0.964] at 2 ranks and 0.924 [0.900, 0.948] at 4 in the first run of
+section `probe_offset` (6565948), 0.900 [0.877, 0.923] and 0.917 [0.884, 0.950] at a36a9f7 -- so every measured step
+was scaled up by ~8 % (the line under the table gives that ratio for this run's profiles); before 257c0e1 it was the
+fit at 2 samples. Raw errors are shown too. Memory: "live-tensor peak" = per-rank peak (max over
 ranks) of live tensor bytes during one step by torch's MemTracker (parameters + gradients kept between steps +
 optimizer states + activations + temporaries + buffers), which is what the prediction counts; "RSS peak growth"
 = the process's resident-set high-water mark during the plan's steps minus its RSS before the plan was built
@@ -584,8 +585,8 @@ everything else as in the dense section above (MemTracker peak, leave-one-out ca
 except that the probe times the decoder's own MoE block (unsharded, every expert local, its router statistics
 all-reduced over the world as the profiler times it); the reference is the probes around the profile run, as
 above (from 0a74b18 to 6565948 the profiler's timing of that block's `tp1/none` variant at the probe's shape:
-its fit until 257c0e1, then its raw median; until 0a74b18 the median of probes taken around profiling, but of a dense block's, while the steps' probes
-timed the MoE block)."""
+its fit until 257c0e1, then its raw median; until 0a74b18 the median of probes taken around profiling, but of a
+dense block's, while the steps' probes timed the MoE block)."""
 
 
 def write_results(report: str, moe: bool = False) -> None:

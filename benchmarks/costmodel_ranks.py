@@ -72,12 +72,13 @@ def _raw_timings() -> Iterator[list[dict[tuple[str, int], tuple[float, float, fl
 
 
 def _raw_reference(calls: list[dict[tuple[str, int], tuple[float, float, float, float]]], b: int = 2) -> float:
-    """The speed reference: the profile's own raw timing of the block the probe times (``tp1/none``, unsharded,
-    at the probe's ``b`` samples): the slowest rank's median forward plus the slowest rank's median backward,
-    wall time, the collectives it runs included -- the very pass :func:`probe` repeats, with the same
-    reduction. Not the fit at ``b``: a straight line through 2/4/8 samples missed the b=2 median by -11 % to
-    +6 % (4 ranks, /tmp, two profiles), and the MoE block's fit had its router-statistics all-reduce taken out
-    as priced and added back as priced, not as run."""
+    """The profile's interleaved timing (``interleaved_s``; the speed reference from 257c0e1 to 6565948, kept for the
+    record, see :func:`_references`): the profile's own raw timing of the block the probe times (``tp1/none``,
+    unsharded, at the probe's ``b`` samples): the slowest rank's median forward plus the slowest rank's median
+    backward, wall time, the collectives it runs included -- the very pass :func:`probe` repeats, with the same
+    reduction. Not the fit at ``b``: a straight line through 2/4/8 samples missed the b=2 median by -11 % to +6 %
+    (4 ranks, /tmp, two profiles), and the MoE block's fit had its router-statistics all-reduce taken out as
+    priced and added back as priced, not as run."""
     hits = [c[("tp1/none", b)] for c in calls if ("tp1/none", b) in c]
     if len(hits) != 1:
         raise ValueError(f"{len(hits)} ShardedLayerProfiler runs timed tp1/none at b={b}; the speed reference "
@@ -100,8 +101,9 @@ def _references(before: list[float], after: list[float],
     timing of the pass the probe repeats (:func:`_raw_reference`), the reference every run from 257c0e1 to
     6565948 scaled by. Timed between the other variants' passes it read slower than the probe seconds apart --
     the probe / it = 0.915 [0.865, 0.964] at 2 ranks, 0.924 [0.900, 0.948] at 4 (benchmarks/probe_offset.py,
-    6 profile runs each, at 6565948; 0.900 / 0.917 at a36a9f7; session 25 had found 1.017 / 1.012 in paired rounds) -- which scaled every measured step
-    at "profile speed" up by 8-9 % and made every 2-rank plan look under-predicted. (The probes around the
+    6 profile runs each, at 6565948; 0.900 / 0.917 at a36a9f7; session 25 had found 1.017 / 1.012 in paired
+    rounds) -- which scaled every measured step at "profile speed" up by 8-9 % and made every 2-rank plan look
+    under-predicted. (The probes around the
     profile were the reference once before, at b2346bf, and tracked the predictions poorly; the probe then ran
     another protocol -- one input, accumulated gradients, back to back -- and one probe stood on each side.)"""
     return {"probe_s": statistics.median(before + after), "interleaved_s": _raw_reference(calls),
@@ -212,9 +214,10 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int | None = None) -> float:
     The machine is shared, so the same probe is taken at profiling time and before each plan; the
     benchmark reports predictions with the profile's compute times scaled by the ratio (load
     normalization) next to the raw ones. Each rank's medians of forward and backward over ``repeats`` passes,
-    then the slowest rank's of each, summed: the way the ShardedLayerProfiler times the profile's unsharded
-    block, whose raw median is the reference this is compared with (``_raw_reference``). One probe's slowest
-    rank mostly tells which ranks the scheduler put on one core at that instant (in the d33f7cb run a factor
+    then the slowest rank's of each, summed: the way the ShardedLayerProfiler times the profile's unsharded block
+    (``_raw_reference``), though that pass, timed between the other variants', reads ~8 % slower than the probe at
+    equal speed; the reference the probe is compared with is therefore probes around the profile run
+    (``_references``). One probe's slowest rank mostly tells which ranks the scheduler put on one core at that instant (in the d33f7cb run a factor
     from single probes ranged 0.81-1.21 while the 4-rank hetero plan's step stayed within 415-432 ms), so each
     step is scaled by the probes before and after it and the median over steps is taken
     (``costmodel_accuracy.py``). ``repeats`` = the profiler's rounds (default: 5 as ``profile_machine`` takes

@@ -1,17 +1,19 @@
 """Does the speed probe time what the profile's speed reference times? (issue 17)
 
-benchmarks/costmodel_accuracy.py scales every measured step to "profile speed" by (profile reference / probe), where
-the reference is the ShardedLayerProfiler's raw median of the unsharded block at 2 samples (timed interleaved with
-every other variant) and the probe repeats that pass back to back (``costmodel_ranks.probe``). The two are meant to
-read alike at equal speed. This script takes, in one launch per world size, ``--rounds`` profile runs
-(``costmodel_ranks.profile_machine``, exactly as the accuracy benchmark profiles) with ``--probes`` probes right
-before and right after each, seconds apart: a load (median of the round's probes / its reference) away from 1 is a
-difference between the protocols, not drift, and the accuracy benchmark's "at profile speed" column carries it.
+benchmarks/costmodel_accuracy.py scales every measured step to "profile speed" by (profile reference / probe). Until
+6565948 the reference was the ShardedLayerProfiler's raw median of the unsharded block at 2 samples (timed interleaved
+with every other variant) while the probe repeats that pass back to back (``costmodel_ranks.probe``); the two were
+meant to read alike at equal speed, and part one checks it (since a0d3602 the reference is the probes around the
+profile, ``costmodel_ranks._references``, because they did not). This script takes, in one launch per world size,
+``--rounds`` profile runs (``costmodel_ranks.profile_machine``, exactly as the accuracy benchmark profiles) with
+``--probes`` probes right before and right after each, seconds apart: a load (median of the round's probes / its
+reference) away from 1 is a difference between the protocols, not drift, and the accuracy benchmark's "at profile
+speed" column carries it.
 
-Part two (``--context``): the accuracy benchmark's steps are scaled by probes taken *between training steps*, with
-the plan's model, gradients and optimizer state alive. Per plan, probes with no model alive right before it is
-built and right after it is freed, next to the probes between its steps, seconds apart: a ratio away from 1 is the
-context, not the machine's speed, and the "at profile speed" column carries it as a load.
+Part two (``--context-launches``, 0 skips it): the accuracy benchmark's steps are scaled by probes taken *between
+training steps*, with the plan's model, gradients and optimizer state alive. Per plan, probes with no model alive
+right before it is built and right after it is freed, next to the probes between its steps, seconds apart: a ratio
+away from 1 is the context, not the machine's speed, and the "at profile speed" column carries it as a load.
 
     python benchmarks/probe_offset.py [--rounds 6] [--probes 3] [--context-launches 3] [--no-write]
 """
@@ -71,7 +73,8 @@ def main() -> None:
 
 
 # from small to large plan state, with and without checkpointing (costmodel_accuracy.plans' names)
-CONTEXT_PLANS = ("2r dp2", "2r dp2·zero3", "2r tp2", "2r tp+sp2·ckpt", "4r dp4", "4r dp4·zero3", "4r tp4", "4r tp4·ckpt")
+CONTEXT_PLANS = ("2r dp2", "2r dp2·zero3", "2r tp2", "2r tp+sp2·ckpt",
+                 "4r dp4", "4r dp4·zero3", "4r tp4", "4r tp4·ckpt")
 
 
 def context(launches: int, probes: int, worlds: list[int], env: dict) -> list[str]:
