@@ -213,11 +213,12 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int | None = None) -> float:
 
     The machine is shared, so the same probe is taken at profiling time and before each plan; the
     benchmark reports predictions with the profile's compute times scaled by the ratio (load
-    normalization) next to the raw ones. Each rank's medians of forward and backward over ``repeats`` passes,
-    then the slowest rank's of each, summed: the way the ShardedLayerProfiler times the profile's unsharded block
-    (``_raw_reference``), though that pass, timed between the other variants', reads ~8 % slower than the probe at
-    equal speed; the reference the probe is compared with is therefore probes around the profile run
-    (``_references``). One probe's slowest rank mostly tells which ranks the scheduler put on one core at that instant (in the d33f7cb run a factor
+    normalization) next to the raw ones. Per pass the slowest rank's forward + backward, then the median over
+    ``repeats`` passes: the way the ShardedLayerProfiler reduces the passes of the profile's unsharded block
+    (``_raw_reference``; before 2026-12-02 both took each rank's medians, then the slowest rank's), though that
+    pass, timed between the other variants', read ~8 % slower than the probe at equal speed; the reference the
+    probe is compared with is therefore probes around the profile run (``_references``). One probe's slowest rank
+    partly tells which ranks the scheduler put on one core at that instant (in the d33f7cb run a factor
     from single probes ranged 0.81-1.21 while the 4-rank hetero plan's step stayed within 415-432 ms), so each
     step is scaled by the probes before and after it and the median over steps is taken
     (``costmodel_accuracy.py``). ``repeats`` = the profiler's rounds (default: 5 as ``profile_machine`` takes
@@ -236,7 +237,7 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int | None = None) -> float:
     # the ShardedLayerProfiler's protocol (``_time_interleaved``), pass for pass (not the passes around it), so
     # that a probe and the profile's reference time the same thing: a fresh input, all ranks starting together,
     # forward and backward timed apart (backward from a ones gradient, into freshly allocated parameter
-    # gradients), each rank's median, then the slowest rank's forward plus the slowest rank's backward. The probe
+    # gradients), the slowest rank's forward + backward of each pass, then the median. The probe
     # used to run ``blk(x).sum().backward()`` back to back on one input, accumulating gradients: it read ~3 % above the
     # reference at equal speed (2 ranks: median ratio 0.966 over 15 paired rounds), which scaled every
     # measured step down by that much (every run up to 228f1ba).
@@ -252,9 +253,12 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int | None = None) -> float:
         bwd.append(time.perf_counter() - t1)
         blk.zero_grad(set_to_none=True)
         del x, y
-    t = torch.tensor([statistics.median(fwd[1:]), statistics.median(bwd[1:])], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.sum())
+    # each pass's slowest rank, then the median over passes: how the ShardedLayerProfiler reduces its passes since
+    # its v14 (``profilers._slowest_rank_medians``); each rank's median then the largest read a rank's lucky passes
+    # when ranks outnumber cores
+    t = torch.tensor([f + b for f, b in zip(fwd[1:], bwd[1:])], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # elementwise: pass i's slowest rank
+    return statistics.median(t.tolist())
 
 
 def _train_step(model, opt, rt, x, y, micro_batches: int, between=None, marks: list | None = None,

@@ -535,8 +535,9 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # per expert-parallel degree; v11: SHARDED_PROFILE_ROUNDS rounds (was 2), and an MoE block's FSDP2 overhead per
     # expert-parallel degree as the runtime wraps it; v12: the optimizer bandwidth of an Adam step every rank takes
     # at once (ShardedLayerProfiler.optimizer_bandwidth) replaces the one rank 0 measured alone; v13: tp variants
-    # timed at the per-rank batch they run (``tp_sizes``), and every fit keeps its measured points (TimeFit.points)
-    what = {"v": 13, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS}
+    # timed at the per-rank batch they run (``tp_sizes``), and every fit keeps its measured points (TimeFit.points);
+    # v14: each pass's slowest rank, then the median over rounds (was each rank's median, then the largest)
+    what = {"v": 14, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
     if tuple(batch_sizes) != (1, 2):

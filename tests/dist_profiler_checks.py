@@ -30,7 +30,31 @@ def sharded_profile() -> dict[str, Any]:
     layer = prof.fit(plain.layer(0))
     return {"hw": hw.to_dict(), "plain": plain.to_dict(), "layer": plain.with_(layer_types=(layer,)).to_dict(),
             "variants": prof.variants(), "together_bandwidth": prof.optimizer_bandwidth,
-            "moe": moe_sharded_profile(hw)}
+            "moe": moe_sharded_profile(hw), "slowest_pass": slowest_pass(shape, hw)}
+
+
+def slowest_pass(shape: Any, hw: Any) -> list[list[float]]:
+    """``_time_interleaved`` over a module whose forward sleeps 0.2 s on rank 0 in round 1 and on rank 1 in round 2
+    (0.01 s otherwise; round 0 warms up), and another that sleeps 0.03 s on rank 1 only: each rank's own median
+    is fast, the slowest rank's per round is slow in two rounds of three."""
+    import time
+
+    rank = torch.distributed.get_rank()
+
+    class Sleepy(torch.nn.Module):
+        def __init__(self, delays: list[float]) -> None:
+            super().__init__()
+            self.delays, self.w = delays, torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(self.delays.pop(0))
+            return x * self.w
+
+    spiky = Sleepy([0.01, 0.2, 0.01, 0.01] if rank == 0 else [0.01, 0.01, 0.2, 0.01])
+    steady = Sleepy([0.03 if rank == 1 else 0.01] * 4)
+    prof = ShardedLayerProfiler(lambda: torch.nn.Linear(4, 4), shape, hw, batch_sizes=(1,), repeats=3,
+                                progress=False)
+    return [list(t) for t in prof._time_interleaved([(spiky, 1), (steady, 1)])]
 
 
 def moe_sharded_profile(hw: HardwareProfiler | Any) -> dict[str, Any]:

@@ -261,6 +261,12 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     for key in ("layer", "moe"):
         for a, b in zip(*(ModelProfile.from_dict(x[key]).layer_types for x in ranks)):
             assert a.recompute_comm == b.recompute_comm and a.activation_bytes == b.activation_bytes, key
+    # passes are reduced as a step pays them: each round's slowest rank, then the median over rounds -- the same
+    # numbers on every rank; each rank's own median (the old reduction) read 0.01 s for the spiky module
+    assert ranks[0]["slowest_pass"] == ranks[1]["slowest_pass"]
+    spiky, steady = ranks[0]["slowest_pass"]
+    assert spiky[0] >= 0.19, spiky  # two rounds of three had a 0.2 s rank
+    assert 0.03 <= steady[0] < 0.1, steady  # rank 1's 0.03 s in every round
     hw = HardwareProfile.from_dict(r["hw"])
     assert hw.async_collectives is False  # CPU: FSDP2 / DTensor collectives run inline
     plain = ModelProfile.from_dict(r["plain"]).layer(0)
