@@ -698,12 +698,12 @@ class ShardedLayerProfiler:
         Why the slowest rank of each pass, then the median (since automatic mode's sharded-profile cache v14;
         before, each rank's own median, then the largest): a step waits for its slowest rank, pass by pass. With more ranks than cores,
         which ranks share a core changes from pass to pass, so each rank's median is taken mostly from the passes
-        it had a core to itself and the largest of those medians under-reads what a step pays. 4 gloo ranks on 2
-        cores, one LLaMA block of the accuracy benchmark at 2 samples, 6 launches (/tmp): per rank's median then
-        the largest read 0.76-0.95 of four such blocks run back to back (a data-parallel step's forward and
-        backward, the slowest rank's), in a spread of its own across launches; the slowest rank per pass, then the
-        median, read 0.90-1.04. With a core per rank (2 ranks) the two agree within 1 %. A variant whose
-        collectives make its ranks wait for each other reads the same either way.
+        it had a core to itself and the largest of those medians under-reads what a step pays.
+        ``benchmarks/pass_reduction.py`` (RESULTS.md, 5 launches; 4 gloo ranks on 2 cores, one LLaMA block of the
+        accuracy benchmark at 2 samples, against its model's 4 blocks run back to back, as a data-parallel step
+        runs them): each rank's median, then the largest, read 0.894 [0.856, 0.931] of the blocks back to back;
+        the slowest rank per pass, then the median, 1.023 [0.976, 1.070]. With a core per rank (2 ranks) the two
+        agree within 1.5 %. A variant whose collectives make its ranks wait for each other reads alike either way.
 
         Why interleaved: the machine's speed drifts in spells of seconds (a shared host; the same block ran
         45 and 75 ms per forward minutes apart). Timing one variant's repeats back to back put a whole
