@@ -74,9 +74,9 @@ def _raw_timings() -> Iterator[list[dict[tuple[str, int], tuple[float, float, fl
 def _raw_reference(calls: list[dict[tuple[str, int], tuple[float, float, float, float]]], b: int = 2) -> float:
     """The profile's interleaved timing (``interleaved_s``; the speed reference from 257c0e1 to 6565948, kept for the
     record, see :func:`_references`): the profile's own raw timing of the block the probe times (``tp1/none``,
-    unsharded, at the probe's ``b`` samples): the slowest rank's median forward plus the slowest rank's median
-    backward, wall time, the collectives it runs included -- the very pass :func:`probe` repeats, with the same
-    reduction. Not the fit at ``b``: a straight line through 2/4/8 samples missed the b=2 median by -11 % to +6 %
+    unsharded, at the probe's ``b`` samples): the median forward plus the median backward of each round's slowest
+    rank (since a1d10ad; each rank's medians, then the slowest rank's, before), wall time, the collectives it runs
+    included -- the very pass :func:`probe` repeats. Not the fit at ``b``: a straight line through 2/4/8 samples missed the b=2 median by -11 % to +6 %
     (4 ranks, /tmp, two profiles), and the MoE block's fit had its router-statistics all-reduce taken out as
     priced and added back as priced, not as run."""
     hits = [c[("tp1/none", b)] for c in calls if ("tp1/none", b) in c]
