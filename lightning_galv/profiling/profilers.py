@@ -729,7 +729,7 @@ class ShardedLayerProfiler:
                     rec[i].append((t1 - t0, time.perf_counter() - t1, c1 - c0, time.thread_time() - c1))
                 block.zero_grad(set_to_none=True)
                 del x, y
-        return _slowest_rank_medians(rec)
+        return _slowest_rank_medians(rec, self.device)
 
     def _optimizer_overhead(self, layer: LayerTypeProfile, cap_params: int = 64 * 2**20) -> dict[str, float]:
         """``{"tp": s, "zero": s}`` for :class:`LayerTypeProfile`.optimizer_overhead: per layer, what an Adam
@@ -1104,18 +1104,19 @@ class HardwareProfiler:
         return max(1.0, t_b / max(t_c, t_m)) if min(t_c, t_m) > 0 else 1.0
 
 
-def _slowest_rank_medians(rec: list[list[tuple[float, float, float, float]]]
+def _slowest_rank_medians(rec: list[list[tuple[float, float, float, float]]], device: str | torch.device = "cpu"
                           ) -> list[tuple[float, float, float, float]]:
     """Per entry of ``rec`` (its rounds' (forward wall, backward wall, forward CPU, backward CPU) on this rank):
     in every round the record of the rank whose forward + backward wall was longest, then each field's median
-    over the rounds -- the same on every rank (one all-gather). See :meth:`ShardedLayerProfiler._time_interleaved`."""
+    over the rounds -- the same on every rank (one all-gather, on ``device``: NCCL gathers CUDA tensors only). See
+    :meth:`ShardedLayerProfiler._time_interleaved`."""
     if not rec:
         return []
     rounds = len(rec[0])
     if any(len(r) != rounds for r in rec):
         raise ValueError(f"timed rounds per entry: {[len(r) for r in rec]}; every entry needs the same count. "
                          "HINT: time every entry once per round (ShardedLayerProfiler._time_interleaved).")
-    mine = torch.tensor(rec, dtype=torch.float64)  # [entries, rounds, 4]
+    mine = torch.tensor(rec, dtype=torch.float64, device=device)  # [entries, rounds, 4]
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:
         every = [torch.empty_like(mine) for _ in range(world)]
@@ -1126,6 +1127,7 @@ def _slowest_rank_medians(rec: list[list[tuple[float, float, float, float]]]
     slowest = (allr[..., 0] + allr[..., 1]).argmax(dim=0)  # [entries, rounds]: the rank whose pass took longest
     idx = slowest[None, :, :, None].expand(1, *allr.shape[1:])
     per_round = allr.gather(0, idx)[0]  # [entries, rounds, 4]
+    per_round = per_round.cpu()
     return [tuple(statistics.median(per_round[e, :, k].tolist()) for k in range(4)) for e in range(len(rec))]  # type: ignore[misc]
 
 
