@@ -69,6 +69,21 @@ def test_exposed_gradient_sync_with_overlap_slowdown() -> None:
     assert cm.evaluate(plan).step_time_s == pytest.approx(2 * 4 * 6 * MS + 4 * exposed)
 
 
+@pytest.mark.parametrize("compute,comm", [(2.0, 1.0), (1.0, 3.0), (5.0, 5.0)])
+def test_overlap_slowdown_is_the_inverse_of_overlapped(compute: float, comm: float) -> None:
+    """The profiler's estimator must give the ``s`` the cost model then prices with: serial pairs give 2 whatever
+    the ratio (the former ``both / max`` gave 1.5 at 2:1), perfect overlap 1, a measured ``both`` is reproduced."""
+    from lightning_galv.planner.cost import overlap_slowdown_from, overlapped
+
+    assert overlap_slowdown_from(compute, comm, compute + comm) == pytest.approx(2.0)
+    assert overlap_slowdown_from(compute, comm, max(compute, comm)) == pytest.approx(1.0)
+    assert overlap_slowdown_from(compute, comm, 0.5 * max(compute, comm)) == 1.0  # faster than either: clamped
+    for both in (max(compute, comm) * 1.2, compute + comm, 1.3 * (compute + comm)):
+        s = overlap_slowdown_from(compute, comm, both)
+        assert overlapped(compute, comm, s) == pytest.approx(both)
+    assert overlap_slowdown_from(0.0, comm, comm) == 1.0
+
+
 @pytest.mark.parametrize("zero,expected", [(0, 16.0), (1, 4 + 12 / 2), (2, 2 + 14 / 2), (3, 8.0)])
 def test_memory_per_zero_stage(zero: int, expected: float) -> None:
     cm = GalvatronCostModel(profile(act=0.0), hardware())

@@ -145,7 +145,9 @@ def test_hardware_profiler_two_gloo_ranks() -> None:
     assert hw.world_size == 2
     assert {"allreduce/2/consec/intra", "alltoall/2/consec/intra"} <= set(hw.links)
     assert hw.links["allreduce/2/consec/intra"].bandwidth > 1e6
-    assert hw.overlap_slowdown >= 1.0
+    # gloo runs an async all-reduce on its own thread beside the matmuls: between perfect overlap (1) and well
+    # past serial (2) on a shared 2-core host, never below 1 or absurd
+    assert 1.0 <= hw.overlap_slowdown <= 4.0
     plans = search(SHAPE, hw, 2, 4e9, global_batch=4)  # analytic profile reserves 1 GiB framework memory
     assert plans[0].world_size == 2
 

@@ -342,6 +342,13 @@ def overlapped(compute: float, comm: float, slowdown: float) -> float:
     return max(compute, comm) + (slowdown - 1.0) * min(compute, comm)
 
 
+def overlap_slowdown_from(compute: float, comm: float, both: float) -> float:
+    """The ``slowdown`` for which :func:`overlapped` gives the measured ``both`` (its inverse; at least 1: perfect
+    overlap, 2: serial, above 2: contention worse than serial)."""
+    lo = min(compute, comm)
+    return max(1.0, 1.0 + (both - max(compute, comm)) / lo) if lo > 0 else 1.0
+
+
 def pipeline_time(stage_mb: list[float], stage_extra: list[float], m: int, v: int = 1) -> float:
     """Step time of a pipeline with per-stage micro-batch times: bubble (p-1)/v stage-times (Narayanan SC'21, Sec. 2.2)."""
     slowest = max(stage_mb)

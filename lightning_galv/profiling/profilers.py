@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..plan import ModelShape, divisors
+from ..planner.cost import overlap_slowdown_from
 from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, MoELayerFacts,
                                 ProfileCache, TimeFit, act_key, fingerprint, link_key, transient_key)
 
@@ -564,10 +565,10 @@ class ShardedLayerProfiler:
                 # compute = wall minus the collectives' predicted share, but on CPU never below the rank's own CPU
                 # time (a GPU rank's CPU time is no floor: it busy-waits in synchronize, collectives included)
                 if torch.device(self.device).type == "cpu":
-                    times = torch.tensor([max(tf - comm_f, cf), max(tb - comm_b, cb)], dtype=torch.float64)
+                    times = _max_over_ranks([max(tf - comm_f, cf), max(tb - comm_b, cb)], self.device)
                 else:
-                    times = torch.tensor([max(tf - comm_f, 0.0), max(tb - comm_b, 0.0)], dtype=torch.float64)
-                dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                    times = _max_over_ranks([max(tf - comm_f, 0.0), max(tb - comm_b, 0.0)], self.device)
+                # the slowest rank sets the pace
                 computed[(key, b)] = (float(times[0]), float(times[1]))
         sharded: dict[str, dict[str, TimeFit]] = {}
         for key in comms:
@@ -679,9 +680,8 @@ class ShardedLayerProfiler:
             sums += [sum(priced), sum(bwd.ops)]
         forward, plain_bwd, _, ckpt_bwd = sums
         share = min(1.0, max(0.0, (ckpt_bwd - plain_bwd) / forward)) if forward > 0 else -1.0
-        t = torch.tensor([share], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # each rank's own share, the largest: one number everywhere
-        return None if float(t) < 0 else float(t)
+        t = _max_over_ranks([share], self.device)[0]  # each rank's own share, the largest: one number everywhere
+        return None if t < 0 else t
 
     def _time_blocks(self, blocks: Sequence[tuple[str, nn.Module]]
                      ) -> dict[tuple[str, int], tuple[float, float, float, float]]:
@@ -772,10 +772,9 @@ class ShardedLayerProfiler:
                 elif name == "zero":
                     apply_fsdp(block, factory.data_mesh(s), s, self.world)
                 blocks.append(block)
-            t = torch.tensor([_step_after_backward(blocks, (1, self.shape.seq_len, self.shape.hidden),
-                                                   max(self.repeats, OPTIMIZER_REPEATS), self._sync, together=True)],
-                             dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            t = _max_over_ranks([_step_after_backward(blocks, (1, self.shape.seq_len, self.shape.hidden),
+                                                      max(self.repeats, OPTIMIZER_REPEATS), self._sync, together=True)],
+                                self.device)[0]  # the slowest rank sets the pace
             params = [p for b in blocks for p in b.parameters() if p.requires_grad]
             numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
             out[name] = (float(t), numel)
@@ -844,20 +843,14 @@ class ShardedLayerProfiler:
             # largest over ranks, which routing loads unevenly, so every rank records the same profile
             b = max(self.batch_sizes)
             ckpt = build(True)
-            acts[act_key(1, "none", False, ep)] = self._max_over_ranks(self._saved_per_sample(block, b))
-            acts[act_key(1, "none", True, ep)] = self._max_over_ranks(self._saved_per_sample(ckpt, b))
+            acts[act_key(1, "none", False, ep)] = _max_over_ranks([self._saved_per_sample(block, b)], self.device)[0]
+            acts[act_key(1, "none", True, ep)] = _max_over_ranks([self._saved_per_sample(ckpt, b)], self.device)[0]
             acts[transient_key(1, "none", ep)] = self._backward_peak_per_sample(ckpt, b)
             key = time_key(1, "none", ep)
             yield key, block, comm
             if self.checkpoint:
                 yield key + CKPT_SUFFIX, ckpt, self._recompute_comm(block, ckpt, comm, key, repeated)
             del block, ckpt
-
-    @staticmethod
-    def _max_over_ranks(value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
 
     @staticmethod
     def _global_router_stats(block: nn.Module, layer: LayerTypeProfile, factory: object, s: object) -> None:
@@ -902,9 +895,7 @@ class ShardedLayerProfiler:
         peak = mt.get_tracker_snapshot("peak")
         kinds = next(iter(peak.values())) if peak else {}
         live = sum(float(v) for k, v in kinds.items() if getattr(k, "name", str(k)) in ("ACT", "TEMP"))
-        t = torch.tensor([live / b], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+        return _max_over_ranks([live / b], self.device)[0]
 
     def _zero_blocks(self, layer: LayerTypeProfile | None = None) -> Iterator[tuple[str, nn.Module, Comm]]:
         """The block under FSDP2 with the whole world as its data group, ZeRO-2 and ZeRO-3, keyed
@@ -988,9 +979,8 @@ class ShardedLayerProfiler:
             for b in self.batch_sizes:
                 tf, tb, _, _ = measured[(key, b)]
                 comm_f, comm_b = comm(b)
-                t = torch.tensor([max(0.0, tf - comm_f - plain["forward"](b, seq)),
-                                  max(0.0, tb - comm_b - plain["backward"](b, seq))], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                t = _max_over_ranks([max(0.0, tf - comm_f - plain["forward"](b, seq)),
+                                     max(0.0, tb - comm_b - plain["backward"](b, seq))], self.device)
                 fwd.append((b, seq, float(t[0])))
                 bwd.append((b, seq, float(t[1])))
             out[key] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
@@ -1017,7 +1007,8 @@ class HardwareProfiler:
         self.device_memory_bytes = device_memory_bytes or 8 * 2**30
 
     def key(self) -> str:
-        return fingerprint({"v": 2, "world": self.world, "backend": dist.get_backend(), "sizes": self.sizes,
+        # v3: the overlap coefficient as the inverse of cost.overlapped (see _overlap)
+        return fingerprint({"v": 3, "world": self.world, "backend": dist.get_backend(), "sizes": self.sizes,
                             "node": self.gpus_per_node, "torch": torch.__version__})
 
     def _time(self, fn: Callable[[], None]) -> float:
@@ -1030,9 +1021,7 @@ class HardwareProfiler:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             times.append(time.perf_counter() - t0)
-        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+        return _max_over_ranks([statistics.median(times)], self.device)[0]
 
     def _groups(self, size: int, consecutive: bool) -> tuple[list[list[int]], int]:
         stride = 1 if consecutive else self.world // size
@@ -1087,21 +1076,58 @@ class HardwareProfiler:
         return prof
 
     def _overlap(self) -> float:
-        """Slowdown of compute and an all-reduce run together vs apart (Galvatron VLDB'23 overlap coefficient)."""
+        """Galvatron's overlap coefficient (VLDB'23, Sec. 3.3), measured as the cost model uses it: ``s`` such that
+        a compute phase of ``t_c`` beside an all-reduce of ``t_m`` takes ``max + (s - 1) * min``
+        (:func:`~lightning_galv.planner.cost.overlap_slowdown_from`, the inverse of ``cost.overlapped``).
+
+        Why this estimator (hardware cache v3): the one before took ``t_both / max(t_c, t_m)``, which equals
+        ``overlapped``'s ``s`` only when ``t_c == t_m`` and otherwise reads low -- at ``t_c = 2 t_m`` a serial
+        pair gave 1.5 where ``overlapped`` needs 2 -- so a profile's ``s`` moved with how long 20 matmuls
+        happened to take next to one all-reduce (1.25-2.47 over the 20 profiles of the a0545da accuracy run).
+        Here the compute is sized to last about as long as the all-reduce, where the inverse is least sensitive
+        to noise, and compute alone, the all-reduce alone and both together are timed interleaved over rounds
+        (a slow spell of a shared host touches one sample of each), each pass from a barrier, its slowest
+        rank's time; ``s`` is the median of the rounds' values."""
         _progress("overlap coefficient", self.progress)
         a = torch.randn(256, 256, device=self.device)
-        buf = torch.ones(1 << 20, device=self.device)
-        compute = lambda: [a @ a for _ in range(20)]  # noqa: E731
-        t_c = self._time(lambda: compute() and None)
+        buf = torch.ones(1 << 22, device=self.device)  # 16 MiB: a gradient bucket's size (4 MiB read 1.0-5.3 per round)
         t_m = self._time(lambda: dist.all_reduce(buf))
+        t_one = self._time(lambda: (a @ a, None)[1]) or 1e-9
+        reps = max(1, min(10_000, round(t_m / t_one)))  # the same on every rank: both times are maxed over ranks
+
+        def compute() -> None:
+            for _ in range(reps):
+                a @ a
 
         def both() -> None:
             w = dist.all_reduce(buf, async_op=True)
             compute()
             w.wait()
 
-        t_b = self._time(both)
-        return max(1.0, t_b / max(t_c, t_m)) if min(t_c, t_m) > 0 else 1.0
+        runs = [compute, lambda: dist.all_reduce(buf), both]
+        rounds = max(15, self.repeats)
+        rec = []
+        for r in range(rounds + 1):  # round 0 warms up
+            row = [0.0] * len(runs)
+            for i in [(r + k) % len(runs) for k in range(len(runs))]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                runs[i]()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                row[i] = time.perf_counter() - t0
+            if r > 0:
+                rec.append(_max_over_ranks(row, self.device))  # [compute, all-reduce, both]: slowest rank each
+        return statistics.median(overlap_slowdown_from(c, m, b) for c, m, b in rec)
+
+
+def _max_over_ranks(values: Sequence[float], device: str | torch.device = "cpu") -> list[float]:
+    """Elementwise largest of ``values`` over the default group's ranks (one all-reduce on ``device``: NCCL
+    reduces CUDA tensors only); ``values`` itself without a process group."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t.cpu()]
 
 
 def _slowest_rank_medians(rec: list[list[tuple[float, float, float, float]]], device: str | torch.device = "cpu"
