@@ -50,3 +50,26 @@ def bootstrap_launches(errors: list[list[float]], stat, draws: int = 2000, seed:
     vals = [float(stat(np.abs(np.median(e[:, pick], axis=1)))) for pick in picks]
     lo, hi = np.percentile(vals, [2.5, 97.5])
     return value, float(lo), float(hi)
+
+
+def launch_offsets(errors: list[list[float]]) -> tuple[list[float], list[list[float]]]:
+    """(offsets, residuals) of per-launch relative errors ``errors[p][l]`` (plan ``p``, launch ``l``).
+
+    A launch's profile run shifts every prediction of its world alike (it caught the machine in a fast or a slow
+    spell that its speed reference did not see), so a launch's *offset* is the median error of its plans; a plan's
+    *residual* in a launch is its error relative to the offset of the *other* plans of that launch,
+    ``(1 + e[p][l]) / (1 + median_{q != p} e[q][l]) - 1`` -- leave-one-out, so no plan is judged against itself.
+    The residuals say how well the model ranks and spaces the plans of one profile; the offsets say how far one
+    profile run is from the steps measured after it. A diagnostic, not the accuracy claim: dividing by the
+    other plans' error uses their measurements."""
+    plans = len(errors)
+    launches = len(errors[0]) if errors else 0
+    if any(len(e) != launches for e in errors):
+        raise ValueError(f"launches per plan: {[len(e) for e in errors]}; every plan needs the same count. "
+                         "HINT: pass one error per launch for every plan.")
+    offsets = [statistics.median(errors[p][l] for p in range(plans)) for l in range(launches)]
+    if plans < 2:
+        return offsets, [[0.0] * launches for _ in range(plans)]
+    residuals = [[(1 + errors[p][l]) / (1 + statistics.median(errors[q][l] for q in range(plans) if q != p)) - 1
+                  for l in range(launches)] for p in range(plans)]
+    return offsets, residuals

@@ -404,6 +404,25 @@ def _boot(rs: list[dict], key: str) -> str:
             f"-> goal {ok} at the upper ends")
 
 
+def offsets_line(ins: list[dict]) -> str:
+    """What one profile run shifts alike (:func:`_stats.launch_offsets`), per world: the launches' offsets and the
+    plans' errors relative to the other plans of their launch, with the bootstrap's upper ends."""
+    from _stats import launch_offsets
+
+    parts = []
+    for w in (2, 4):
+        rs = [r for r in ins if r["world"] == w]
+        if len(rs) < 2 or len(rs[0]["ets"]) < 2:
+            continue
+        offsets, residuals = launch_offsets([r["ets"] for r in rs])
+        parts.append(f"{w} ranks: offsets {statistics.median(offsets):+.1%} median, [{min(offsets):+.1%}, "
+                     f"{max(offsets):+.1%}] over {len(offsets)} launches (sd {statistics.pstdev(offsets):.1%}); "
+                     f"residuals {_boot([{'r': x} for x in residuals], 'r')}")
+    return ("Launch offsets (a diagnostic, not the goal: a launch's offset is the median error of its in-sample "
+            "plans, a plan's residual its error relative to the median of the other plans of its launch, i.e. what "
+            "is left when one factor per profile run is divided out): " + "; ".join(parts) + ".") if parts else ""
+
+
 def phase_table(rows: list[dict]) -> str:
     """Predicted vs measured per phase, before calibration: so an error can be traced to the forward/backward
     (compute, tp / ep collectives, the overlapped gradient all-reduce) or to the per-step part (the gradient
@@ -509,6 +528,7 @@ def table(rows: list[dict], launches: int, steps: int, warmup: int, fresh: bool 
                   f"{_boot([r for r in ins if r['world'] == w], 'cal_errs')}; held-out after "
                   f"{_boot([r for r in out if r['world'] == w], 'cal_errs')}" for w in (2, 4)
                   if any(r["world"] == w for r in ins)) + ".",
+              offsets_line(ins),
               budget_sweep(rows),
               phase_table(rows),
               f"Factors fitted on all in-sample plans of each world (first launch): {facts}."]

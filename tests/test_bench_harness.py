@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from _results import _is_output, stamp, write_section  # noqa: E402
-from _stats import interval, t95  # noqa: E402
+from _stats import interval, launch_offsets, t95  # noqa: E402
 
 
 def test_sections_are_stamped_and_replaced_without_touching_the_others(tmp_path: Path) -> None:
@@ -40,3 +40,15 @@ def test_t_interval_uses_students_t() -> None:
     assert t95(5) == pytest.approx(2.78) and t95(40) == pytest.approx(2.0227, abs=1e-3)
     m, lo, hi = interval([1.0, 2.0, 3.0])
     assert m == 2.0 and hi - m == pytest.approx(4.30 * 1.0 / 3 ** 0.5)
+
+
+def test_launch_offsets_split_a_shared_shift_from_each_plan_s_own_error() -> None:
+    """Four plans, two launches: launch 1's profile priced everything 10 % high, plan 3 is 5 % low on its own.
+    The offsets find the shift, the residuals the plan's own error (leave-one-out: not judged against itself)."""
+    errors = [[0.0, 0.10], [0.0, 0.10], [0.0, 0.10], [-0.05, 1.10 * 0.95 - 1]]
+    offsets, residuals = launch_offsets(errors)
+    assert offsets == pytest.approx([0.0, 0.10])
+    assert residuals[0] == pytest.approx([0.0, 0.0])
+    assert residuals[3] == pytest.approx([-0.05, -0.05])
+    with pytest.raises(ValueError, match="HINT"):
+        launch_offsets([[0.0], [0.0, 0.1]])
