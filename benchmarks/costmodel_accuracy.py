@@ -127,12 +127,14 @@ def plans() -> list[tuple[str, ParallelPlan]]:
 # ---------------------------------------------------------------------------------------------------
 # profiles
 # ---------------------------------------------------------------------------------------------------
-def profile_world(world: int, cfg: dict = CFG, seq: int = SEQ, fn: str = "profile_machine"
+def profile_world(world: int, cfg: dict = CFG, seq: int = SEQ, fn: str = "profile_machine", rounds: int = 5
                   ) -> tuple[ModelProfile, HardwareProfile]:
-    """Hardware + model profile measured with ``world`` ranks busy at once (they share the cores)."""
+    """Hardware + model profile measured with ``world`` ranks busy at once (they share the cores); ``rounds``: the
+    dense model's ShardedLayerProfiler rounds (the MoE decoder's follow automatic mode's)."""
     from lightning_galv.testing import run_distributed
 
-    r = run_distributed(f"{RANKS}::{fn}", world, ((1 << 16, 1 << 20, 1 << 22, 1 << 24), 5, cfg, seq))[0]
+    extra = (rounds,) if fn == "profile_machine" else ()
+    r = run_distributed(f"{RANKS}::{fn}", world, ((1 << 16, 1 << 20, 1 << 22, 1 << 24), 5, cfg, seq, *extra))[0]
     model = ModelProfile.from_json(r["model"])
     hw = replace(HardwareProfile.from_json(r["hardware"]), memory_bandwidth=r["optimizer_bandwidth"],
                  name=f"cpu-gloo-{world}")
@@ -238,6 +240,9 @@ def main() -> None:
                     help="independent launches per world size (fresh processes; plan order rotated each launch)")
     ap.add_argument("--only", nargs="*", help="measure only these plan names (diagnosis; implies --no-write)")
     ap.add_argument("--model", choices=("llama", "moe"), default="llama")
+    ap.add_argument("--sharded-rounds", type=int, default=5,
+                    help="ShardedLayerProfiler rounds of the dense model's profiles (more: less noise per variant, "
+                         "a longer profile)")
     args = ap.parse_args()
     moe = args.model == "moe"
     cfg, seq = (MOE_CFG, MOE_SEQ) if moe else (CFG, SEQ)
@@ -263,7 +268,8 @@ def main() -> None:
         else:
             for w in (2, 4):
                 t0 = time.perf_counter()
-                cached[w] = profile_world(w, cfg, seq, "profile_machine_moe" if moe else "profile_machine")
+                cached[w] = profile_world(w, cfg, seq, "profile_machine_moe" if moe else "profile_machine",
+                                          args.sharded_rounds)
                 print(f"profiles on {w} ranks: {time.perf_counter() - t0:.1f} s")
             cache.write_text(json.dumps({w: (m.to_dict(), h.to_dict()) for w, (m, h) in cached.items()}))
 
@@ -282,7 +288,7 @@ def main() -> None:
             if fresh:
                 t0 = time.perf_counter()
                 launch_profiles[launch][world] = profile_world(
-                    world, cfg, seq, "profile_machine_moe" if moe else "profile_machine")
+                    world, cfg, seq, "profile_machine_moe" if moe else "profile_machine", args.sharded_rounds)
                 print(f"launch {launch + 1}/{launches}: profiles on {world} ranks: {time.perf_counter() - t0:.1f} s",
                       flush=True)
             else:
@@ -346,7 +352,7 @@ def main() -> None:
         # cost model tried -- against the same measurements later
         (HERE / "data" / f"costmodel_{args.model}_profiles.json").write_text(json.dumps(
             [{w: (m.to_dict(), h.to_dict()) for w, (m, h) in lp.items()} for lp in launch_profiles]))
-        write_results(report, moe)
+        write_results(report, moe, args.sharded_rounds)
 
 
 def calibrate(rows: list[dict], launch_profiles: list[dict[int, tuple[ModelProfile, HardwareProfile]]],
@@ -611,7 +617,7 @@ its fit until 257c0e1, then its raw median; until 0a74b18 the median of probes t
 dense block's, while the steps' probes timed the MoE block)."""
 
 
-def write_results(report: str, moe: bool = False) -> None:
+def write_results(report: str, moe: bool = False, rounds: int = 5) -> None:
     from _results import write_section
 
     if moe:
@@ -619,7 +625,7 @@ def write_results(report: str, moe: bool = False) -> None:
                       f"(benchmarks/costmodel_accuracy.py --model moe)\n\n{MOE_NOTES}\n\n{report}")
         return
     write_section("costmodel", "## Cost-model accuracy on this machine (benchmarks/costmodel_accuracy.py)\n\n"
-                  f"{NOTES}\n\n{report}")
+                  f"{NOTES.replace('timed interleaved, 5 rounds', f'timed interleaved, {rounds} rounds')}\n\n{report}")
 
 
 if __name__ == "__main__":

@@ -139,14 +139,15 @@ def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: in
             **_references(before, after, calls)}
 
 
-def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -> dict[str, Any]:
+def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int, rounds: int = 5) -> dict[str, Any]:
     """Profiles measured with every rank of this launch busy at once (ranks share the CPU cores).
 
     * HardwareProfiler: collectives on every group size, consecutive and strided; overlap coefficient.
     * ModelProfiler on every rank concurrently: block fwd/bwd fits, embedding and head (with its loss) fwd/bwd,
       Adam step bandwidth.
     * ShardedLayerProfiler on the real parallelized block for every (tp, sp): per-rank compute,
-      activation bytes with and without checkpointing, the recompute peak, FSDP2's own overhead.
+      activation bytes with and without checkpointing, the recompute peak, FSDP2's own overhead; its variants
+      timed interleaved over ``rounds`` rounds.
     """
     from lightning_galv.models.common import Rotary
     from lightning_galv.models.llama import LlamaBlock
@@ -176,7 +177,7 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int) -
                          progress=False, make_head=head, make_embed=embed)
     model = prof.fit()
     with _raw_timings() as calls:
-        sharded = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=5, progress=False)
+        sharded = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=rounds, progress=False)
         layer = sharded.fit(model.layer(0))
     # the optimizer step every rank takes at once, as automatic mode prices it (auto.sharded_profile)
     model = model.with_(layer_types=(layer,), optimizer_bandwidth=sharded.optimizer_bandwidth)
