@@ -416,15 +416,24 @@ def test_two_workers_share_a_journal_study_and_measure_each_plan_once(tmp_path) 
     from lightning_galv.tuning.tuner import PLAN_PARAM
 
     url = f"journal:{tmp_path}/mw.log"
-    code = ("from lightning_galv.plan import LayerStrategy as L, ParallelPlan\n"
+    # both workers start asking for trials together (each waits, imports done, for the other's ready file): one
+    # that imported faster could otherwise take every plan before the other asked (it did, at e4793ff)
+    code = ("import os, sys, time\n"
+            "from lightning_galv.plan import LayerStrategy as L, ParallelPlan\n"
             "from lightning_galv.tuning import tune\n"
+            f"open(os.path.join({str(tmp_path)!r}, 'ready' + sys.argv[1]), 'w').close()\n"
+            "t0 = time.monotonic()\n"
+            f"while len([f for f in os.listdir({str(tmp_path)!r}) if f.startswith('ready')]) < 2:\n"
+            "    if time.monotonic() - t0 > 300:\n"
+            "        raise SystemExit('the other worker never got ready (300 s)')\n"
+            "    time.sleep(0.05)\n"
             "c = [ParallelPlan.uniform(2, 2, s, global_batch=8) for s in "
             "(L(dp=2), L(tp=2), L(dp=2, zero=1), L(dp=2, zero=2))]\n"
             f"tune({MOD!r}, {DATA!r}, devices=2, n_trials=4, storage={url!r}, study_name='mw', candidates=c, "
             "warmup_steps=1, steps=2, memory_budget='8GB', verbose=False, trial_timeout=240)\n")
     logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(2)]
-    workers = [subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ))
-               for f in logs]
+    workers = [subprocess.Popen([sys.executable, "-c", code, str(i)], stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ))
+               for i, f in enumerate(logs)]
     try:
         codes = [w.wait(timeout=900) for w in workers]
     finally:
