@@ -264,6 +264,63 @@ def _worker(target: str, tmp: str, init_pg: bool) -> None:
         dist.barrier()  # every rank is past its last collective
 
 
+def release_subgroups() -> int:
+    """Destroy every process group but WORLD, and the DTensor caches that still point at them.
+
+    Why: each gloo group owns a transport thread that polls every few milliseconds even when idle, and
+    torch keeps every DeviceMesh it has seen alive in its DTensor caches (sharding propagation, the
+    redistribute planner, mesh topology). A launch that runs forty checks would otherwise end with about a
+    thousand threads and spend most of a core polling sockets, so late checks ran 3-5x slower than alone.
+    Clearing the caches is also what keeps a *new* mesh from being handed an old mesh's cached groups
+    (the caches compare meshes by ranks and dim names). Call it between checks, after a barrier, on every
+    rank: destroying a group is collective in spirit (no rank may still use it). Returns how many groups
+    it destroyed.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    _clear_dtensor_caches()
+    gc.collect()
+    from torch.distributed import distributed_c10d as c10d
+
+    world = dist.group.WORLD
+    groups = [pg for pg in list(c10d._world.pg_map) if pg is not world]
+    for pg in groups:
+        dist.destroy_process_group(pg)
+    _clear_dtensor_caches()
+    gc.collect()
+    return len(groups)
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty torch's DTensor caches (private names in torch 2.13; each looked up defensively)."""
+    import torch
+
+    def clear(obj: Any, *names: str) -> None:
+        for name in names[:-1]:
+            obj = getattr(obj, name, None)
+            if obj is None:
+                return
+        fn = getattr(obj, names[-1], None)
+        if callable(fn):
+            fn()
+
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop
+    except ImportError:  # torch without DTensor: nothing cached
+        return
+    prop = DTensor._op_dispatcher.sharding_propagator
+    clear(prop, "propagate_op_sharding", "cache_clear")
+    clear(_sharding_prop.ShardingPropagator, "_propagate_tensor_meta_cached", "cache_clear")
+    clear(torch._C, "_clear_DTensor_sharding_propagator_cache")
+    clear(_redistribute, "clear_redistribute_planner_cache")
+    clear(_redistribute, "_gen_transform_infos", "cache_clear")
+    clear(_collective_utils, "MeshTopoInfo", "build_from_mesh", "cache_clear")
+
+
 def assert_matches_one_process(rank: int, name: str, r: dict[str, Any], tol: float) -> None:
     """One rank's report of a parity case (``tests/dist_runtime_checks.py``) against the single-process run:
     losses, final weights, the total gradient norm and the first-step gradient of every parameter, gathered

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import threading
 from typing import Any
 
 import lightning.pytorch as L
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import lightning_galv  # noqa: F401  (registers the strategy)
 from lightning_galv import GalvatronStrategy, ParallelPlan
-from lightning_galv.testing import count_refused
+from lightning_galv.testing import count_refused, release_subgroups
 from lightning_galv.layout import RankLayout
 from lightning_galv.demo.module import CausalLM
 
@@ -307,12 +308,29 @@ def _step_means(losses: list[float], accumulate: int) -> list[float]:
 
 
 def run_many(cases: list[tuple[str, str, dict]]) -> dict[str, Any]:
-    """Several Trainer checks in one launch: (name, function name, kwargs)."""
+    """Several Trainer checks in one launch: (name, function name, kwargs); each check's groups are released
+    before the next (:func:`lightning_galv.testing.release_subgroups`)."""
     out = {}
     for name, fn, kw in cases:
         out[name] = globals()[fn](**kw)
         dist.barrier()
+        release_subgroups()
     return out
+
+
+def leftovers() -> dict[str, Any]:
+    """What the earlier checks of this launch left alive after their release: DeviceMeshes, process groups
+    besides WORLD, threads (a gloo group's transport loop polls every few ms, so leaked ones slow every later
+    check). Run last in a launch of Trainer checks."""
+    import gc
+
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gc.collect()
+    return {"meshes": sum(isinstance(o, DeviceMesh) for o in gc.get_objects()),
+            "groups": len(c10d._world.pg_map) - 1, "threads": len(os.listdir("/proc/self/task"))
+            if os.path.isdir("/proc/self/task") else threading.active_count()}
 
 
 def fit_auto(steps: int = 5, per_shard: int = 2, memory_budget: str | None = "2GB",

@@ -18,6 +18,7 @@ from lightning_galv.layout import MeshFactory, RankLayout
 from lightning_galv.models.dropout import DropoutCoords, restore_coords, set_dropout_key
 from lightning_galv.models import GPT2, GPT2Config, Llama, LlamaConfig, MoEConfig, MoEDecoder
 from lightning_galv.plan import ParallelPlan
+from lightning_galv.testing import release_subgroups
 
 
 def hf_config(family: str, layers: int = 3, dropout: float = 0.0) -> Any:
@@ -478,8 +479,14 @@ def _routing_checks(model: MoEDecoder, ref: MoEDecoder, plan: ParallelPlan) -> l
 
 
 def run_many(cases: list[tuple[str, dict, dict]]) -> dict[str, Any]:
-    """Several plan checks in one launch (start-up dominates on CPU)."""
-    return {name: train_compare(plan, **kw) for name, plan, kw in cases}
+    """Several plan checks in one launch (start-up dominates on CPU); each check's groups are released
+    before the next (:func:`lightning_galv.testing.release_subgroups`)."""
+    out = {}
+    for name, plan, kw in cases:
+        out[name] = train_compare(plan, **kw)
+        dist.barrier()
+        release_subgroups()
+    return out
 
 
 

@@ -343,6 +343,33 @@ def test_gradient_buckets_are_listed_in_backward_order_across_groups() -> None:
     assert [b.params[0] for b in fallback.buckets()] == [ps["head"], ps["attn"], ps["embed"]]
 
 
+def test_gradient_hooks_do_not_keep_a_finished_model_alive() -> None:
+    """One process, no collectives. The overlap hooks live in C++ on the parameters, out of the garbage
+    collector's sight, so a hook bound to the GradientSync made parameter -> hook -> sync -> parameter a cycle
+    nothing freed: every finished Trainer kept its model, optimizer state, meshes and gloo threads (a launch of
+    forty checks ended with a thousand threads). Once the sync is dropped it must be freed, and a backward
+    through a parameter that outlived it must still run (the hook then does nothing)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from lightning_galv.parallel.data_parallel import GradientSync
+
+    p = torch.nn.Parameter(torch.ones(4))
+    sync = GradientSync(divide_factor=2, bucket_bytes=1)
+    sync.add([p], object(), 2)  # a stand-in group: no bucket launches, the sync is disabled below
+    sync.overlap_backward()
+    sync.enabled = False
+    (p * 2).sum().backward()  # the hook runs (and returns at once: not enabled)
+    ref = weakref.ref(sync)
+    del sync
+    gc.collect()
+    assert ref() is None, "the parameter's gradient hook keeps the GradientSync alive"
+    (p * 3).sum().backward()
+    assert p.grad is not None and p.grad.tolist() == [5.0] * 4
+
+
 @pytest.mark.distributed
 def test_gradient_buckets_start_during_backward_and_sum_exactly() -> None:
     """4 ranks, ZeRO-0, 4 KiB buckets. Over all ranks: several buckets, every one launched from the gradient

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -375,9 +376,13 @@ class GradientSync:
             if b.size == 1:
                 continue  # nothing to reduce: the scaling hook did the division already
             for p in b.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+                # through a weak reference: a hook lives in C++ on the parameter, where the garbage collector
+                # cannot see it, so a bound method would make sync -> params -> hook -> sync a cycle nobody
+                # frees (and with it every mesh and gloo thread of the model, once the Trainer is gone)
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    functools.partial(_grad_ready_weak, weakref.ref(self))))
 
-    def _grad_ready(self, p: torch.Tensor) -> None:
+    def _grad_ready(self, p: torch.Tensor) -> None:  # via _grad_ready_weak
         if not self.enabled:
             return
         b = self._bucket_of[id(p)]
@@ -442,6 +447,13 @@ class GradientSync:
             b.work = b.flat = None
             b.ready = 0
         self._next = 0
+
+
+def _grad_ready_weak(sync_ref: "weakref.ref[GradientSync]", p: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of an overlapped bucket parameter (see :meth:`GradientSync.overlap_backward`)."""
+    sync = sync_ref()
+    if sync is not None:
+        sync._grad_ready(p)
 
 
 def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
