@@ -379,6 +379,7 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
         cpu = next(iter(peak.values())) if peak else {}
         by_kind = {(k.name if hasattr(k, "name") else str(k)): float(v) for k, v in cpu.items()}
     del model, opt, rt
+    factory.close()  # the next plan runs without this one's idle gloo groups polling (a thread each)
     return {"step_s": statistics.median(times), "times": times, "probes": probes,
             "probes_after": every_probe[warmup + 1:], "phases": phases, "marks": marks_all,
             "peak_bytes": by_kind.get("Total", float("nan")), "rss_peak_bytes": rss_peak,

@@ -18,9 +18,10 @@ shards, replicated over the rank's tp group.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .plan import LayerStrategy, ParallelPlan
 
@@ -95,6 +96,10 @@ class MeshFactory:
     same order (mesh creation is collective); :meth:`build_all` does that for a whole plan up front.
     ``timeout`` (if given) is put on every process group the factory creates: DeviceMesh sub-groups
     otherwise get the backend default (30 minutes for gloo), not the world group's timeout.
+
+    :meth:`close` destroys the groups the factory created, for meshes that served a temporary model (a
+    profile, a benchmark's plan): torch never frees a process group on its own, and each idle gloo group
+    keeps a transport thread polling its sockets, which slows every later measurement in the process.
     """
 
     layout: RankLayout
@@ -103,6 +108,41 @@ class MeshFactory:
     timeout: timedelta | None = None
     _cache: dict[tuple[int, int, bool], Any] = field(default_factory=dict)
     _flat: dict[Any, Any] = field(default_factory=dict)  # flattened (Ulysses) and expert meshes
+    _groups: list[Any] = field(default_factory=list)  # the process groups its meshes created, in order
+
+    @contextmanager
+    def _tracking(self) -> Iterator[None]:
+        """Record the process groups created inside the block (mesh creation makes them)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        before = set(map(id, c10d._world.pg_map))
+        try:
+            yield
+        finally:
+            self._groups += [pg for pg in c10d._world.pg_map if id(pg) not in before]
+
+    def close(self) -> int:
+        """Destroy every process group this factory's meshes created (collective: every rank calls it, after
+        the last use of any of its meshes; the meshes are unusable afterwards). Returns how many."""
+        import torch.distributed as dist
+
+        groups, self._groups = self._groups, []
+        self._cache.clear()
+        self._flat.clear()
+        if not groups or not dist.is_initialized():
+            return 0
+        dist.barrier()  # no rank may still be in a collective on a group another rank destroys
+        clear_dtensor_caches()  # they hold meshes (and so the groups), and would hand them to an equal new mesh
+        for pg in groups:
+            dist.destroy_process_group(pg)
+        return len(groups)
+
+    def __enter__(self) -> "MeshFactory":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()  # after an error the ranks may disagree on where they stopped: no barrier then
 
     def world_mesh(self, s: LayerStrategy) -> "DeviceMesh":
         import torch
@@ -112,7 +152,8 @@ class MeshFactory:
         if key not in self._cache:
             grids = [self.layout.grid(s, stage) for stage in range(self.layout.pp)]
             mesh = torch.tensor(grids, dtype=torch.int)  # [pp, dp, tp]
-            built = DeviceMesh(self.device_type, mesh, mesh_dim_names=("pp", "dp", "tp"))
+            with self._tracking():
+                built = DeviceMesh(self.device_type, mesh, mesh_dim_names=("pp", "dp", "tp"))
             if self.timeout is not None:
                 from .parallel.timeouts import set_mesh_timeout
 
@@ -122,7 +163,9 @@ class MeshFactory:
 
     def mesh(self, s: LayerStrategy) -> "DeviceMesh":
         """This rank's ``("dp", "tp")`` mesh for strategy ``s``."""
-        return self.world_mesh(s)["dp", "tp"]
+        world = self.world_mesh(s)
+        with self._tracking():  # slicing reuses the parent's groups today; tracked in case a torch makes new ones
+            return world["dp", "tp"]
 
     def data_mesh(self, s: LayerStrategy) -> "DeviceMesh":
         """1-D mesh over which ``s`` reduces gradients (dp, or dp*tp for Ulysses)."""
@@ -131,7 +174,8 @@ class MeshFactory:
             return mesh["dp"]
         name = f"dp_tp_{s.tp}_{s.dp}_{int(s.tp_consecutive)}"
         if name not in self._flat:
-            flat = mesh._flatten(name)
+            with self._tracking():
+                flat = mesh._flatten(name)
             if self.timeout is not None:
                 from .parallel.timeouts import set_mesh_timeout
 
@@ -165,13 +209,15 @@ class MeshFactory:
             # rows of another rank's experts (fully sharded and fused expert tensors). Which ranks form an EP
             # group is unchanged, and any order within it is valid.
             ranks = torch.sort(ranks, dim=-1).values
-            built = DeviceMesh(self.device_type, ranks, mesh_dim_names=names)
+            with self._tracking():
+                built = DeviceMesh(self.device_type, ranks, mesh_dim_names=names)
             if self.timeout is not None:
                 from .parallel.timeouts import set_mesh_timeout
 
                 set_mesh_timeout(built, self.timeout)
             self._flat[key] = built
-        return self._flat[key]["edp", "ep"]
+        with self._tracking():
+            return self._flat[key]["edp", "ep"]
 
     def build_all(self, plan: ParallelPlan) -> None:
         seen: set[tuple[int, int, bool]] = set()
@@ -184,3 +230,33 @@ class MeshFactory:
                 self.data_mesh(s)
             if s.ep > 1:
                 self.expert_mesh(s)
+
+
+def clear_dtensor_caches() -> None:
+    """Empty torch's DTensor caches that hold DeviceMeshes (private names in torch 2.13, each looked up
+    defensively: a torch without one has nothing to clear there).
+
+    Why: they keep every mesh they have seen, and its process groups, alive; and they compare meshes by ranks
+    and dim names, so a new mesh equal to a destroyed one would be handed the destroyed one's groups."""
+    import torch
+
+    def clear(obj: Any, *names: str) -> None:
+        for name in names[:-1]:
+            obj = getattr(obj, name, None)
+            if obj is None:
+                return
+        fn = getattr(obj, names[-1], None)
+        if callable(fn):
+            fn()
+
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop
+    except ImportError:  # pragma: no cover - a torch without DTensor caches nothing
+        return
+    clear(DTensor, "_op_dispatcher", "sharding_propagator", "propagate_op_sharding", "cache_clear")
+    clear(_sharding_prop.ShardingPropagator, "_propagate_tensor_meta_cached", "cache_clear")
+    clear(torch._C, "_clear_DTensor_sharding_propagator_cache")
+    clear(_redistribute, "clear_redistribute_planner_cache")
+    clear(_redistribute, "_gen_transform_infos", "cache_clear")
+    clear(_collective_utils, "MeshTopoInfo", "build_from_mesh", "cache_clear")

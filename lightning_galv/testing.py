@@ -279,46 +279,21 @@ def release_subgroups() -> int:
     import gc
 
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from .layout import clear_dtensor_caches
 
     gc.collect()
-    _clear_dtensor_caches()
+    clear_dtensor_caches()
     gc.collect()
-    from torch.distributed import distributed_c10d as c10d
 
     world = dist.group.WORLD
     groups = [pg for pg in list(c10d._world.pg_map) if pg is not world]
     for pg in groups:
         dist.destroy_process_group(pg)
-    _clear_dtensor_caches()
+    clear_dtensor_caches()
     gc.collect()
     return len(groups)
-
-
-def _clear_dtensor_caches() -> None:
-    """Empty torch's DTensor caches (private names in torch 2.13; each looked up defensively)."""
-    import torch
-
-    def clear(obj: Any, *names: str) -> None:
-        for name in names[:-1]:
-            obj = getattr(obj, name, None)
-            if obj is None:
-                return
-        fn = getattr(obj, names[-1], None)
-        if callable(fn):
-            fn()
-
-    try:
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop
-    except ImportError:  # torch without DTensor: nothing cached
-        return
-    prop = DTensor._op_dispatcher.sharding_propagator
-    clear(prop, "propagate_op_sharding", "cache_clear")
-    clear(_sharding_prop.ShardingPropagator, "_propagate_tensor_meta_cached", "cache_clear")
-    clear(torch._C, "_clear_DTensor_sharding_propagator_cache")
-    clear(_redistribute, "clear_redistribute_planner_cache")
-    clear(_redistribute, "_gen_transform_infos", "cache_clear")
-    clear(_collective_utils, "MeshTopoInfo", "build_from_mesh", "cache_clear")
 
 
 def assert_matches_one_process(rank: int, name: str, r: dict[str, Any], tol: float) -> None:

@@ -23,12 +23,16 @@ def sharded_profile() -> dict[str, Any]:
         torch.manual_seed(0)
         return LlamaBlock(cfg, Rotary(cfg.dim // cfg.n_heads, cfg.max_seq_len))
 
+    from torch.distributed import distributed_c10d as c10d
+
     shape = Llama(cfg).galv_shape(16)
+    groups0 = len(c10d._world.pg_map)
     hw = HardwareProfiler(sizes_bytes=(1 << 12, 1 << 16), repeats=2, progress=False).fit()
+    after_hw = len(c10d._world.pg_map) - groups0
     plain = ModelProfiler(block, shape, batch_sizes=(1, 2), repeats=1, progress=False).fit()
     prof = ShardedLayerProfiler(block, shape, hw, batch_sizes=(1, 2), repeats=1, progress=False)
     layer = prof.fit(plain.layer(0))
-    return {"hw": hw.to_dict(), "plain": plain.to_dict(), "layer": plain.with_(layer_types=(layer,)).to_dict(),
+    return {"groups_left": (after_hw, len(c10d._world.pg_map) - groups0), "hw": hw.to_dict(), "plain": plain.to_dict(), "layer": plain.with_(layer_types=(layer,)).to_dict(),
             "variants": prof.variants(), "together_bandwidth": prof.optimizer_bandwidth,
             "moe": moe_sharded_profile(hw), "slowest_pass": slowest_pass(shape, hw)}
 

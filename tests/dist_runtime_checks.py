@@ -7,6 +7,7 @@ parallel run with an exact single-device run of the same data, in the same proce
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from typing import Any
 
@@ -609,6 +610,44 @@ def grad_overlap_check(bucket_bytes: int = 4096) -> dict[str, Any]:
         out[kind] = r
     return out
 
+
+
+def factory_close_check() -> dict[str, Any]:
+    """MeshFactory.close twice over (2 ranks): a Ulysses data mesh and an expert mesh, used by DTensor ops, then
+    closed; every group the factory made is gone (threads too, once the meshes are dropped), and a second factory with equal meshes works (DTensor's
+    caches would otherwise hand it the first factory's destroyed groups)."""
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_galv.plan import LayerStrategy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    import gc
+
+    def threads() -> int:  # a gloo group runs its own threads until the C++ group object is freed
+        return len(os.listdir("/proc/self/task"))
+
+    before, threads0 = len(c10d._world.pg_map), threads()
+    uly, ep = LayerStrategy(tp=world, sp="ulysses"), LayerStrategy(dp=world, ep=world)
+    out: dict[str, Any] = {}
+    for round_ in range(2):
+        with MeshFactory(RankLayout(world), "cpu", rank) as factory:
+            tp = factory.mesh(uly)["tp"]
+            flat, experts = factory.data_mesh(uly), factory.expert_mesh(ep)
+            built = len(c10d._world.pg_map) - before
+            x = distribute_tensor(torch.arange(8.0).reshape(4, 2), tp, [Shard(0)])
+            full = (x * 2).redistribute(tp, [Replicate()]).to_local()  # [4, 2] on every rank
+            g = torch.full((1,), float(rank + 1))
+            dist.all_reduce(g, group=flat.get_group())
+            e = torch.full((1,), float(rank + 1))
+            dist.all_reduce(e, group=experts["ep"].get_group())
+            threads_open = threads()
+        del factory, tp, flat, experts, x
+        gc.collect()
+        out[f"round{round_}"] = {"built": built, "left": len(c10d._world.pg_map) - before,
+                                 "threads_open": threads_open - threads0, "threads_left": threads() - threads0,
+                                 "full": full.tolist(), "flat_sum": g.item(), "ep_sum": e.item()}
+    return out
 
 
 def unused_param_check() -> dict[str, Any]:

@@ -449,6 +449,19 @@ def test_parity_random_plans_8_ranks() -> None:
 
 
 @pytest.mark.distributed
+def test_a_closed_mesh_factory_frees_its_groups_and_a_new_one_works() -> None:
+    """Profiles and benchmark plans build meshes for a temporary model; MeshFactory.close destroys the groups
+    (an idle gloo group polls on in its own thread) and a later factory's equal meshes still work."""
+    results = run_distributed(CHECKS.replace("run_many", "factory_close_check"), 2, (), timeout=300)
+    expected = [[2.0 * (2 * i + j) for j in range(2)] for i in range(4)]
+    for rank, res in enumerate(results):
+        for round_, r in res.items():
+            assert r["built"] >= 2 and r["left"] == 0, (rank, round_, r)
+            assert r["threads_open"] >= r["built"] and r["threads_left"] <= 0, (rank, round_, r)
+            assert r["full"] == expected and r["flat_sum"] == 3.0 and r["ep_sum"] == 3.0, (rank, round_, r)
+
+
+@pytest.mark.distributed
 def test_a_gradient_missing_on_some_ranks_is_reduced_onto_every_rank() -> None:
     """A parameter used on some ranks only (a model that skips an expert without tokens, a branch) gets the group's
     reduced gradient on every rank, so the replicas step alike (before, the ranks without it skipped it and

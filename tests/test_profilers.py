@@ -256,6 +256,8 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
 
     ranks = run_distributed(f"{Path(__file__).parent / 'dist_profiler_checks.py'}::sharded_profile", 2, ())
     r = ranks[0]
+    # the profilers destroy the process groups they made (an idle gloo group's thread would slow what follows)
+    assert all(x["groups_left"] == (0, 0) for x in ranks), [x["groups_left"] for x in ranks]
     # what the profiler takes the largest of over ranks is the same on both (the MoE block's ep activations vary
     # with routing; the repeated shares could)
     for x in ranks:

@@ -529,6 +529,21 @@ class ShardedLayerProfiler:
                 out.append((tp, sp))
         return out
 
+    def _factory(self) -> Any:
+        """A mesh factory for the profiled blocks, kept open until :meth:`_close_factories` (the blocks are
+        timed after the generators that build them have finished, when ``interleave`` is on)."""
+        from ..layout import MeshFactory, RankLayout
+
+        factory = MeshFactory(RankLayout(self.world), torch.device(self.device).type, self.rank)
+        self.__dict__.setdefault("_open_factories", []).append(factory)
+        return factory
+
+    def _close_factories(self) -> None:
+        """Destroy the profiled blocks' process groups (each idle gloo group keeps a thread polling its sockets,
+        which slowed every later measurement in the process: the next layer's, the Trainer's own steps)."""
+        for factory in self.__dict__.pop("_open_factories", []):
+            factory.close()
+
     def fit(self, layer: LayerTypeProfile) -> LayerTypeProfile:
         """``layer`` (from :class:`ModelProfiler`) with ``sharded``, ``activation_bytes`` for every
         (tp, sp, checkpoint) and, for an MoE block, every (ep, checkpoint) at tp 1, the recompute transients, the
@@ -555,6 +570,7 @@ class ShardedLayerProfiler:
                       f"{self.repeats} interleaved rounds", self.progress)
             measured.update(self._time_blocks(held))
         del held
+        self._close_factories()
         computed: dict[tuple[str, int], tuple[float, float]] = {}
         for key, comm_of in comms.items():
             if key.startswith("zero"):
@@ -597,14 +613,13 @@ class ShardedLayerProfiler:
         checkpointed (key + ``/ckpt``; unless ``checkpoint`` is off); records into ``acts`` the saved activations
         with and without checkpointing and the recompute peak of each (measured as it is built), and into
         ``repeated`` the share of the forward's collectives a recompute runs again (:meth:`_repeated_share`)."""
-        from ..layout import MeshFactory, RankLayout
         from ..parallel.activation_checkpoint import apply_checkpointing
         from ..parallel.block import apply_block
         from ..plan import LayerStrategy
         from ..planner.cost import block_comm_time, moe_layer_comm
         from ..planner.profiles import act_key, time_key
 
-        factory = MeshFactory(RankLayout(self.world), torch.device(self.device).type, self.rank)
+        factory = self._factory()  # closed by fit() once its blocks are timed
         seq, h = self.shape.seq_len, self.shape.hidden
         for tp, sp in self.variants():
             _progress(f"sharded block tp={tp} sp={sp}", self.progress)
@@ -754,40 +769,41 @@ class ShardedLayerProfiler:
 
         if self.world == 1:
             return {}
-        factory = MeshFactory(RankLayout(self.world), torch.device(self.device).type, self.rank)
-        copies = max(1, min(self.shape.num_layers, cap_params // max(1, layer.params)))
-        tps = [tp for tp, sp in self.variants() if tp > 1 and sp == "none"]
-        shardings: dict[str, LayerStrategy | None] = {"plain": None}
-        if tps:
-            shardings["tp"] = LayerStrategy(tp=max(tps), dp=self.world // max(tps))
-        shardings["zero"] = LayerStrategy(dp=self.world, zero=3)
-        out: dict[str, tuple[float, int]] = {}
-        for name, s in shardings.items():
-            _progress(f"optimizer step {name}", self.progress)
-            blocks = []
-            for _ in range(copies):
-                block = self.make_block().to(self.device)
-                if name == "tp":
-                    apply_block(block, factory.mesh(s), s)
-                elif name == "zero":
-                    apply_fsdp(block, factory.data_mesh(s), s, self.world)
-                blocks.append(block)
-            t = _max_over_ranks([_step_after_backward(blocks, (1, self.shape.seq_len, self.shape.hidden),
-                                                      max(self.repeats, OPTIMIZER_REPEATS), self._sync, together=True)],
-                                self.device)[0]  # the slowest rank sets the pace
-            params = [p for b in blocks for p in b.parameters() if p.requires_grad]
-            numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
-            out[name] = (float(t), numel)
-            del params, blocks
-        plain_s, plain_n = out.pop("plain")
-        # the plain step is the one every rank of a data-parallel step takes at once, after the gradient sync:
-        # the bandwidth it reaches is what the cost model should price the update with. ModelProfiler's, timed on
-        # rank 0 alone in automatic mode, ran 1.2x (2 ranks) to 2.3-3x (4 ranks on 2 cores) faster in a one-off
-        # check on the MoE accuracy benchmark's block; the in-step optimizer phase matched this one
-        from ..planner.cost import OPTIMIZER_TRAFFIC_BYTES
+        # its groups go with it: an idle gloo group's thread would slow the later measurements
+        with MeshFactory(RankLayout(self.world), torch.device(self.device).type, self.rank) as factory:
+            copies = max(1, min(self.shape.num_layers, cap_params // max(1, layer.params)))
+            tps = [tp for tp, sp in self.variants() if tp > 1 and sp == "none"]
+            shardings: dict[str, LayerStrategy | None] = {"plain": None}
+            if tps:
+                shardings["tp"] = LayerStrategy(tp=max(tps), dp=self.world // max(tps))
+            shardings["zero"] = LayerStrategy(dp=self.world, zero=3)
+            out: dict[str, tuple[float, int]] = {}
+            for name, s in shardings.items():
+                _progress(f"optimizer step {name}", self.progress)
+                blocks = []
+                for _ in range(copies):
+                    block = self.make_block().to(self.device)
+                    if name == "tp":
+                        apply_block(block, factory.mesh(s), s)
+                    elif name == "zero":
+                        apply_fsdp(block, factory.data_mesh(s), s, self.world)
+                    blocks.append(block)
+                t = _max_over_ranks([_step_after_backward(blocks, (1, self.shape.seq_len, self.shape.hidden),
+                                                          max(self.repeats, OPTIMIZER_REPEATS), self._sync, together=True)],
+                                    self.device)[0]  # the slowest rank sets the pace
+                params = [p for b in blocks for p in b.parameters() if p.requires_grad]
+                numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+                out[name] = (float(t), numel)
+                del params, blocks
+            plain_s, plain_n = out.pop("plain")
+            # the plain step is the one every rank of a data-parallel step takes at once, after the gradient sync:
+            # the bandwidth it reaches is what the cost model should price the update with. ModelProfiler's, timed on
+            # rank 0 alone in automatic mode, ran 1.2x (2 ranks) to 2.3-3x (4 ranks on 2 cores) faster in a one-off
+            # check on the MoE accuracy benchmark's block; the in-step optimizer phase matched this one
+            from ..planner.cost import OPTIMIZER_TRAFFIC_BYTES
 
-        self.optimizer_bandwidth = OPTIMIZER_TRAFFIC_BYTES * plain_n / plain_s if plain_s > 0 else 0.0
-        return {name: max(0.0, (sec - plain_s * n / plain_n) / copies) for name, (sec, n) in out.items()}
+            self.optimizer_bandwidth = OPTIMIZER_TRAFFIC_BYTES * plain_n / plain_s if plain_s > 0 else 0.0
+            return {name: max(0.0, (sec - plain_s * n / plain_n) / copies) for name, (sec, n) in out.items()}
 
     def ep_degrees(self, layer: LayerTypeProfile) -> list[int]:
         """Expert-parallel degrees > 1 this world can run the layer's experts at (tp 1, ep | world and | E)."""
@@ -808,7 +824,6 @@ class ShardedLayerProfiler:
         waiting for the slowest sender) is none of those. The measured all-to-alls and count exchange are
         subtracted as predicted (in :meth:`fit`), the way the tp variants subtract theirs, so the cost model
         still prices them per placement."""
-        from ..layout import MeshFactory, RankLayout
         from ..parallel.activation_checkpoint import apply_checkpointing
         from ..parallel.expert import apply_ep
         from ..plan import LayerStrategy
@@ -818,7 +833,7 @@ class ShardedLayerProfiler:
         moe = layer.moe
         if moe is None:
             raise ValueError("layer.moe: None. HINT: expert-parallel variants exist for MoE layer types only.")
-        factory = MeshFactory(RankLayout(self.world), torch.device(self.device).type, self.rank)
+        factory = self._factory()  # closed by fit() once its blocks are timed
         seq = self.shape.seq_len
         for ep in self.ep_degrees(layer):
             _progress(f"sharded block ep={ep}", self.progress)
@@ -908,7 +923,6 @@ class ShardedLayerProfiler:
         group when that has two or more ranks, else plain tensors the block's state ignores. FSDP2's work is
         largely per unit and per tensor, so the whole block's overhead scaled down to the part FSDP2 still
         manages priced those layouts low (``cost.zero_overhead_entry``)."""
-        from ..layout import MeshFactory, RankLayout
         from ..parallel.data_parallel import apply_fsdp
         from ..parallel.expert import apply_ep
         from ..plan import LayerStrategy
@@ -917,7 +931,7 @@ class ShardedLayerProfiler:
 
         if self.world == 1:
             return
-        factory = MeshFactory(RankLayout(self.world), torch.device(self.device).type, self.rank)
+        factory = self._factory()  # closed by fit() once its blocks are timed
         eps = [1] + (self.ep_degrees(layer) if layer is not None else [])
         for ep in eps:
             edp = self.world // ep
@@ -1058,6 +1072,8 @@ class HardwareProfiler:
                         factor = 2 * (size - 1) / size if op == "allreduce" else (size - 1) / size
                         pts.append((factor * n * 4, self._time(fn)))
                     links[link_key(op, size, consecutive, intra)] = LinkFit.fit(pts)
+                dist.barrier()  # then free the group: an idle gloo group's thread would slow the next measurements
+                dist.destroy_process_group(mine)  # (the other entries are non-member placeholders)
         p2p = {}
         if self.world >= 2:
             _progress("p2p", self.progress)
