@@ -271,10 +271,9 @@ def release_subgroups() -> int:
     torch keeps every DeviceMesh it has seen alive in its DTensor caches (sharding propagation, the
     redistribute planner, mesh topology). A launch that runs forty checks would otherwise end with about a
     thousand threads and spend most of a core polling sockets, so late checks ran 3-5x slower than alone.
-    Clearing the caches is also what keeps a *new* mesh from being handed an old mesh's cached groups
-    (the caches compare meshes by ranks and dim names). Call it between checks, after a barrier, on every
-    rank: destroying a group is collective in spirit (no rank may still use it). Returns how many groups
-    it destroyed.
+    A destroyed group's threads end only when its C++ object is freed, i.e. once no cached mesh holds it.
+    Call it between checks, after a barrier, on every rank: destroying a group is collective in spirit (no
+    rank may still use it). Returns how many groups it destroyed.
     """
     import gc
 
@@ -283,16 +282,12 @@ def release_subgroups() -> int:
 
     from .layout import clear_dtensor_caches
 
-    gc.collect()
-    clear_dtensor_caches()
-    gc.collect()
-
     world = dist.group.WORLD
     groups = [pg for pg in list(c10d._world.pg_map) if pg is not world]
     for pg in groups:
         dist.destroy_process_group(pg)
     clear_dtensor_caches()
-    gc.collect()
+    gc.collect()  # the finished checks' models and meshes, and with them the groups' C++ objects and threads
     return len(groups)
 
 
