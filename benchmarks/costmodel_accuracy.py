@@ -33,6 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from lightning_galv.auto import SHARDED_PROFILE_MAX_ROUNDS  # noqa: E402
 from lightning_galv.plan import LayerStrategy as S, ModelShape, ParallelPlan  # noqa: E402
 from lightning_galv.planner.cost import GalvatronCostModel  # noqa: E402
 from lightning_galv.planner.search import DEFAULT_MEMORY_MARGIN  # noqa: E402
@@ -127,18 +128,39 @@ def plans() -> list[tuple[str, ParallelPlan]]:
 # ---------------------------------------------------------------------------------------------------
 # profiles
 # ---------------------------------------------------------------------------------------------------
-def profile_world(world: int, cfg: dict = CFG, seq: int = SEQ, fn: str = "profile_machine", rounds: int = 5
-                  ) -> tuple[ModelProfile, HardwareProfile]:
+def profile_world(world: int, cfg: dict = CFG, seq: int = SEQ, fn: str = "profile_machine", rounds: int = 5,
+                  budget_s: float | None = None) -> tuple[ModelProfile, HardwareProfile]:
     """Hardware + model profile measured with ``world`` ranks busy at once (they share the cores); ``rounds``: the
-    dense model's ShardedLayerProfiler rounds (the MoE decoder's follow automatic mode's)."""
+    dense model's ShardedLayerProfiler rounds, ``budget_s``: more of them while they fit in that many seconds
+    (``auto.SHARDED_PROFILE_MAX_ROUNDS`` at most; the MoE decoder's follow automatic mode's). The rounds taken
+    are recorded in the profile's ``source`` (``rounds=``)."""
     from lightning_galv.testing import run_distributed
 
-    extra = (rounds,) if fn == "profile_machine" else ()
+    extra = (rounds, budget_s) if fn == "profile_machine" else ()
     r = run_distributed(f"{RANKS}::{fn}", world, ((1 << 16, 1 << 20, 1 << 22, 1 << 24), 5, cfg, seq, *extra))[0]
     model = ModelProfile.from_json(r["model"])
     hw = replace(HardwareProfile.from_json(r["hardware"]), memory_bandwidth=r["optimizer_bandwidth"],
                  name=f"cpu-gloo-{world}")
-    return model.with_(source=f"ModelProfiler around_s={r['probe_s']} interleaved_s={r['interleaved_s']}"), hw
+    taken = ",".join(str(n) for n in r.get("rounds", []))
+    return model.with_(source=f"ModelProfiler around_s={r['probe_s']} interleaved_s={r['interleaved_s']} "
+                              f"rounds={taken or 'n/a'}"), hw
+
+
+def rounds_line(launch_profiles: list[dict[int, tuple[ModelProfile, HardwareProfile]]]) -> str:
+    """The ShardedLayerProfiler rounds each world's profiles took (the source's ``rounds=``): median [min, max]."""
+    parts = []
+    for world in (2, 4):
+        taken = []
+        for lp in launch_profiles:
+            if world not in lp:
+                continue
+            for part in lp[world][0].source.split():
+                if part.startswith("rounds=") and part != "rounds=n/a":
+                    taken += [int(v) for v in part.split("=", 1)[1].split(",")]
+        if taken:
+            parts.append(f"{world} ranks {statistics.median(taken):g} [{min(taken)}, {max(taken)}] over "
+                         f"{len(taken)} profiles")
+    return "Sharded-profile rounds taken (median [min, max]): " + ("; ".join(parts) or "n/a (not recorded)") + "."
 
 
 def _source_value(model: ModelProfile, key: str) -> float:
@@ -242,8 +264,17 @@ def main() -> None:
     ap.add_argument("--model", choices=("llama", "moe"), default="llama")
     ap.add_argument("--sharded-rounds", type=int, default=5,
                     help="ShardedLayerProfiler rounds of the dense model's profiles (more: less noise per variant, "
-                         "a longer profile)")
+                         "a longer profile); the least it takes with --sharded-budget")
+    ap.add_argument("--sharded-budget", type=float, default=None,
+                    help="seconds of timing the dense model's ShardedLayerProfiler may spend on more rounds (up to "
+                         "auto.SHARDED_PROFILE_MAX_ROUNDS); default: automatic mode's SHARDED_PROFILE_BUDGET_S; "
+                         "0: exactly --sharded-rounds (the protocol before 2026-12-04)")
     args = ap.parse_args()
+    if args.sharded_budget is None:
+        from lightning_galv.auto import SHARDED_PROFILE_BUDGET_S
+
+        args.sharded_budget = SHARDED_PROFILE_BUDGET_S
+    budget = args.sharded_budget or None
     moe = args.model == "moe"
     cfg, seq = (MOE_CFG, MOE_SEQ) if moe else (CFG, SEQ)
     cases = [Case(n, p, cfg, seq) for n, p in (moe_plans() if moe else plans())]
@@ -269,7 +300,7 @@ def main() -> None:
             for w in (2, 4):
                 t0 = time.perf_counter()
                 cached[w] = profile_world(w, cfg, seq, "profile_machine_moe" if moe else "profile_machine",
-                                          args.sharded_rounds)
+                                          args.sharded_rounds, budget)
                 print(f"profiles on {w} ranks: {time.perf_counter() - t0:.1f} s")
             cache.write_text(json.dumps({w: (m.to_dict(), h.to_dict()) for w, (m, h) in cached.items()}))
 
@@ -288,7 +319,7 @@ def main() -> None:
             if fresh:
                 t0 = time.perf_counter()
                 launch_profiles[launch][world] = profile_world(
-                    world, cfg, seq, "profile_machine_moe" if moe else "profile_machine", args.sharded_rounds)
+                    world, cfg, seq, "profile_machine_moe" if moe else "profile_machine", args.sharded_rounds, budget)
                 print(f"launch {launch + 1}/{launches}: profiles on {world} ranks: {time.perf_counter() - t0:.1f} s",
                       flush=True)
             else:
@@ -336,7 +367,8 @@ def main() -> None:
                          load=statistics.median(r["load"] for r in runs), **memory[c.name]))
     for per_variant in (True, False):
         calibrate(rows, launch_profiles, per_variant)
-    report = table(rows, launches, steps, warmup, fresh) + "\n\n" + offset_line(launch_profiles)
+    report = (table(rows, launches, steps, warmup, fresh) + "\n\n" + offset_line(launch_profiles) + "\n"
+              + rounds_line(launch_profiles))
     print(report)
     if args.only:
         for r in rows:
@@ -352,7 +384,7 @@ def main() -> None:
         # cost model tried -- against the same measurements later
         (HERE / "data" / f"costmodel_{args.model}_profiles.json").write_text(json.dumps(
             [{w: (m.to_dict(), h.to_dict()) for w, (m, h) in lp.items()} for lp in launch_profiles]))
-        write_results(report, moe, args.sharded_rounds)
+        write_results(report, moe, args.sharded_rounds, budget)
 
 
 def calibrate(rows: list[dict], launch_profiles: list[dict[int, tuple[ModelProfile, HardwareProfile]]],
@@ -608,7 +640,9 @@ experts), both at the sample counts automatic mode takes (`auto.profile_batch_si
 per-rank batch -- 1/2/4 samples at 2 ranks, 1/2 at 4; since 8ea3e32 a tp-t variant at the t x larger batch its
 blocks run, `auto.tp_batch_sizes`: tp2 at 1/2/8 on 2 ranks, 1/2/4 on 4; since f798122 every fit returns its
 measured times at the measured batches), the sharded variants over `auto.SHARDED_PROFILE_ROUNDS`
-rounds (4 since 2026-11-28; 2 before, and the probe took as many passes);
+rounds (4 since 2026-11-28; 2 before, and the probe took as many passes), since 2026-12-04 more while they fit in
+`auto.SHARDED_PROFILE_BUDGET_S` seconds per layer type, up to `auto.SHARDED_PROFILE_MAX_ROUNDS` (the line
+under the table gives the rounds taken; the probe keeps `SHARDED_PROFILE_ROUNDS` passes);
 everything else as in the dense section above (MemTracker peak, leave-one-out calibration, speed correction),
 except that the probe times the decoder's own MoE block (unsharded, every expert local, its router statistics
 all-reduced over the world as the profiler times it); the reference is the probes around the profile run, as
@@ -617,15 +651,20 @@ its fit until 257c0e1, then its raw median; until 0a74b18 the median of probes t
 dense block's, while the steps' probes timed the MoE block)."""
 
 
-def write_results(report: str, moe: bool = False, rounds: int = 5) -> None:
+def write_results(report: str, moe: bool = False, rounds: int = 5, budget_s: float | None = None) -> None:
     from _results import write_section
+
+    timing = (f"timed interleaved, {rounds} rounds" if budget_s is None else
+              f"timed interleaved, at least {rounds} rounds and more while they fit in {budget_s:g} s, up to "
+              f"{max(rounds, SHARDED_PROFILE_MAX_ROUNDS)} (`profiling.profilers.rounds_within_budget`; the line under "
+              "the table gives the rounds taken)")
 
     if moe:
         write_section("costmodel_moe", "## Cost-model accuracy for MoE / expert parallelism "
                       f"(benchmarks/costmodel_accuracy.py --model moe)\n\n{MOE_NOTES}\n\n{report}")
         return
     write_section("costmodel", "## Cost-model accuracy on this machine (benchmarks/costmodel_accuracy.py)\n\n"
-                  f"{NOTES.replace('timed interleaved, 5 rounds', f'timed interleaved, {rounds} rounds')}\n\n{report}")
+                  f"{NOTES.replace('timed interleaved, 5 rounds', timing)}\n\n{report}")
 
 
 if __name__ == "__main__":

@@ -50,23 +50,26 @@ def dense_cfg(cfg: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _raw_timings() -> Iterator[list[dict[tuple[str, int], tuple[float, float, float, float]]]]:
+def _raw_timings() -> Iterator[tuple[list[dict[tuple[str, int], tuple[float, float, float, float]]], list[int]]]:
     """Record what every ShardedLayerProfiler run in this block times: per ``fit``, each rank's raw medians
     (forward wall, backward wall, forward CPU, backward CPU) keyed ``(variant, batch)``, before any collective
-    is subtracted or any fit is taken (benchmark instrumentation; the library is unchanged)."""
+    is subtracted or any fit is taken, and the rounds each timing took (benchmark instrumentation; the library is
+    unchanged)."""
     from lightning_galv.profiling.profilers import ShardedLayerProfiler
 
     calls: list[dict[tuple[str, int], tuple[float, float, float, float]]] = []
+    rounds: list[int] = []
     original = ShardedLayerProfiler._time_blocks
 
     def recording(self: ShardedLayerProfiler, blocks: Any) -> Any:
         out = original(self, blocks)
         calls.append(dict(out))
+        rounds.append(self.rounds_timed[-1])
         return out
 
     ShardedLayerProfiler._time_blocks = recording  # type: ignore[method-assign]
     try:
-        yield calls
+        yield calls, rounds
     finally:
         ShardedLayerProfiler._time_blocks = original  # type: ignore[method-assign]
 
@@ -130,16 +133,17 @@ def profile_machine_moe(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: in
     loader = 8 // dist.get_world_size()
     batches = profile_batch_sizes(loader)
     prof = profile_model(model, parts, batch_sizes=batches)
-    with _raw_timings() as calls:
+    with _raw_timings() as (calls, rounds):
         prof = sharded_profile(model, parts, prof, hw, None, False, batches,
                                tp_sizes=tp_batch_sizes(loader, dist.get_world_size()))
     bandwidth = prof.optimizer_bandwidth  # all ranks stepping at once (sharded_profile), as automatic mode prices it
     after = [probe(cfg, seq) for _ in range(AROUND_PROBES)]
-    return {"hardware": hw.to_json(), "model": prof.to_json(), "optimizer_bandwidth": bandwidth,
+    return {"hardware": hw.to_json(), "model": prof.to_json(), "optimizer_bandwidth": bandwidth, "rounds": rounds,
             **_references(before, after, calls)}
 
 
-def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int, rounds: int = 5) -> dict[str, Any]:
+def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int, rounds: int = 5,
+                    budget_s: float | None = None) -> dict[str, Any]:
     """Profiles measured with every rank of this launch busy at once (ranks share the CPU cores).
 
     * HardwareProfiler: collectives on every group size, consecutive and strided; overlap coefficient.
@@ -147,7 +151,8 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int, r
       Adam step bandwidth.
     * ShardedLayerProfiler on the real parallelized block for every (tp, sp): per-rank compute,
       activation bytes with and without checkpointing, the recompute peak, FSDP2's own overhead; its variants
-      timed interleaved over ``rounds`` rounds.
+      timed interleaved over ``rounds`` rounds -- or, with ``budget_s``, more while they fit in that many seconds
+      (up to ``auto.SHARDED_PROFILE_MAX_ROUNDS``, as automatic mode takes them).
     """
     from lightning_galv.models.common import Rotary
     from lightning_galv.models.llama import LlamaBlock
@@ -176,14 +181,17 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int, r
     prof = ModelProfiler(block, shape, batch_sizes=(1, 2, 4), seq_lens=(seq // 2, seq), repeats=3,
                          progress=False, make_head=head, make_embed=embed)
     model = prof.fit()
-    with _raw_timings() as calls:
-        sharded = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=rounds, progress=False)
+    from lightning_galv.auto import SHARDED_PROFILE_MAX_ROUNDS
+
+    with _raw_timings() as (calls, taken):
+        sharded = ShardedLayerProfiler(block, shape, hw, batch_sizes=(2, 4, 8), repeats=rounds, progress=False,
+                                       time_budget_s=budget_s, max_repeats=max(rounds, SHARDED_PROFILE_MAX_ROUNDS))
         layer = sharded.fit(model.layer(0))
     # the optimizer step every rank takes at once, as automatic mode prices it (auto.sharded_profile)
     model = model.with_(layer_types=(layer,), optimizer_bandwidth=sharded.optimizer_bandwidth)
     after = [probe(cfg, seq) for _ in range(AROUND_PROBES)]
     return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": model.optimizer_bandwidth,
-            **_references(before, after, calls)}
+            "rounds": taken, **_references(before, after, calls)}
 
 
 _PROBE_BLOCKS: dict[tuple[str, int], tuple[torch.nn.Module, int]] = {}

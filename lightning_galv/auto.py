@@ -51,6 +51,11 @@ _ASSUMED_LOADER_BATCH = 2
 # accuracy benchmark's predictions of one plan spread over 64-92 ms across fresh profiles (2r moe ep2, run at
 # 02612fb). From 4 on, a single outlying pass no longer sets an entry's median.
 SHARDED_PROFILE_ROUNDS = 4
+# ... and more rounds, up to SHARDED_PROFILE_MAX_ROUNDS, while they fit in SHARDED_PROFILE_BUDGET_S seconds of timing
+# per layer type (profiling.profilers.rounds_within_budget): a small block's entries are cheap and noisy, so it
+# takes many (the MoE accuracy benchmark's decoder: ~0.2 s per round at 2 ranks), a large one keeps the minimum.
+SHARDED_PROFILE_BUDGET_S = 20.0
+SHARDED_PROFILE_MAX_ROUNDS = 16
 
 
 def parse_bytes(value: str | int | float) -> float:
@@ -536,8 +541,10 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # expert-parallel degree as the runtime wraps it; v12: the optimizer bandwidth of an Adam step every rank takes
     # at once (ShardedLayerProfiler.optimizer_bandwidth) replaces the one rank 0 measured alone; v13: tp variants
     # timed at the per-rank batch they run (``tp_sizes``), and every fit keeps its measured points (TimeFit.points);
-    # v14: each pass's slowest rank, then the median over rounds (was each rank's median, then the largest)
-    what = {"v": 14, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS}
+    # v14: each pass's slowest rank, then the median over rounds (was each rank's median, then the largest); v15: more
+    # rounds while they fit in a time budget (SHARDED_PROFILE_BUDGET_S, up to SHARDED_PROFILE_MAX_ROUNDS)
+    what = {"v": 15, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS,
+            "budget_s": SHARDED_PROFILE_BUDGET_S, "max_rounds": SHARDED_PROFILE_MAX_ROUNDS}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
     if tuple(batch_sizes) != (1, 2):
@@ -562,7 +569,8 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
         block = parts.blocks[profile.layer_type_of.index(j)]
         profiler = ShardedLayerProfiler(lambda b=block: copy.deepcopy(b).float(), profile.shape, hw,
                                         batch_sizes=batch_sizes, tp_batch_sizes=tp_sizes,
-                                        repeats=SHARDED_PROFILE_ROUNDS,
+                                        repeats=SHARDED_PROFILE_ROUNDS, time_budget_s=SHARDED_PROFILE_BUDGET_S,
+                                        max_repeats=SHARDED_PROFILE_MAX_ROUNDS,
                                         progress=verbose, sp_kinds=sp_kinds, device=str(torch.device(device)))
         types.append(profiler.fit(lt))
         if j == 0 and profiler.optimizer_bandwidth > 0:  # the first block type's, as the ModelProfiler measures

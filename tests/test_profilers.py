@@ -416,6 +416,63 @@ def test_sharded_profiler_times_variants_interleaved(one_rank_group: None) -> No
     assert out_layer.sharded["tp1/none"]["forward"](2, 2) > 0.005
 
 
+def test_rounds_within_budget_buys_rounds_for_cheap_blocks_and_keeps_the_bounds() -> None:
+    """Pure rule: as many rounds as fit in the budget, never fewer than the minimum nor more than the maximum;
+    bad numbers are refused with the rule and a hint."""
+    from lightning_galv.profiling.profilers import rounds_within_budget
+
+    assert rounds_within_budget(0.2, 20.0, 4, 16) == 16  # a cheap block: the upper bound
+    assert rounds_within_budget(2.0, 20.0, 4, 16) == 10  # 10 rounds of 2 s fill 20 s
+    assert rounds_within_budget(2.1, 20.0, 4, 16) == 9  # never over the budget by rounding up
+    assert rounds_within_budget(30.0, 20.0, 4, 16) == 4  # a large block keeps the minimum
+    for args in ((0.0, 20.0, 4, 16), (1.0, float("nan"), 4, 16), (1.0, 20.0, 0, 16), (1.0, 20.0, 5, 4),
+                 (1.0, 20.0, 4.0, 16), (True, 20.0, 4, 16)):
+        with pytest.raises(ValueError, match="HINT"):
+            rounds_within_budget(*args)  # type: ignore[arg-type]
+
+
+def test_a_time_budget_sets_the_rounds_from_the_first_timed_round(one_rank_group: None) -> None:
+    """With ``time_budget_s`` the profiler times the warm-up and one round, then as many rounds in all as the
+    budget holds at that round's duration (between ``repeats`` and ``max_repeats``); without it, ``repeats``."""
+    from lightning_galv.planner.profiles import HardwareProfile, ModelShape
+    from lightning_galv.profiling.profilers import ShardedLayerProfiler
+
+    passes: list[int] = []
+
+    class Sleepy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            passes.append(x.shape[0])
+            time.sleep(0.01)
+            return x * self.w
+
+    shape = ModelShape(1, 4, 1, 1, 8, 8, 2)
+    hw = HardwareProfile.uniform(1, 1, 1e9)
+    runs = [(Sleepy(), 1), (Sleepy(), 2)]  # a round: 2 passes of >= 10 ms each
+    fixed = ShardedLayerProfiler(lambda: torch.nn.Linear(4, 4), shape, hw, repeats=3, progress=False)
+    fixed._time_interleaved(runs)
+    assert len(passes) == 2 * (1 + 3) and fixed.rounds_timed == [3]
+    passes.clear()
+    budget = ShardedLayerProfiler(lambda: torch.nn.Linear(4, 4), shape, hw, repeats=3, progress=False,
+                                  time_budget_s=0.15, max_repeats=16)
+    out = budget._time_interleaved(runs)
+    (rounds,) = budget.rounds_timed
+    assert 3 <= rounds <= 7, rounds  # 0.15 s / (>= 20 ms a round): at most 7; at least the minimum
+    assert len(passes) == 2 * (1 + rounds) and len(out) == 2
+    passes.clear()
+    capped = ShardedLayerProfiler(lambda: torch.nn.Linear(4, 4), shape, hw, repeats=2, progress=False,
+                                  time_budget_s=100.0, max_repeats=5)
+    capped._time_interleaved(runs)
+    assert capped.rounds_timed == [5] and len(passes) == 2 * 6
+    with pytest.raises(ValueError, match="HINT"):
+        ShardedLayerProfiler(lambda: torch.nn.Linear(4, 4), shape, hw, repeats=4, time_budget_s=-1.0)
+    with pytest.raises(ValueError, match="HINT"):
+        ShardedLayerProfiler(lambda: torch.nn.Linear(4, 4), shape, hw, repeats=0)
+
+
 def test_tp_variants_are_timed_and_fitted_at_the_batch_they_run(one_rank_group: None) -> None:
     """A tp-t block runs t times a tp-1 block's per-rank batch (its data group is t times smaller), so
     ``tp_batch_sizes`` times its variants, checkpointed twin included, at those counts -- and fits them there --,

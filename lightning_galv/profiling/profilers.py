@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import re
 import statistics
 import sys
@@ -26,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..errors import bad_value
 from ..plan import ModelShape, divisors
 from ..planner.cost import overlap_slowdown_from
 from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, MoELayerFacts,
@@ -481,7 +483,8 @@ class ShardedLayerProfiler:
                  batch_sizes: Sequence[int] = (1, 2, 4), repeats: int = 3, device: str = "cpu",
                  sp_kinds: Sequence[str] = ("none", "megatron", "ulysses"), progress: bool = True,
                  interleave: bool = True, checkpoint: bool = True,
-                 tp_batch_sizes: Mapping[int, Sequence[int]] | None = None) -> None:
+                 tp_batch_sizes: Mapping[int, Sequence[int]] | None = None, time_budget_s: float | None = None,
+                 max_repeats: int = 16) -> None:
         """``tp_batch_sizes``: per tp degree t > 1, the sample counts its (tp, sp) variants are timed and fitted at
         instead of ``batch_sizes`` -- the per-rank batch a tp-t block runs is t times a tp-1 block's at equal
         global batch, and a line fitted below it extrapolates low (``auto.profile_batch_sizes``). ``interleave``: time all variants interleaved over rounds (see :meth:`_time_interleaved`), which keeps
@@ -491,11 +494,21 @@ class ShardedLayerProfiler:
         frees it -- one block's memory, at the price of a slow spell of a shared machine landing on one variant
         only. ``checkpoint``: also time each (tp, sp) variant checkpointed, for the ``checkpoint_forward`` and
         ``recompute`` fits and the share of collectives a recompute repeats (False leaves them out, and the cost
-        model prices a recompute as one more forward, collectives and all)."""
+        model prices a recompute as one more forward, collectives and all). ``time_budget_s``: time more rounds than
+        ``repeats`` -- up to ``max_repeats`` -- while they fit in that many seconds of timing per
+        :meth:`_time_interleaved` call (the whole interleaved set; each block's own timing with ``interleave`` off),
+        judged by the first timed round's duration on the slowest rank (:func:`rounds_within_budget`); None: exactly
+        ``repeats``."""
         if not dist.is_initialized():
             raise ValueError("process group: not initialized. HINT: call torch.distributed.init_process_group first.")
         self.make_block, self.shape, self.hw = make_block, shape, hw
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise bad_value(f"repeats={repeats!r}", "the timed rounds must be an int >= 1", "e.g. repeats=4.")
+        if time_budget_s is not None:
+            rounds_within_budget(1.0, time_budget_s, repeats, max_repeats)  # validates the budget and the bounds
         self.batch_sizes, self.repeats, self.device = tuple(batch_sizes), repeats, device
+        self.time_budget_s, self.max_repeats = time_budget_s, max_repeats
+        self.rounds_timed: list[int] = []  # rounds each _time_interleaved call took (for reports and tests)
         self.tp_batch_sizes = {int(t): tuple(v) for t, v in (tp_batch_sizes or {}).items()}
         self.sp_kinds, self.interleave, self.checkpoint = tuple(sp_kinds), interleave, checkpoint
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
@@ -567,7 +580,9 @@ class ShardedLayerProfiler:
             del block
         if held:
             _progress(f"timing {len(held)} blocks x {max(len(self.sizes(k)) for k, _ in held)} batch sizes, "
-                      f"{self.repeats} interleaved rounds", self.progress)
+                      f"{self.repeats} interleaved rounds" + (
+                          f" (up to {self.max_repeats} within {self.time_budget_s:g} s)" if self.time_budget_s else ""),
+                      self.progress)
             measured.update(self._time_blocks(held))
         del held
         self._close_factories()
@@ -729,7 +744,9 @@ class ShardedLayerProfiler:
         """
         rec: list[list[tuple[float, float, float, float]]] = [[] for _ in runs]
         n = len(runs)
-        for r in range(self.repeats + 1):
+        rounds, r = self.repeats, 0
+        while r <= rounds:
+            started = time.perf_counter()
             for i in (list(range(n))[r % n:] + list(range(n))[:r % n]) if n else []:
                 block, b = runs[i]
                 x = torch.randn(b, self.shape.seq_len, self.shape.hidden, device=self.device, requires_grad=True)
@@ -744,6 +761,11 @@ class ShardedLayerProfiler:
                     rec[i].append((t1 - t0, time.perf_counter() - t1, c1 - c0, time.thread_time() - c1))
                 block.zero_grad(set_to_none=True)
                 del x, y
+            if r == 1 and self.time_budget_s is not None:  # the first timed round (round 0 also warms caches up)
+                took = _max_over_ranks([time.perf_counter() - started], self.device)[0]  # one number on every rank
+                rounds = rounds_within_budget(took, self.time_budget_s, self.repeats, self.max_repeats)
+            r += 1
+        self.rounds_timed.append(rounds)
         return _slowest_rank_medians(rec, self.device)
 
     def _optimizer_overhead(self, layer: LayerTypeProfile, cap_params: int = 64 * 2**20) -> dict[str, float]:
@@ -1135,6 +1157,26 @@ class HardwareProfiler:
             if r > 0:
                 rec.append(_max_over_ranks(row, self.device))  # [compute, all-reduce, both]: slowest rank each
         return statistics.median(overlap_slowdown_from(c, m, b) for c, m, b in rec)
+
+
+def rounds_within_budget(round_s: float, budget_s: float, least: int, most: int) -> int:
+    """Timed rounds for an interleaved profile whose rounds take ``round_s`` seconds each: as many as fit in
+    ``budget_s``, but at least ``least`` and at most ``most``.
+
+    Why a budget rather than a fixed count: the median over rounds is what a profiled entry is worth, and its
+    noise falls with the rounds taken, while their cost is the block's. A fixed count either wastes time on a
+    large block or leaves a small one noisy: the MoE accuracy benchmark's decoder (dim 128) took about 0.2 s per
+    round of all its variants at 2 ranks, and at 4 rounds one plan's prediction spread over 56-92 ms across
+    fresh profiles (benchmarks/RESULTS.md, section costmodel_moe, at bc8c2c3). On a GPU a round of a real block
+    is milliseconds, so the budget buys the upper bound."""
+    for name, v in (("round_s", round_s), ("budget_s", budget_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise bad_value(f"{name}={v!r}", "must be a finite number of seconds > 0",
+                            "e.g. time_budget_s=20.0, or None for a fixed number of rounds.")
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (least, most)) or not 1 <= least <= most:
+        raise bad_value(f"least={least!r}, most={most!r}", "rounds: ints with 1 <= least <= most",
+                        "e.g. repeats=4, max_repeats=16.")
+    return max(least, min(most, int(budget_s / round_s)))
 
 
 def _max_over_ranks(values: Sequence[float], device: str | torch.device = "cpu") -> list[float]:
