@@ -467,6 +467,7 @@ def test_a_time_budget_sets_the_rounds_from_the_first_timed_round(one_rank_group
                                   time_budget_s=100.0, max_repeats=5)
     capped._time_interleaved(runs)
     assert capped.rounds_timed == [5] and len(passes) == 2 * 6
+    assert capped._time_interleaved([]) == [] and capped.rounds_timed[-1] == 2  # nothing to time: no budget rule
     with pytest.raises(ValueError, match="HINT"):
         ShardedLayerProfiler(lambda: torch.nn.Linear(4, 4), shape, hw, repeats=4, time_budget_s=-1.0)
     with pytest.raises(ValueError, match="HINT"):

@@ -761,9 +761,9 @@ class ShardedLayerProfiler:
                     rec[i].append((t1 - t0, time.perf_counter() - t1, c1 - c0, time.thread_time() - c1))
                 block.zero_grad(set_to_none=True)
                 del x, y
-            if r == 1 and self.time_budget_s is not None:  # the first timed round (round 0 also warms caches up)
+            if r == 1 and self.time_budget_s is not None and n:  # the first timed round (round 0 warms up)
                 took = _max_over_ranks([time.perf_counter() - started], self.device)[0]  # one number on every rank
-                rounds = rounds_within_budget(took, self.time_budget_s, self.repeats, self.max_repeats)
+                rounds = rounds_within_budget(max(took, 1e-9), self.time_budget_s, self.repeats, self.max_repeats)
             r += 1
         self.rounds_timed.append(rounds)
         return _slowest_rank_medians(rec, self.device)
