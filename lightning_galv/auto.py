@@ -53,7 +53,7 @@ _ASSUMED_LOADER_BATCH = 2
 SHARDED_PROFILE_ROUNDS = 4
 # ... and more rounds, up to SHARDED_PROFILE_MAX_ROUNDS, while they fit in SHARDED_PROFILE_BUDGET_S seconds of timing
 # per layer type (profiling.profilers.rounds_within_budget): a small block's entries are cheap and noisy, so it
-# takes many (the MoE accuracy benchmark's decoder: ~0.2 s per round at 2 ranks), a large one keeps the minimum.
+# takes many (the MoE accuracy benchmark's decoder at 2 ranks: 13 [9, 16] rounds), a large one keeps the minimum.
 SHARDED_PROFILE_BUDGET_S = 20.0
 SHARDED_PROFILE_MAX_ROUNDS = 16
 

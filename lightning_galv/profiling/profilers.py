@@ -1165,10 +1165,11 @@ def rounds_within_budget(round_s: float, budget_s: float, least: int, most: int)
 
     Why a budget rather than a fixed count: the median over rounds is what a profiled entry is worth, and its
     noise falls with the rounds taken, while their cost is the block's. A fixed count either wastes time on a
-    large block or leaves a small one noisy: the MoE accuracy benchmark's decoder (dim 128) took about 0.2 s per
-    round of all its variants at 2 ranks, and at 4 rounds one plan's prediction spread over 56-92 ms across
-    fresh profiles (benchmarks/RESULTS.md, section costmodel_moe, at bc8c2c3). On a GPU a round of a real block
-    is milliseconds, so the budget buys the upper bound."""
+    large block or leaves a small one noisy: at 4 rounds one plan of the MoE accuracy benchmark (decoder dim 128,
+    2 ranks) was predicted at 56-92 ms across fresh profiles (benchmarks/RESULTS.md, section costmodel_moe, at
+    bc8c2c3); with 20 s its 2-rank profiles took 13 [9, 16] rounds, the dense model's (dim 256) 8 [7, 9], and
+    both models' 4-rank profiles 5 (the runs at 7d8f6cb and 54ac423). On a GPU a round of a real block is
+    milliseconds, so the budget buys the upper bound."""
     for name, v in (("round_s", round_s), ("budget_s", budget_s)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise bad_value(f"{name}={v!r}", "must be a finite number of seconds > 0",
