@@ -213,14 +213,16 @@ class Case:
 
 def heldout_cases() -> list[Case]:
     """Shapes the profiles never saw: global batch 16 (the block fits were measured at 1-4 samples unsharded,
-    2-8 sharded, so 8-16 samples per rank are extrapolated) and depth 2 / 6 (the profile has one block type;
-    the plan has more or fewer of them). Width and sequence length are not held out: a profile is of one
-    block width, and activation bytes are profiled per sample at one sequence length (see the notes)."""
+    2-8 sharded, so 8-16 samples per rank are extrapolated), depth 2 / 6 (the profile has one block type;
+    the plan has more or fewer of them) and sequence length 64 / 256 (the profile carried there by
+    ``ModelProfile.with_seq_len``), at the tokens per step of the profiled shape (batch 16 / 4), so that the
+    sequence length is what differs. Width is not held out: a profile is of one block width."""
     def uni(world: int, s: S, layers: int = CFG["n_layers"], batch: int = GLOBAL_BATCH, **kw) -> ParallelPlan:
         return ParallelPlan.uniform(world, layers, s, global_batch=batch, **kw).with_(
             embed=S(dp=world), head=S(dp=world))
 
-    deep, shallow = dict(CFG, n_layers=6), dict(CFG, n_layers=2)
+    deep, shallow, long = dict(CFG, n_layers=6), dict(CFG, n_layers=2), dict(CFG, max_seq_len=2 * SEQ)
+    short, longer = SEQ // 2, 2 * SEQ
     return [
         Case("2r dp2 ·B16", uni(2, S(dp=2), batch=16), CFG, SEQ, "batch 16"),
         Case("2r tp+sp2 ·B16", uni(2, S(tp=2, sp="megatron"), batch=16), CFG, SEQ, "batch 16"),
@@ -230,15 +232,20 @@ def heldout_cases() -> list[Case]:
         Case("4r dp4·zero3 ·B16", uni(4, S(dp=4, zero=3), batch=16), CFG, SEQ, "batch 16"),
         Case("4r dp4·ckpt ·L6", uni(4, S(dp=4, checkpoint=True), layers=6), deep, SEQ, "6 layers"),
         Case("4r tp4 ·L2", uni(4, S(tp=4), layers=2), shallow, SEQ, "2 layers"),
+        Case("2r dp2 ·S64", uni(2, S(dp=2), batch=16), CFG, short, "seq 64"),
+        Case("2r tp+sp2 ·S256", uni(2, S(tp=2, sp="megatron"), batch=4), long, longer, "seq 256"),
+        Case("2r dp2·ckpt ·S256", uni(2, S(dp=2, checkpoint=True), batch=4), long, longer, "seq 256"),
+        Case("4r dp4·zero3 ·S64", uni(4, S(dp=4, zero=3), batch=16), CFG, short, "seq 64"),
+        Case("4r tp2·dp2 ·S256", uni(4, S(tp=2, dp=2), batch=4), long, longer, "seq 256"),
     ]
 
 
 def profile_for(model: ModelProfile, case: Case) -> ModelProfile:
-    """The profile re-sized to the case's depth (one layer type, repeated)."""
+    """The profile re-sized to the case's depth (one layer type, repeated) and carried to its sequence length."""
     n = case.cfg["n_layers"]
-    if n == model.num_layers:
-        return model
-    return model.with_(shape=replace(model.shape, num_layers=n), layer_type_of=(0,) * n)
+    if n != model.num_layers:
+        model = model.with_(shape=replace(model.shape, num_layers=n), layer_type_of=(0,) * n)
+    return model.with_seq_len(case.seq)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -329,7 +336,7 @@ def main() -> None:
             t0 = time.perf_counter()
             res = run_distributed(f"{RANKS}::measure_plans", world,
                                   ([(c.name, c.plan.to_dict(), c.cfg, c.seq) for c in order], warmup, steps,
-                                   launch == 0), timeout=1800)
+                                   launch == 0, (cfg, seq)), timeout=1800)
             print(f"launch {launch + 1}/{launches}: {len(batch)} plans on {world} ranks: "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
             ref = probe_of(launch_profiles[launch][world][0])
@@ -593,10 +600,12 @@ every launch profiles both world sizes anew right before measuring its plans, an
 over launches of (that launch's prediction vs that launch's measurement); the predicted column shows the median
 and the range over the launches' profiles.
 
-In-sample plans run the profiled shape; held-out cases change the global batch (16) or the depth (2 or 6
-blocks; the profile's block repeated). Width and sequence length are not held out: the profile describes one
-block width, and activation bytes are profiled per sample at one sequence length (the cost model has no rule
-to carry them to another).
+In-sample plans run the profiled shape; held-out cases change the global batch (16), the depth (2 or 6
+blocks; the profile's block repeated) or the sequence length (64 or 256 tokens at global batch 16 or 4, the
+tokens per step of the profiled shape; the profile carried there by `ModelProfile.with_seq_len`: each measured
+point read at its token count, block passes times the attention span's FLOP growth, activations in proportion
+to the length; their speed probes stay at the profiled length, so that probe and reference time one pass).
+Width is not held out: the profile describes one block width.
 
 Speed correction: the VM's speed drifts (the same launch ran 45 ms and 75 ms per forward minutes apart), so a
 compute probe (the unsharded block's fwd+bwd at 2 samples on every rank at once, timed as the ShardedLayerProfiler

@@ -326,7 +326,11 @@ def _rss_reset() -> float:
 
 
 def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
-                 track_memory: bool = True) -> dict[str, Any]:
+                 track_memory: bool = True, probe_with: tuple[dict, int] | None = None) -> dict[str, Any]:
+    """``probe_with``: the (model config, sequence length) the speed probes time (default: the plan's own); a
+    plan at a held-out sequence length is probed at the profile's, so that its probes and the profile's
+    reference time the same pass."""
+    probe_cfg, probe_seq = probe_with if probe_with is not None else (cfg, seq)
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from lightning_galv.parallel.parallelize import parallelize
@@ -349,7 +353,7 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
     for i in range(warmup + steps):
         # the machine's speed drifts (a VM on a shared host: identical launches differ by up to 1.7x), so a
         # compute probe right before every step tells how fast the machine is at that moment
-        p = probe(cfg, seq)
+        p = probe(probe_cfg, probe_seq)
         every_probe.append(p)
         dist.barrier()
         t0 = time.perf_counter()
@@ -373,7 +377,7 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
             probes.append(p)
             phases.append([step - tail - opt_t, tail, opt_t])
             marks_all.append(every_t.tolist())
-    every_probe.append(probe(cfg, seq))  # so that every measured step has a probe after it too
+    every_probe.append(probe(probe_cfg, probe_seq))  # so that every measured step has a probe after it too
     dist.barrier()
     rss_peak = _status_kib("VmHWM") - rss0 if track_memory else float("nan")  # before MemTracker's own bookkeeping
     by_kind: dict[str, float] = {}
@@ -395,15 +399,17 @@ def measure_plan(plan_dict: dict, cfg: dict, seq: int, warmup: int, steps: int,
 
 
 def measure_plans(cases: list[tuple[str, dict, dict, int]], warmup: int, steps: int,
-                  track_memory: bool = True) -> dict[str, Any]:
-    """``cases``: (name, plan dict, model config, sequence length), measured in this order."""
+                  track_memory: bool = True, probe_with: tuple[dict, int] | None = None) -> dict[str, Any]:
+    """``cases``: (name, plan dict, model config, sequence length), measured in this order; ``probe_with``: see
+    :func:`measure_plan`."""
     out = {}
     # build the probe's blocks first (one per distinct model; a block built inside the first plan's measurement
     # would count in its RSS growth, and the order rotates over launches)
-    for cfg_json, seq in sorted({(json.dumps(cfg, sort_keys=True), seq) for _, _, cfg, seq in cases}):
+    probed = [probe_with] if probe_with is not None else [(cfg, seq) for _, _, cfg, seq in cases]
+    for cfg_json, seq in sorted({(json.dumps(cfg, sort_keys=True), seq) for cfg, seq in probed}):
         probe(json.loads(cfg_json), seq)
     for name, plan, cfg, seq in cases:
-        out[name] = measure_plan(plan, cfg, seq, warmup, steps, track_memory)
+        out[name] = measure_plan(plan, cfg, seq, warmup, steps, track_memory, probe_with)
         if dist.get_rank() == 0:
             print(f"[costmodel] {name}: {out[name]['step_s'] * 1e3:.1f} ms, "
                   f"{out[name]['peak_bytes'] / 2**20:.2f} MiB", flush=True)

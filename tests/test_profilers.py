@@ -577,3 +577,27 @@ def test_moe_zero_blocks_are_wrapped_as_the_runtime_wraps_them_4_ranks() -> None
             assert v["block_mesh"] == 4 and v["expert_grads"], (key, v)
             # the all-to-alls (ep > 1) and the expert units' gathers are part of what the profiler subtracts
             assert all(c > 0 for c in v["comm"]), (key, v["comm"])
+
+
+def test_a_profile_carried_to_another_sequence_length_holds_the_activations_measured_there() -> None:
+    """``ModelProfile.with_seq_len``'s memory rule against measurement: a LLaMA block (fused causal attention, RoPE,
+    grouped-query heads) and its head profiled at 32 tokens and carried to 64 hold what the profiler measures at
+    64 tokens (saved bytes per sample, checkpointed or not, and the head's), within 1 %."""
+    from lightning_galv.models import Llama, LlamaConfig
+    from lightning_galv.models.common import Rotary
+    from lightning_galv.models.llama import LlamaBlock
+
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=64)
+
+    def profile(seq: int):
+        torch.manual_seed(0)
+        model = Llama(cfg)
+        return ModelProfiler(lambda: LlamaBlock(cfg, Rotary(cfg.dim // cfg.n_heads, cfg.max_seq_len)),
+                             model.galv_shape(seq), batch_sizes=(1, 2), repeats=1, progress=False,
+                             make_head=lambda: nn.Sequential(model.norm, model.output), time_optimizer=False).fit()
+
+    carried, measured = profile(32).with_seq_len(64), profile(64)
+    assert carried.shape == measured.shape
+    assert carried.layer(0).activation_bytes == pytest.approx(measured.layer(0).activation_bytes, rel=0.01)
+    assert carried.head_act_bytes == pytest.approx(measured.head_act_bytes, rel=0.01)
+    assert carried.embed_act_bytes == pytest.approx(measured.embed_act_bytes, rel=0.01)

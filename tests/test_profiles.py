@@ -186,3 +186,89 @@ def test_layer_profile_round_trips_measured_sharding() -> None:
     # a profile without the measurement serializes as before it existed
     plain = LayerTypeProfile("b", TimeFit(), TimeFit(), 1, {"tp1/none": 1.0}, 4)
     assert "optimizer_overhead" not in ModelProfile("p", SHAPE, (plain,), (0,) * SHAPE.num_layers).to_dict()["layer_types"][0]
+
+
+def test_attention_time_factor_golden() -> None:
+    """FLOPs per token: 2 per active weight + 4 s h for attention, half of it under a causal mask (Narayanan et
+    al. SC'21). Golden: h = 256, 786432 weights (the accuracy benchmark's LLaMA block), 128 -> 256 tokens."""
+    from lightning_galv.planner.profiles import attention_time_factor
+
+    linear, attn = 2 * 786432, 2 * 256  # per token; attention per token of span (causal)
+    assert attention_time_factor(256, 786432, 128, 256) == pytest.approx((linear + attn * 256) / (linear + attn * 128))
+    assert attention_time_factor(256, 786432, 128, 256) == pytest.approx(1.04, abs=0.001)
+    assert attention_time_factor(256, 786432, 128, 128) == 1.0
+    assert attention_time_factor(256, 786432, 128, 64, causal=False) == pytest.approx(
+        (linear + 1024 * 64) / (linear + 1024 * 128))
+
+
+def _measured_layer(moe: bool = False) -> LayerTypeProfile:
+    from lightning_galv.planner.profiles import MoELayerFacts, transient_key, zero_key
+
+    pts = lambda ys: TimeFit(1e-4, 1e-6, 0.0, ((256.0, ys[0]), (512.0, ys[1])), 128.0)  # noqa: E731
+    return LayerTypeProfile(
+        "block", pts((2e-3, 3e-3)), pts((4e-3, 6e-3)), 786432,
+        {"tp1/none": 2.0e6, act_key(1, "none", True): 1.3e5, transient_key(2, "megatron"): 3.0e6,
+         act_key(2, "megatron", False): 1.1e6}, 256,
+        sharded={"tp2/megatron": {"forward": pts((5e-3, 7e-3)), "backward": pts((8e-3, 1e-2))}},
+        zero_overhead={zero_key(3): {"forward": pts((1e-3, 1e-3)), "backward": pts((2e-3, 2e-3))}},
+        moe=MoELayerFacts(num_experts=8, top_k=2, expert_params=65536, dim=256) if moe else None)
+
+
+def test_with_seq_len_keeps_token_counts_scales_activations_and_prices_the_attention_span() -> None:
+    """A profile carried from 128 to 256 tokens: a measured point is read at the same token count (2 samples at
+    128 = 1 sample at 256), block passes grow by the attention factor, FSDP2's overhead and the ends do not,
+    activations per sample double; the communication volumes follow from the shape's new sequence length."""
+    from lightning_galv.planner.cost import GalvatronCostModel
+    from lightning_galv.planner.profiles import attention_time_factor
+    from lightning_galv.plan import LayerStrategy, ParallelPlan
+
+    head = TimeFit(0.0, 1e-6, 0.0, ((128.0, 1e-3), (512.0, 3e-3)), 128.0)
+    prof = ModelProfile("p", SHAPE, (_measured_layer(),), (0,) * SHAPE.num_layers, precision="fp32",
+                        embed_act_bytes=4.0 * 128 * 256, head_act_bytes=9e5, head_forward=head, head_backward=head)
+    long = prof.with_seq_len(256)
+    lt, lt2 = prof.layer(0), long.layer(0)
+    f = attention_time_factor(256, 786432, 128, 256)
+    assert long.seq_len == 256 and long.shape.num_layers == SHAPE.num_layers
+    assert lt2.forward(1, 256) == pytest.approx(lt.forward(2, 128) * f)  # 256 tokens either way
+    assert lt2.backward(2, 256) == pytest.approx(lt.backward(4, 128) * f)
+    assert lt2.sharded_fit("backward", 2, "megatron")(2, 256) == pytest.approx(
+        lt.sharded_fit("backward", 2, "megatron")(4, 128) * f)
+    assert lt2.zero_overhead["zero3"]["forward"](1, 256) == pytest.approx(lt.zero_overhead["zero3"]["forward"](2, 128))
+    assert long.head_forward(1, 256) == pytest.approx(prof.head_forward(2, 128))  # per token, no attention
+    assert {k: v / 2 for k, v in lt2.activation_bytes.items()} == pytest.approx(dict(lt.activation_bytes))
+    assert (long.embed_act_bytes, long.head_act_bytes) == (2 * prof.embed_act_bytes, 2 * prof.head_act_bytes)
+    # round trip, and the identity at the profiled length
+    assert ModelProfile.from_json(long.to_json()) == long
+    assert prof.with_seq_len(128) is prof
+    # the cost model sees it: activations and the tp collectives double with the span
+    plan = ParallelPlan.uniform(2, SHAPE.num_layers, LayerStrategy(tp=2, sp="megatron"), global_batch=4)
+    hw = HardwareProfile.uniform(1, 2, 80e9)
+    a, b = GalvatronCostModel(prof, hw).evaluate(plan), GalvatronCostModel(long, hw).evaluate(plan)
+    assert b.step_time_s > a.step_time_s and b.peak_memory_bytes > a.peak_memory_bytes
+
+
+def test_with_seq_len_counts_only_the_experts_a_token_visits() -> None:
+    """An MoE block's linear FLOPs per token are its dense weights plus top_k of its E experts."""
+    from lightning_galv.planner.profiles import attention_time_factor
+
+    lt = _measured_layer(moe=True)
+    assert lt.active_params == 786432 - 6 * 65536
+    prof = ModelProfile("p", SHAPE, (lt,), (0,) * SHAPE.num_layers, precision="fp32")
+    f = attention_time_factor(256, 786432 - 6 * 65536, 128, 64)
+    assert prof.with_seq_len(64).layer(0).forward(4, 64) == pytest.approx(lt.forward(2, 128) * f)
+    assert f < attention_time_factor(256, 786432, 128, 64)  # fewer active weights: attention weighs more
+
+
+@pytest.mark.parametrize("bad", [0, -4, 12.5, "256", True])
+def test_with_seq_len_refuses_bad_lengths(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"seq_len=.*positive int.*HINT"):
+        ModelProfile.from_shape(SHAPE).with_seq_len(bad)  # type: ignore[arg-type]
+
+
+def test_with_seq_len_refuses_galvatron_end_tables() -> None:
+    """Galvatron's end tables are measured per sequence length; no first-order rule is applied to them."""
+    from lightning_galv.planner.profiles import EndsProfile
+
+    ends = EndsProfile(model_states={"pp_off": {1: 1e6}}, activation={"pp_off": {1: 1e5}})
+    with pytest.raises(ValueError, match="Galvatron.*HINT"):
+        ModelProfile.from_shape(SHAPE).with_(ends=ends).with_seq_len(256)

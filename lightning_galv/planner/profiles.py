@@ -283,6 +283,17 @@ class TimeFit:
         return TimeFit(self.const * factor, self.per_token * factor, self.per_token_ctx * factor,
                        tuple((t, y * factor) for t, y in self.points), self.points_seq)
 
+    def carried(self, seq_from: float, seq_to: float, factor: float = 1.0) -> "TimeFit":
+        """The fit planned at sequence length ``seq_to`` when its points were measured at ``seq_from``: each point
+        keeps its token count (``b * s``: a pass over as many tokens makes the same kernel calls on rows of the same
+        width) and takes ``factor`` times its seconds (the per-token work that grows with the attention span, see
+        :func:`attention_time_factor`). A fit without points at ``seq_from`` is returned as it is: its line already
+        is a function of the sequence length."""
+        if not self.points or self.points_seq != seq_from:
+            return self
+        return TimeFit(self.const, self.per_token, self.per_token_ctx,
+                       tuple((t, y * factor) for t, y in self.points), float(seq_to))
+
     @classmethod
     def fit(cls, samples: Sequence[tuple[float, float, float]]) -> "TimeFit":
         """Non-negative least squares fit of ``(batch, seq, seconds)`` measurements, keeping the measurements at
@@ -311,6 +322,18 @@ class TimeFit:
                 at.setdefault(float(b * s), []).append(max(0.0, float(t)))
         points = tuple((t, sum(v) / len(v)) for t, v in at.items()) if len(at) >= 2 else ()
         return cls(**dict(zip(names, coef)), points=points, points_seq=float(top) if points else 0.0)
+
+
+def attention_time_factor(hidden: int, active_params: float, seq_from: float, seq_to: float,
+                          causal: bool = True) -> float:
+    """Time per token of a block pass at ``seq_to`` over that at ``seq_from``, taking time as proportional to
+    FLOPs: per token a block multiplies its ``active_params`` weights (2 FLOPs each) and attends over the sequence
+    (``4 s h`` FLOPs, half of them skipped under a causal mask by flash-style kernels, CPU ones included)
+    (Narayanan et al. SC'21: 24bsh^2 + 4bs^2h FLOPs per layer). Tensor and sequence parallelism divide both
+    terms alike, so one factor serves every sharding of the block."""
+    attn = 4.0 * hidden * (0.5 if causal else 1.0)
+    linear = 2.0 * active_params
+    return (linear + attn * seq_to) / (linear + attn * seq_from)
 
 
 def _without_empty_points(obj: Any) -> Any:
@@ -588,6 +611,32 @@ class LayerTypeProfile:
                                 "a number in [0, 1]", "let ShardedLayerProfiler count them (or leave the entry "
                                 "out: unmeasured = every collective repeated).")
         object.__setattr__(self, "recompute_comm", {k: float(v) for k, v in dict(self.recompute_comm).items()})
+
+    @property
+    def active_params(self) -> float:
+        """Weights one token multiplies: the block's, less the routed experts it is not sent to (top_k of E)."""
+        if self.moe is None:
+            return float(self.params)
+        m = self.moe
+        return float(self.params - (m.num_experts - m.top_k) * m.expert_params)
+
+    def at_seq_len(self, seq_from: int, seq_to: int) -> "LayerTypeProfile":
+        """This layer type measured at ``seq_from``, carried to ``seq_to`` (see :meth:`ModelProfile.with_seq_len`):
+        every compute fit by its token count times :func:`attention_time_factor`, FSDP2's overhead by its token
+        count alone (its work is per parameter and per call, not per attention span), every activation entry in
+        proportion to the sequence length (each saved tensor of a block with fused attention is ``[b, s, ...]``)."""
+        f = attention_time_factor(self.hidden, self.active_params, seq_from, seq_to)
+        r = seq_to / seq_from
+
+        def fits(table: Mapping[str, Mapping[str, TimeFit]], factor: float) -> dict[str, dict[str, TimeFit]]:
+            return {k: {kind: fit.carried(seq_from, seq_to, factor) for kind, fit in v.items()}
+                    for k, v in table.items()}
+
+        return replace(self, forward=self.forward.carried(seq_from, seq_to, f),
+                       backward=self.backward.carried(seq_from, seq_to, f),
+                       recompute=None if self.recompute is None else self.recompute.carried(seq_from, seq_to, f),
+                       activation_bytes={k: v * r for k, v in self.activation_bytes.items()},
+                       sharded=fits(self.sharded, f), zero_overhead=fits(self.zero_overhead, 1.0))
 
     def sharded_fit(self, kind: str, tp: int, sp: str, ep: int = 1) -> TimeFit | None:
         """The measured per-rank fit of ``kind`` (``"forward"``/``"backward"``, or ``"checkpoint_forward"``/
@@ -884,6 +933,41 @@ class ModelProfile:
 
     def with_(self, **changes: Any) -> "ModelProfile":
         return replace(self, **changes)
+
+    def with_seq_len(self, seq_len: int) -> "ModelProfile":
+        """This profile carried to another sequence length: plan for a sequence length that was not profiled.
+
+        Why: a profile is measured at one sequence length (its shape's), yet the question is often another one --
+        plan for 4k tokens from a profile taken at 2k, or check how far a plan's price moves with the sequence
+        (issue 17 validates the cost model on held-out sequence lengths this way). Galvatron instead profiles
+        every sequence length it plans for; this is the first-order rule that needs no second profile:
+
+        - compute: a measured point keeps its token count (``b * s``), times the per-token growth of the
+          attention span (:func:`attention_time_factor`); the ends (embedding, head and loss) by token count;
+        - memory: activation bytes per sample in proportion to ``seq_len`` (fused attention saves no ``s x s``
+          scores; a model whose attention materializes them would be under-priced above the profiled length);
+        - communication: the cost model sizes every collective from the shape's sequence length already.
+
+        Parameters, buffers and the optimizer do not depend on it. The rule is checked on real runs by
+        ``benchmarks/costmodel_accuracy.py`` (held-out sequence lengths) and on measured activations by the tests."""
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise bad_value(f"seq_len={seq_len!r}", "must be a positive int (tokens per sample)",
+                            f"e.g. profile.with_seq_len({2 * self.seq_len}).")
+        if seq_len == self.seq_len:
+            return self
+        if self.ends is not None:
+            raise bad_value(f"seq_len={seq_len}", f"this profile holds Galvatron's own end tables, measured at "
+                            f"{self.seq_len} tokens, which no first-order rule carries",
+                            "read Galvatron's profile measured at that sequence length (Galvatron profiles each "
+                            "one it plans for).")
+        s0, r = self.seq_len, seq_len / self.seq_len
+        return replace(self, shape=replace(self.shape, seq_len=seq_len),
+                       layer_types=tuple(lt.at_seq_len(s0, seq_len) for lt in self.layer_types),
+                       embed_act_bytes=self.embed_act_bytes * r, head_act_bytes=self.head_act_bytes * r,
+                       embed_forward=self.embed_forward.carried(s0, seq_len),
+                       head_forward=self.head_forward.carried(s0, seq_len),
+                       embed_backward=None if self.embed_backward is None else self.embed_backward.carried(s0, seq_len),
+                       head_backward=None if self.head_backward is None else self.head_backward.carried(s0, seq_len))
 
 
 def _loads(text: str, what: str) -> dict[str, Any]:
