@@ -360,3 +360,34 @@ def test_format_bytes_shows_the_number() -> None:
 
     assert [format_bytes(v) for v in (12, 1536, 7.49 * 2**20, 5 * 2**30, 3 * 2**40)] == \
         ["12 B", "1.50 KiB", "7.49 MiB", "5.00 GiB", "3.00 TiB"]
+
+
+def test_whether_a_plan_fits_does_not_hang_on_the_hardware_timings() -> None:
+    """A stage's peak is ``max(fixed, fixed - freed + transient)``: the head's activations are freed before a
+    checkpointed block recomputes. End options were once filtered on (time, extra, fixed memory) alone, so a head
+    that frees more before backward was dropped for a faster one that held less in forward, and whether a
+    budget fitted depended on which was faster. Captured from automatic mode's test (4 CPU ranks, a 3-block LLaMA;
+    its profiles, hardware and calibration in tests/data/search_freed): under the measured hardware the search
+    found a pp = 1 plan with a 328576-byte peak in a 337786-byte budget, under uniform fast links it reported
+    "no plan fits, the smallest that would is 396282 bytes" -- with the same memory model. Both must find it."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from lightning_galv.planner.calibration import Calibration
+
+    data = Path(__file__).parent / "data" / "search_freed"
+    model = ModelProfile.from_json((data / "model.json").read_text())
+    measured = HardwareProfile.from_json((data / "hardware.json").read_text())
+    calibration = Calibration.load(data / "calibration.json")
+    assert calibration is not None
+    budget = 337786.0
+    peaks = {}
+    for name, hw in (("measured", measured), ("uniform", HardwareProfile.uniform(1, 4, 1e12))):
+        # priced as automatic mode prices (auto.priced_hardware: the profile's optimizer bandwidth), calibrated
+        prof, h = calibration.apply(model, replace(hw, memory_bandwidth=model.optimizer_bandwidth))
+        cost = GalvatronCostModel(prof, h, SearchSpace().default_embed_zero, runtime="native")
+        best = list(search(prof, h, 4, budget, global_batch=8, space=SearchSpace(pp_degrees=(1,), micro_batches=(1,)),
+                           cost_model=cost))[0]
+        peaks[name] = cost.evaluate(best).peak_memory_bytes
+        assert peaks[name] <= budget * (1 - DEFAULT_MEMORY_MARGIN), (name, best.describe())
+    assert peaks["uniform"] <= 328576.0, peaks  # at least as lean as what the measured hardware's search found

@@ -239,7 +239,7 @@ class Searcher:
         if not opts:
             return []
         ctxs = [StageContext(S, mb, cfg.m, p, i, cfg.schedule, cfg.v) for i in sorted({0, min(1, p - 1), p - 1})]
-        vec = np.array([[x for c in ctxs for x in self.fixed(e, e, c)] for e in opts]).reshape(len(opts), -1)
+        vec = np.array([[x for c in ctxs for x in self.fixed_net(e, e, c)] for e in opts]).reshape(len(opts), -1)
         keep = [e for e, kept in zip(opts, pareto_keep(vec.T)) if kept]
         return [[[(e, e)] for _ in range(p)] for e in keep]
 
@@ -273,9 +273,21 @@ class Searcher:
         return out
 
     def _front(self, edges: list[Edge], ctx: StageContext) -> list[Edge]:
-        """Edges of one stage not beaten by another in mb time, step extra and memory (all of stage_fixed)."""
-        vec = np.array([self.fixed(e, h, ctx) for e, h in edges]).reshape(len(edges), 3)
+        """Edges of one stage not beaten by another in mb time, step extra, memory, and memory net of what the head
+        frees before backward (:meth:`fixed_net`)."""
+        vec = np.array([self.fixed_net(e, h, ctx) for e, h in edges]).reshape(len(edges), 4)
         return [edge for edge, kept in zip(edges, pareto_keep(vec.T)) if kept]
+
+    def fixed_net(self, emb: LayerStrategy, head: LayerStrategy, ctx: StageContext
+                  ) -> tuple[float, float, float, float]:
+        """:meth:`fixed` and, fourth, its memory less :meth:`~.cost.CostModel.backward_freed`: a stage's peak is
+        ``max(fixed, fixed - freed + transient)`` (a checkpointed layer recomputes after the head's activations
+        are gone), so an end option is beaten only by one no worse in both. With the memory alone, a head that
+        frees more before backward was dropped for one that held less in forward, and a stage of checkpointed
+        layers then found no fitting plan where one existed -- whether it did depended on which option was
+        faster, i.e. on the hardware's timings (tests/test_planner_search.py)."""
+        t, e, mem = self.fixed(emb, head, ctx)
+        return t, e, mem, mem - self.cost.backward_freed(head, ctx, self.space.vocab_parallel_loss)
 
     def fixed(self, emb: LayerStrategy, head: LayerStrategy, ctx: StageContext) -> tuple[float, float, float]:
         """``stage_fixed`` memoized: the same (stage, micro-batch) recurs for every strategy of the 3-D space."""
