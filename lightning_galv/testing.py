@@ -284,6 +284,13 @@ def release_subgroups() -> int:
 
     world = dist.group.WORLD
     groups = [pg for pg in list(c10d._world.pg_map) if pg is not world]
+    # drain first: a gloo barrier completes only after every earlier operation of its group has, so no work a check
+    # launched and never waited for (an async collective, a prefetch) still runs in a group's worker thread when
+    # the group is destroyed and freed -- a fresh-clone CI run at b9e0846 lost rank 0 to "double free or corruption"
+    # right there, between two checks. Every rank meets its groups in creation order, the same on all ranks, so
+    # the barriers cannot wait on each other in a cycle.
+    for pg in groups:
+        dist.barrier(group=pg)
     for pg in groups:
         dist.destroy_process_group(pg)
     clear_dtensor_caches()
