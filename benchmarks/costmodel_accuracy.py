@@ -173,9 +173,23 @@ def _source_value(model: ModelProfile, key: str) -> float:
 
 
 def probe_of(model: ModelProfile) -> float:
-    """The profile's speed reference: the median of the probes right before and right after its run
-    (``around_s``, ``costmodel_ranks._references``). A profile cached earlier carries ``ref_s``, the profiler's
-    interleaved timing, which reads 8 % slower than the probe at equal speed: it is refused, not misread."""
+    """The profile's speed reference: the profiler's own raw timing of the pass the probe repeats, taken *during*
+    the ShardedLayerProfiler's rounds (``interleaved_s``, ``costmodel_ranks._raw_reference``) -- the rounds that
+    time the block variants every prediction is mostly made of, so it reads the machine's speed while the
+    dominant input was measured. The probes around the profile run (``around_s``, the reference from 6565948 to
+    2026-12-06) bracket a run of a minute or more and miss a spell inside it: in the 10-launch run at 5e9ee88 one
+    4-rank profile's interleaved timing read 1.24x its probes around, and that launch's plans were predicted
+    +16 % high against the other launches' (an in-sample offset of +23.5 %). With the interleaved timing as the
+    reference the stored launch offsets' sd fell from 8.5 % to 2.4 % at 4 ranks and from 4.2 % to 3.5 % at 2
+    (MoE run at d4a67cb: 7.8 % -> 4.5 % and 7.5 % -> 4.4 %). The reason it was dropped at 6565948 -- it read ~8 %
+    slower than the probe at equal speed -- went with a1d10ad, when the probe took over the profiler's way of
+    reducing passes (around / interleaved: 1.003 [0.959, 1.047] at 2 ranks, 0.987 [0.935, 1.039] at 4 in that
+    run). The tables report errors against the probes around too (:func:`around_of`)."""
+    return _source_value(model, "interleaved_s")
+
+
+def around_of(model: ModelProfile) -> float:
+    """The previous speed reference: the median of the probes right before and right after the profile run."""
     return _source_value(model, "around_s")
 
 
@@ -186,7 +200,7 @@ def offset_line(launch_profiles: list[dict[int, tuple[ModelProfile, HardwareProf
 
     parts = []
     for world in (2, 4):
-        xs = [probe_of(lp[world][0]) / _source_value(lp[world][0], "interleaved_s")
+        xs = [around_of(lp[world][0]) / probe_of(lp[world][0])
               for lp in launch_profiles if world in lp]
         if len(xs) > 1:
             m, lo, hi = interval(xs)
@@ -194,7 +208,7 @@ def offset_line(launch_profiles: list[dict[int, tuple[ModelProfile, HardwareProf
         elif xs:
             parts.append(f"{world} ranks {xs[0]:.3f} (one profile)")
     return ("Speed reference: the probes around each profile / the profiler's interleaved timing of the same pass "
-            "(the reference until 6565948): " + ("; ".join(parts) or "n/a") + ".")
+            "(the reference since 2026-12-06, and from 257c0e1 to 6565948): " + ("; ".join(parts) or "n/a") + ".")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -357,7 +371,9 @@ def main() -> None:
                 mt = statistics.median(t * ref / math.sqrt(a * b) for t, a, b in zip(r0["times"], r0["probes"], after))
                 # the prediction split as the step is measured: the bucket copies of the gradient hooks in fwd+bwd
                 pfb, pex = pred.phases(0, c.plan.micro_batches) if one else (None, None)
-                per_launch[c.name].append(dict(launch=launch, raw=r0["step_s"], mt=mt,
+                # the same steps against the previous reference (the probes around the profile run)
+                mt_around = mt * around_of(model) / ref
+                per_launch[c.name].append(dict(launch=launch, raw=r0["step_s"], mt=mt, mt_around=mt_around,
                                                load=1 / f, pred=pred.step_time_s, pm=pred.peak_memory_bytes, ph=ph,
                                                pfb=pfb, pex=pex))
                 if launch == 0:
@@ -528,6 +544,7 @@ def table(rows: list[dict], launches: int, steps: int, warmup: int, fresh: bool 
         r["ets"] = [rel(x["pred"], x["mt"]) for x in r["runs"]]
         r["et"] = statistics.median(r["ets"])
         r["ers"] = [rel(x["pred"], x["raw"]) for x in r["runs"]]
+        r["eas"] = [rel(x["pred"], x["mt_around"]) for x in r["runs"] if "mt_around" in x]
         r["er"] = statistics.median(r["ers"])
         r["em"] = rel(r["pm"], r["mm"])
         _, lo, hi = interval(r["mts"]) if len(r["mts"]) > 1 else (0, float("nan"), float("nan"))
@@ -570,8 +587,14 @@ def table(rows: list[dict], launches: int, steps: int, warmup: int, fresh: bool 
                   f"{w} ranks{' (oversubscribed: 4 ranks on 2 cores)' if w == 4 else ' (one core per rank)'}: "
                   f"before calibration {_boot([r for r in ins if r['world'] == w], 'ets')} (raw, no speed "
                   f"correction: {_boot([r for r in ins if r['world'] == w], 'ers')}); after "
-                  f"{_boot([r for r in ins if r['world'] == w], 'cal_errs')}; held-out after "
+                  f"{_boot([r for r in ins if r['world'] == w], 'cal_errs')}; held-out before "
+                  f"{_boot([r for r in out if r['world'] == w], 'ets')}; held-out after "
                   f"{_boot([r for r in out if r['world'] == w], 'cal_errs')}" for w in (2, 4)
+                  if any(r["world"] == w for r in ins)) + ".",
+              "The same measurements at the speed of the probes around each profile run (the reference from "
+              "6565948 to 2026-12-06, see the notes), before calibration: " + "; ".join(
+                  f"{w} ranks: in-sample {_boot([r for r in ins if r['world'] == w], 'eas')}, held-out "
+                  f"{_boot([r for r in out if r['world'] == w], 'eas')}" for w in (2, 4)
                   if any(r["world"] == w for r in ins)) + ".",
               offsets_line(ins),
               budget_sweep(rows),
@@ -614,15 +637,18 @@ MoE decoder, as automatic mode profiles it), each pass's slowest rank's forward 
 since a1d10ad, as the profiler now reduces its passes; before, each rank's median forward and backward, then the
 slowest rank's of each, which at 4 ranks read 0.894 [0.856, 0.931] of the blocks back to back, section
 `pass_reduction`) runs before every step and after the last; "at profile speed" scales each step's time
-by the profile's reference (the median of 3 probes right before and 3 right after the profile run: the same
-protocol as the step's probes, so the ratio is one of speeds) / the geometric mean of the probes right before and
-right after that step, then takes the median over steps ("load" = median probe / profile reference; the phase
-columns use that one factor per plan). From 257c0e1 to 6565948 the reference was the ShardedLayerProfiler's raw median
-of its `tp1/none` variant at 2 samples -- the pass the probe repeats, but timed between the other variants' passes,
-where it read slower: probe / it = 0.915 [0.865, 0.964] at 2 ranks and 0.924 [0.900, 0.948] at 4 in the first run of
-section `probe_offset` (6565948), 0.900 [0.877, 0.923] and 0.917 [0.884, 0.950] at a36a9f7 -- so every measured step
-was scaled up by ~8 % (the line under the table gives that ratio for this run's profiles); before 257c0e1 it was the
-fit at 2 samples. Raw errors are shown too. Memory: "live-tensor peak" = per-rank peak (max over
+by the profile's reference / the geometric mean of the probes right before and right after that step, then
+takes the median over steps ("load" = median probe / profile reference; the phase columns use that one factor per
+plan). The reference (since 2026-12-06) is the ShardedLayerProfiler's own raw median of its `tp1/none` variant at
+2 samples, the pass the probe repeats, timed during the rounds that time every block variant the predictions are
+made of. From 6565948 to 2026-12-06 it was the median of 3 probes right before and 3 right after the profile run;
+those bracket a run of a minute or more and missed spells inside it (at 5e9ee88 one 4-rank profile's interleaved
+timing read 1.24x the probes around it, and that launch's predictions stood +23.5 % off); the line "at the speed
+of the probes around" gives this run's errors against that reference too. From 257c0e1 to 6565948 the
+interleaved timing was the reference already, but the probe then reduced its passes otherwise and read ~8 % faster
+at equal speed (probe / it = 0.915 [0.865, 0.964] at 2 ranks and 0.924 [0.900, 0.948] at 4, section
+`probe_offset`), which scaled every measured step up by ~8 %; since a1d10ad both reduce passes alike (the line
+under the table gives the ratio for this run's profiles); before 257c0e1 it was the fit at 2 samples. Raw errors are shown too. Memory: "live-tensor peak" = per-rank peak (max over
 ranks) of live tensor bytes during one step by torch's MemTracker (parameters + gradients kept between steps +
 optimizer states + activations + temporaries + buffers), which is what the prediction counts; "RSS peak growth"
 = the process's resident-set high-water mark during the plan's steps minus its RSS before the plan was built
@@ -654,8 +680,8 @@ rounds (4 since 2026-11-28; 2 before, and the probe took as many passes), since 
 under the table gives the rounds taken; the probe keeps `SHARDED_PROFILE_ROUNDS` passes);
 everything else as in the dense section above (MemTracker peak, leave-one-out calibration, speed correction),
 except that the probe times the decoder's own MoE block (unsharded, every expert local, its router statistics
-all-reduced over the world as the profiler times it); the reference is the probes around the profile run, as
-above (from 0a74b18 to 6565948 the profiler's timing of that block's `tp1/none` variant at the probe's shape:
+all-reduced over the world as the profiler times it); the reference is the profiler's timing of that block's
+`tp1/none` variant at the probe's shape, as above (the probes around the profile run from 6565948 to 2026-12-06; from 0a74b18 to 6565948 the profiler's timing of that block's `tp1/none` variant at the probe's shape:
 its fit until 257c0e1, then its raw median; until 0a74b18 the median of probes taken around profiling, but of a
 dense block's, while the steps' probes timed the MoE block)."""
 

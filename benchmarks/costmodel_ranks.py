@@ -98,17 +98,16 @@ AROUND_PROBES = 3  # probes right before and right after a profile run: its spee
 
 def _references(before: list[float], after: list[float],
                 calls: list[dict[tuple[str, int], tuple[float, float, float, float]]]) -> dict[str, Any]:
-    """The profile's speed reference, ``probe_s``: the median of :func:`probe` right before and right after the
-    profile run, i.e. read by the very protocol the probes before and after each measured step use, so that their
-    ratio is a ratio of speeds and nothing else. ``interleaved_s`` is kept beside it: the profiler's own raw
-    timing of the pass the probe repeats (:func:`_raw_reference`), the reference every run from 257c0e1 to
-    6565948 scaled by. Timed between the other variants' passes it read slower than the probe seconds apart --
-    the probe / it = 0.915 [0.865, 0.964] at 2 ranks, 0.924 [0.900, 0.948] at 4 (benchmarks/probe_offset.py,
-    6 profile runs each, at 6565948; 0.900 / 0.917 at a36a9f7; session 25 had found 1.017 / 1.012 in paired
-    rounds) -- which scaled every measured step at "profile speed" up by 8-9 % and made every 2-rank plan look
-    under-predicted. (The probes around the
-    profile were the reference once before, at b2346bf, and tracked the predictions poorly; the probe then ran
-    another protocol -- one input, accumulated gradients, back to back -- and one probe stood on each side.)"""
+    """The profile's two speed readings. ``interleaved_s``: the profiler's own raw timing of the pass the probe
+    repeats (:func:`_raw_reference`), taken during the rounds that time every block variant -- the reference
+    ``costmodel_accuracy.py`` scales by (from 257c0e1 to 6565948 and again since 2026-12-06). ``probe_s``: the
+    median of :func:`probe` right before and right after the profile run, the reference from 6565948 to
+    2026-12-06, kept beside it: read by the protocol of the probes around each measured step, but a minute or
+    more away from the block timings (one 4-rank profile at 5e9ee88: interleaved 1.24x the probes around, and its
+    launch's predictions +16 % against the other launches'). Until a1d10ad the probe reduced its passes otherwise
+    and read ~8 % faster than the interleaved timing at equal speed (probe / it = 0.915 [0.865, 0.964] at 2
+    ranks, 0.924 [0.900, 0.948] at 4, benchmarks/probe_offset.py at 6565948), the reason it was dropped then;
+    since, the two agree at equal speed (1.003 / 0.987 over the 10 profiles per world at 5e9ee88)."""
     return {"probe_s": statistics.median(before + after), "interleaved_s": _raw_reference(calls),
             "probes_before_s": before, "probes_after_s": after}
 
@@ -224,9 +223,9 @@ def probe(cfg: dict, seq: int, b: int = 2, repeats: int | None = None) -> float:
     benchmark reports predictions with the profile's compute times scaled by the ratio (load
     normalization) next to the raw ones. Per pass the slowest rank's forward + backward, then the median over
     ``repeats`` passes: the way the ShardedLayerProfiler reduces the passes of the profile's unsharded block
-    (``_raw_reference``; before 2026-12-02 both took each rank's medians, then the slowest rank's), though that
-    pass, timed between the other variants', read ~8 % slower than the probe at equal speed; the reference the
-    probe is compared with is therefore probes around the profile run (``_references``). One probe's slowest rank
+    (``_raw_reference``, the reference the probes are compared with since 2026-12-06, see ``_references``;
+    before 2026-12-02 both took each rank's medians, then the slowest rank's, and that pass read ~8 % slower than
+    the probe at equal speed). One probe's slowest rank
     partly tells which ranks the scheduler put on one core at that instant (in the d33f7cb run a factor
     from single probes ranged 0.81-1.21 while the 4-rank hetero plan's step stayed within 415-432 ms), so each
     step is scaled by the probes before and after it and the median over steps is taken
