@@ -22,6 +22,7 @@ comes from the two profiles.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -228,15 +229,19 @@ class Case:
 def heldout_cases() -> list[Case]:
     """Shapes the profiles never saw: global batch 16 (the block fits were measured at 1-4 samples unsharded,
     2-8 sharded, so 8-16 samples per rank are extrapolated), depth 2 / 6 (the profile has one block type;
-    the plan has more or fewer of them) and sequence length 64 / 256 (the profile carried there by
+    the plan has more or fewer of them), sequence length 64 / 256 (the profile carried there by
     ``ModelProfile.with_seq_len``), at the tokens per step of the profiled shape (batch 16 / 4), so that the
-    sequence length is what differs. Width is not held out: a profile is of one block width."""
+    sequence length is what differs, and width 192 / 384 (heads of the same size, FFN 3x as profiled; the
+    profile carried there by ``ModelProfile.with_width``)."""
     def uni(world: int, s: S, layers: int = CFG["n_layers"], batch: int = GLOBAL_BATCH, **kw) -> ParallelPlan:
         return ParallelPlan.uniform(world, layers, s, global_batch=batch, **kw).with_(
             embed=S(dp=world), head=S(dp=world))
 
     deep, shallow, long = dict(CFG, n_layers=6), dict(CFG, n_layers=2), dict(CFG, max_seq_len=2 * SEQ)
     short, longer = SEQ // 2, 2 * SEQ
+    # head size 32 as profiled; kv groups of 2 heads as profiled (tp2 splits both evenly at 384)
+    narrow = dict(CFG, dim=192, n_heads=6, n_kv_heads=3, ffn_hidden=576)
+    wide = dict(CFG, dim=384, n_heads=12, n_kv_heads=6, ffn_hidden=1152)
     return [
         Case("2r dp2 ·B16", uni(2, S(dp=2), batch=16), CFG, SEQ, "batch 16"),
         Case("2r tp+sp2 ·B16", uni(2, S(tp=2, sp="megatron"), batch=16), CFG, SEQ, "batch 16"),
@@ -251,14 +256,34 @@ def heldout_cases() -> list[Case]:
         Case("2r dp2·ckpt ·S256", uni(2, S(dp=2, checkpoint=True), batch=4), long, longer, "seq 256"),
         Case("4r dp4·zero3 ·S64", uni(4, S(dp=4, zero=3), batch=16), CFG, short, "seq 64"),
         Case("4r tp2·dp2 ·S256", uni(4, S(tp=2, dp=2), batch=4), long, longer, "seq 256"),
+        Case("2r dp2 ·H384", uni(2, S(dp=2)), wide, SEQ, "width 384"),
+        Case("2r tp+sp2 ·H384", uni(2, S(tp=2, sp="megatron")), wide, SEQ, "width 384"),
+        Case("2r dp2·ckpt ·H192", uni(2, S(dp=2, checkpoint=True)), narrow, SEQ, "width 192"),
+        Case("4r tp2·dp2 ·H384", uni(4, S(tp=2, dp=2)), wide, SEQ, "width 384"),
+        Case("4r dp4·zero3 ·H192", uni(4, S(dp=4, zero=3)), narrow, SEQ, "width 192"),
     ]
 
 
+@functools.lru_cache(maxsize=None)
+def _model_facts(cfg_json: str, seq: int) -> tuple[ModelShape, int, int, int]:
+    """(shape, block parameters, embedding parameters, head parameters) of the benchmark's model at ``cfg``: what
+    ``ModelProfile.with_width`` takes of the model a held-out width case runs."""
+    from costmodel_ranks import make_model
+
+    m = make_model(json.loads(cfg_json))
+    count = lambda *mods: sum(p.numel() for mod in mods for p in mod.parameters())  # noqa: E731
+    return m.galv_shape(seq), count(m.layers[0]), count(m.tok_embeddings), count(m.norm, m.output)
+
+
 def profile_for(model: ModelProfile, case: Case) -> ModelProfile:
-    """The profile re-sized to the case's depth (one layer type, repeated) and carried to its sequence length."""
+    """The profile re-sized to the case's depth (one layer type, repeated), carried to its width and then to its
+    sequence length."""
     n = case.cfg["n_layers"]
     if n != model.num_layers:
         model = model.with_(shape=replace(model.shape, num_layers=n), layer_type_of=(0,) * n)
+    if case.cfg["dim"] != model.shape.hidden:
+        shape, block, embed, head = _model_facts(json.dumps(case.cfg, sort_keys=True), model.seq_len)
+        model = model.with_width(shape, block, embed, head)
     return model.with_seq_len(case.seq)
 
 
@@ -624,11 +649,14 @@ over launches of (that launch's prediction vs that launch's measurement); the pr
 and the range over the launches' profiles.
 
 In-sample plans run the profiled shape; held-out cases change the global batch (16), the depth (2 or 6
-blocks; the profile's block repeated) or the sequence length (64 or 256 tokens at global batch 16 or 4, the
+blocks; the profile's block repeated), the sequence length (64 or 256 tokens at global batch 16 or 4, the
 tokens per step of the profiled shape; the profile carried there by `ModelProfile.with_seq_len`: each measured
 point read at its token count, block passes times the attention span's FLOP growth, activations in proportion
-to the length; their speed probes stay at the profiled length, so that probe and reference time one pass).
-Width is not held out: the profile describes one block width.
+to the length; their speed probes stay at the profiled length, so that probe and reference time one pass) or the
+width (192 or 384 at heads of the profiled size and the FFN at 3x, the profile carried by
+`ModelProfile.with_width`: per-token work times the block's forward FLOP ratio, the measured per-call overhead
+kept, activations and the ends in proportion to the width but for the head's logits; probed at the profiled
+width).
 
 Speed correction: the VM's speed drifts (the same launch ran 45 ms and 75 ms per forward minutes apart), so a
 compute probe (the unsharded block's fwd+bwd at 2 samples on every rank at once, timed as the ShardedLayerProfiler

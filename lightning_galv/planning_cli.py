@@ -10,7 +10,9 @@ a ``galv profile`` run makes the next ``galv search`` and the next automatic fit
 ``batch_size`` x data shards, pipelines only when the LightningModule has the pipeline hooks), prints the
 top-k plans with predicted step time, throughput and per-stage memory, writes the chosen plan as YAML
 (``GalvatronStrategy(plan=...)`` or a recipe's ``trainer.strategy.init_args.plan``) and, with
-``--galvatron``, as Galvatron JSON.
+``--galvatron``, as Galvatron JSON. ``--seq-len n`` prices the plans at n tokens per sample from the profile
+measured at the recipe's length (:meth:`~lightning_galv.planner.ModelProfile.with_seq_len`), so a long-sequence
+plan needs no long-sequence profile.
 
 Measurements run on CPU processes: on a GPU machine this prices CPU collectives. There, let automatic
 mode profile the GPUs inside the Trainer (it caches the same way).
@@ -38,6 +40,7 @@ PROFILE_EXAMPLE = """examples:
 SEARCH_EXAMPLE = """examples:
   galv search --config recipes/tiny_cpu.yaml --top-k 5 --out plan.yaml
   galv search --memory-budget 512MiB --galvatron galvatron_plan.json
+  galv search --seq-len 256                      # plans priced at 256 tokens per sample
   galv fit --config recipes/tiny_cpu.yaml --trainer.strategy.init_args.plan plan.yaml"""
 
 
@@ -127,6 +130,13 @@ def _measure_worker(config: str | None, budget: float | None, search: dict[str, 
                                    "cache": str(ProfileCache().directory), "budget": cap,
                                    "loader_batch": loader_batch}
         if search is not None:
+            notes: list[str] = []
+            if search.get("seq_len") not in (None, profile.seq_len):
+                # a profile carried to a length it was not measured at (first order, issue 17's held-out check)
+                measured = profile.seq_len
+                profile = profile.with_seq_len(search["seq_len"])
+                notes.append(f"priced at {profile.seq_len} tokens per sample from the profile measured at "
+                             f"{measured} (ModelProfile.with_seq_len, first order): the model must run that length")
             pipeline = all(callable(getattr(module, n, None)) for n in PIPELINE_HOOKS)
 
             def searching(i: int, n: int, what: str) -> None:  # read by the parent's progress bar
@@ -136,7 +146,7 @@ def _measure_worker(config: str | None, budget: float | None, search: dict[str, 
                                      loader_batch, pipeline, bool(getattr(module, "galv_vocab_parallel_loss", False)),
                                      top_k=search["top_k"], progress=searching, sp_modes=parts.sp_modes,
                                      check_plan=parts.check_plan)
-            payload.update(plans=[p.to_dict() for p in found.plans], notes=found.notes,
+            payload.update(plans=[p.to_dict() for p in found.plans], notes=notes + list(found.notes),
                            seq_len=profile.shape.seq_len)
         return ("ok", payload)
     except (ValueError, TypeError, FileNotFoundError) as exc:
@@ -288,12 +298,18 @@ def search_command(argv: list[str]) -> None:
     p.add_argument("--out", default="galv_plan.yaml", help="where the chosen plan is written as YAML")
     p.add_argument("--galvatron", default=None, metavar="JSON",
                    help="also write the chosen plan as a Galvatron plan JSON (if Galvatron can express it)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N",
+                   help="price the plans at N tokens per sample, carrying the profile measured at the recipe's "
+                        "length there (ModelProfile.with_seq_len: first order; default: the profiled length)")
     ns = p.parse_args(argv)
+    if ns.seq_len is not None and ns.seq_len < 1:
+        raise bad_value(f"--seq-len {ns.seq_len}", "must be a positive number of tokens per sample",
+                        "e.g. --seq-len 256, or leave it out to plan at the profiled length")
     if ns.top_k < 1:
         raise bad_value(f"--top-k {ns.top_k}", "must be >= 1", "e.g. --top-k 5")
     if not 1 <= ns.pick <= ns.top_k:
         raise bad_value(f"--pick {ns.pick}", f"must be between 1 and --top-k ({ns.top_k})", "e.g. --pick 1")
-    out = _launch(ns, "search", {"top_k": ns.top_k})
+    out = _launch(ns, "search", {"top_k": ns.top_k, "seq_len": ns.seq_len})
     plans = [ParallelPlan.from_dict(d) for d in out["plans"]][: ns.top_k]
     print("\n".join(f"  {n}" for n in out["notes"]))
     print(plan_table(plans, out["seq_len"], out["budget"]))

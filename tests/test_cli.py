@@ -229,6 +229,21 @@ def test_profile_and_search_progress_bars_render_on_stderr_and_leave_the_tables_
     galv(["search", "--devices", "2", "--top-k", "2", "--out", "plan.yaml", "--quiet"])
     out, err = capsys.readouterr()
     assert "ms/step" in out and "%" not in err and "[galv profile]" not in out and "[galv search] (" not in out, out
+    # --seq-len: the same cached profile carried to twice the demo's 64 tokens prices every plan higher, so the
+    # best plan found is slower per step than the best at the profiled length (same global batch, twice the tokens)
+    galv(["search", "--devices", "2", "--top-k", "2", "--out", "plan128.yaml", "--quiet", "--seq-len", "128"])
+    out, err = capsys.readouterr()
+    assert "priced at 128 tokens per sample from the profile measured at 64" in out, out
+    at64, at128 = ParallelPlan.load(tmp_path / "plan.yaml"), ParallelPlan.load(tmp_path / "plan128.yaml")
+    assert at64.prediction is not None and at128.prediction is not None
+    assert at128.global_batch == at64.global_batch
+    assert at128.prediction.step_time_s > 1.2 * at64.prediction.step_time_s, (at64.prediction, at128.prediction)
+
+
+@pytest.mark.parametrize("value", ["0", "-64"])
+def test_search_refuses_a_sequence_length_below_one(value: str) -> None:
+    with pytest.raises(SystemExit, match=rf"--seq-len {value}.*positive number of tokens.*HINT"):
+        galv(["search", "--seq-len", value])
 
 
 def test_measure_progress_without_a_terminal_prints_the_lines() -> None:

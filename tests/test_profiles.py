@@ -272,3 +272,83 @@ def test_with_seq_len_refuses_galvatron_end_tables() -> None:
     ends = EndsProfile(model_states={"pp_off": {1: 1e6}}, activation={"pp_off": {1: 1e5}})
     with pytest.raises(ValueError, match="Galvatron.*HINT"):
         ModelProfile.from_shape(SHAPE).with_(ends=ends).with_seq_len(256)
+
+
+WIDE = ModelShape(num_layers=4, hidden=384, num_heads=12, num_kv_heads=12, ffn_hidden=1536, vocab_size=1000,
+                  seq_len=128)
+
+
+def test_with_width_prices_the_flops_keeps_the_launch_overhead_and_scales_memory() -> None:
+    """A profile of a 256-wide block carried to 384 (FFN 4x in both): per-token work times the forward FLOP
+    ratio (2 per weight + causal attention), the measured per-call overhead (``const``) kept; FSDP2's overhead
+    with the parameters; activations and the embedding with the width; the head's logits stay; the new
+    parameter counts. Golden numbers worked by hand from the fits of ``_measured_layer``."""
+    from lightning_galv.planner.cost import GalvatronCostModel
+    from lightning_galv.plan import LayerStrategy, ParallelPlan
+
+    head = TimeFit(0.0, 1e-6, 0.0, ((128.0, 1e-3), (512.0, 3e-3)), 128.0)
+    prof = ModelProfile("p", SHAPE, (_measured_layer(),), (0,) * SHAPE.num_layers, precision="fp32",
+                        embed_params=256000, head_params=256256, embed_act_bytes=4.0 * 128 * 256,
+                        head_act_bytes=9e5, head_forward=head, head_backward=head)
+    wide = prof.with_width(WIDE, 1769472)  # 2.25x the weights
+    lt, lt2 = prof.layer(0), wide.layer(0)
+    f = (2 * 1769472 + 2 * 384 * 128) / (2 * 786432 + 2 * 256 * 128)  # forward FLOPs per token, causal
+    assert f == pytest.approx(2.22, abs=1e-4)  # 3637248 / 1638400
+    # the point at 256 tokens: 1e-4 s of launch overhead stays, the other 1.9e-3 s grows by f
+    assert lt2.forward(2, 128) == pytest.approx(1e-4 + 1.9e-3 * f)
+    assert lt2.sharded_fit("backward", 2, "megatron")(4, 128) == pytest.approx(1e-4 + (1e-2 - 1e-4) * f)
+    assert lt2.zero_overhead["zero3"]["forward"](2, 128) == pytest.approx(1e-4 + 0.9e-3 * 2.25)
+    assert {k: v / 1.5 for k, v in lt2.activation_bytes.items()} == pytest.approx(dict(lt.activation_bytes))
+    assert (lt2.params, lt2.hidden, wide.embed_params, wide.head_params) == (1769472, 384, 384000, 384384)
+    # the head: three h-wide tensors (3 x 4 B x 128 x 256 = 393216 B of its 9e5 B) grow, the logits' rest stays
+    assert wide.embed_act_bytes == 1.5 * prof.embed_act_bytes
+    assert wide.head_act_bytes == pytest.approx(9e5 + 393216 * 0.5)
+    assert wide.head_forward(4, 128) == pytest.approx(1.5 * prof.head_forward(4, 128))
+    assert ModelProfile.from_json(wide.to_json()) == wide
+    assert prof.with_width(SHAPE, 786432) is prof
+    assert prof.with_width(WIDE, 1769472, embed_params=1, head_params=2).embed_params == 1
+    # the cost model sees it: more to compute, to hold and to send
+    plan = ParallelPlan.uniform(2, SHAPE.num_layers, LayerStrategy(tp=2, sp="megatron"), global_batch=4)
+    hw = HardwareProfile.uniform(1, 2, 80e9)
+    a, b = GalvatronCostModel(prof, hw).evaluate(plan), GalvatronCostModel(wide, hw).evaluate(plan)
+    assert b.step_time_s > a.step_time_s and b.peak_memory_bytes > a.peak_memory_bytes
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(num_layers=6), "num_layers=6.*width only.*HINT"),
+    (dict(seq_len=256), "seq_len=256.*with_seq_len"),
+    (dict(vocab_size=2000), "vocab_size=2000"),
+    (dict(ffn_hidden=768), r"ffn_hidden / hidden = 768/384.*10 %.*HINT"),
+])
+def test_with_width_changes_the_width_only(change: dict, match: str) -> None:
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match=match):
+        ModelProfile.from_shape(SHAPE).with_width(replace(WIDE, **change), 1769472)
+
+
+@pytest.mark.parametrize("params", [0, -1, 2.5, True, (1, 2)])
+def test_with_width_refuses_bad_parameter_counts(params: object) -> None:
+    with pytest.raises(ValueError, match=r"params=.*positive int per layer type.*HINT"):
+        ModelProfile.from_shape(SHAPE).with_width(WIDE, params)  # type: ignore[arg-type]
+
+
+def test_with_width_refuses_moe_blocks_and_galvatron_end_tables() -> None:
+    from lightning_galv.planner.profiles import EndsProfile
+
+    moe = ModelProfile("p", SHAPE, (_measured_layer(moe=True),), (0,) * SHAPE.num_layers)
+    with pytest.raises(ValueError, match="MoE block.*HINT"):
+        moe.with_width(WIDE, 1769472)
+    ends = EndsProfile(model_states={"pp_off": {1: 1e6}}, activation={"pp_off": {1: 1e5}})
+    with pytest.raises(ValueError, match="Galvatron.*HINT"):
+        ModelProfile.from_shape(SHAPE).with_(ends=ends).with_width(WIDE, 1769472)
+    with pytest.raises(ValueError, match="must be a ModelShape"):
+        ModelProfile.from_shape(SHAPE).with_width({"hidden": 384}, 1)  # type: ignore[arg-type]
+
+
+def test_scaling_a_fit_keeps_its_launch_overhead_and_never_turns_a_point_negative() -> None:
+    """``TimeFit.scaled`` grows the per-token work only; a point measured below the line's overhead (a noisy
+    short pass -- the width test's 32-token pass under load) counts as all overhead and keeps its time."""
+    fit = TimeFit(1e-3, 1e-6, 0.0, ((32.0, 5e-4), (64.0, 2e-3)), 32.0).scaled(2.0)
+    assert [t for t, _ in fit.points] == [32.0, 64.0] and [y for _, y in fit.points] == pytest.approx([5e-4, 3e-3])
+    assert (fit.const, fit.per_token) == (1e-3, 2e-6)

@@ -274,8 +274,9 @@ class TimeFit:
         return _piecewise(self.points, batch * seq)
 
     def scaled(self, factor: float) -> "TimeFit":
-        """The per-token work ``factor`` times, the launch overhead as it is."""
-        pts = tuple((t, self.const + (y - self.const) * factor) for t, y in self.points)
+        """The per-token work ``factor`` times, the launch overhead as it is. A measured point below the line's
+        overhead (a noisy short pass) is taken as all overhead: it keeps its time, never turns negative."""
+        pts = tuple((t, min(y, self.const) + (y - min(y, self.const)) * factor) for t, y in self.points)
         return TimeFit(self.const, self.per_token * factor, self.per_token_ctx * factor, pts, self.points_seq)
 
     def times(self, factor: float) -> "TimeFit":
@@ -324,16 +325,20 @@ class TimeFit:
         return cls(**dict(zip(names, coef)), points=points, points_seq=float(top) if points else 0.0)
 
 
+def block_flops_per_token(hidden: int, active_params: float, seq: float, causal: bool = True) -> float:
+    """Forward FLOPs one token costs a transformer block: 2 per active weight plus attention over the sequence
+    (``4 s h``, half of it skipped under a causal mask by flash-style kernels, CPU ones included) (Narayanan et
+    al. SC'21: 24bsh^2 + 4bs^2h FLOPs per layer)."""
+    return 2.0 * active_params + 4.0 * hidden * (0.5 if causal else 1.0) * seq
+
+
 def attention_time_factor(hidden: int, active_params: float, seq_from: float, seq_to: float,
                           causal: bool = True) -> float:
     """Time per token of a block pass at ``seq_to`` over that at ``seq_from``, taking time as proportional to
-    FLOPs: per token a block multiplies its ``active_params`` weights (2 FLOPs each) and attends over the sequence
-    (``4 s h`` FLOPs, half of them skipped under a causal mask by flash-style kernels, CPU ones included)
-    (Narayanan et al. SC'21: 24bsh^2 + 4bs^2h FLOPs per layer). Tensor and sequence parallelism divide both
-    terms alike, so one factor serves every sharding of the block."""
-    attn = 4.0 * hidden * (0.5 if causal else 1.0)
-    linear = 2.0 * active_params
-    return (linear + attn * seq_to) / (linear + attn * seq_from)
+    FLOPs (:func:`block_flops_per_token`). Tensor and sequence parallelism divide both terms alike, so one factor
+    serves every sharding of the block."""
+    return (block_flops_per_token(hidden, active_params, seq_to, causal)
+            / block_flops_per_token(hidden, active_params, seq_from, causal))
 
 
 def _without_empty_points(obj: Any) -> Any:
@@ -637,6 +642,28 @@ class LayerTypeProfile:
                        recompute=None if self.recompute is None else self.recompute.carried(seq_from, seq_to, f),
                        activation_bytes={k: v * r for k, v in self.activation_bytes.items()},
                        sharded=fits(self.sharded, f), zero_overhead=fits(self.zero_overhead, 1.0))
+
+    def at_width(self, hidden: int, params: int, seq_len: int) -> "LayerTypeProfile":
+        """This dense layer type carried to another width (see :meth:`ModelProfile.with_width`): every compute
+        fit's per-token work times the FLOP ratio (:func:`block_flops_per_token`; the per-call launch overhead as
+        measured), FSDP2's overhead in proportion to the parameters it copies, every activation entry in
+        proportion to the width (a block's saved tensors are ``[b, s, h]`` or ``[b, s, ffn]``, and the FFN is
+        taken to keep its ratio to ``h``), the optimizer's per-tensor DTensor overhead as it is (same tensors)."""
+        if self.moe is not None:
+            raise bad_value(f"layer type {self.name!r}", "an MoE block's experts, router and all-to-all rows do not "
+                            "follow one width ratio", "profile the MoE model at the width you plan for.")
+        f = block_flops_per_token(hidden, params, seq_len) / block_flops_per_token(self.hidden, self.params, seq_len)
+        r, rp = hidden / self.hidden, params / self.params
+
+        def fits(table: Mapping[str, Mapping[str, TimeFit]], factor: float) -> dict[str, dict[str, TimeFit]]:
+            return {k: {kind: fit.scaled(factor) for kind, fit in v.items()} for k, v in table.items()}
+
+        return replace(self, forward=self.forward.scaled(f), backward=self.backward.scaled(f),
+                       recompute=None if self.recompute is None else self.recompute.scaled(f),
+                       params=params, hidden=hidden,
+                       params_sp=None if self.params_sp is None else round(self.params_sp * rp),
+                       activation_bytes={k: v * r for k, v in self.activation_bytes.items()},
+                       sharded=fits(self.sharded, f), zero_overhead=fits(self.zero_overhead, rp))
 
     def sharded_fit(self, kind: str, tp: int, sp: str, ep: int = 1) -> TimeFit | None:
         """The measured per-rank fit of ``kind`` (``"forward"``/``"backward"``, or ``"checkpoint_forward"``/
@@ -968,6 +995,83 @@ class ModelProfile:
                        head_forward=self.head_forward.carried(s0, seq_len),
                        embed_backward=None if self.embed_backward is None else self.embed_backward.carried(s0, seq_len),
                        head_backward=None if self.head_backward is None else self.head_backward.carried(s0, seq_len))
+
+    def with_width(self, shape: ModelShape, params: int | Sequence[int], embed_params: int | None = None,
+                   head_params: int | None = None) -> "ModelProfile":
+        """This profile carried to a wider or narrower model of the same family: plan for a width that was not
+        profiled.
+
+        Why: a model family grows mostly in width (hidden size, heads, FFN in a fixed ratio), and profiling the
+        large member may itself not fit; issue 17 validates the cost model on held-out widths this way. The
+        first-order rule, beside :meth:`with_seq_len`'s:
+
+        - compute: each layer type's per-token work times the ratio of its forward FLOPs per token
+          (:func:`block_flops_per_token` at the new ``params`` and ``hidden``), the measured per-call overhead
+          kept; the embedding's and the head's (a ``V x h`` gather and matmul) in proportion to the width;
+        - memory: activation bytes per sample in proportion to the width, but for the head's logits and their
+          copy in the loss (``V`` wide);
+          parameters, gradients and optimizer states from ``params`` / ``embed_params`` / ``head_params``;
+        - communication: sized from the new shape by the cost model already.
+
+        ``shape``: the new model's (``hidden``, heads, ``ffn_hidden`` may change; depth, vocabulary and sequence
+        length may not -- repeat layers or use :meth:`with_seq_len` for those). ``params``: each layer type's
+        parameter count in the new model (one int: the same for every type). ``embed_params`` /
+        ``head_params``: the new ends' (default: in proportion to the width). Refused: MoE layer types, Galvatron
+        profiles (per-shape end tables), and an FFN whose ratio to the width moves by more than 10 % (the
+        activations' rule assumes it stays). Time as proportional to FLOPs is the weak part: a wider block runs
+        its matmuls more efficiently on most hardware, so the rule tends to over-price widening."""
+        if not isinstance(shape, ModelShape):
+            raise bad_value(f"shape={shape!r}", "must be a ModelShape (the new model's)",
+                            "e.g. model.galv_shape(seq_len) of the model you plan for.")
+        old = self.shape
+        for attr in ("num_layers", "vocab_size", "seq_len"):
+            if getattr(shape, attr) != getattr(old, attr):
+                raise bad_value(f"shape.{attr}={getattr(shape, attr)}", f"with_width changes the width only; the "
+                                f"profile has {attr}={getattr(old, attr)}",
+                                "carry the sequence length with with_seq_len, and give depth / vocabulary as "
+                                "profiled (re-size the depth with with_(shape=..., layer_type_of=...)).")
+        if shape.hidden < 1:
+            raise bad_value(f"shape.hidden={shape.hidden}", "must be >= 1", "pass the new model's shape.")
+        if abs((shape.ffn_hidden / shape.hidden) / (old.ffn_hidden / old.hidden) - 1.0) > 0.10:
+            raise bad_value(f"ffn_hidden / hidden = {shape.ffn_hidden}/{shape.hidden}",
+                            f"moves by more than 10 % from the profiled {old.ffn_hidden}/{old.hidden}, and the "
+                            "activation rule assumes the FFN keeps its ratio to the width",
+                            "profile the model at the shape you plan for.")
+        counts = [params] * len(self.layer_types) if isinstance(params, (int, float)) else list(params)
+        if len(counts) != len(self.layer_types) or any(isinstance(c, bool) or not isinstance(c, int) or c < 1
+                                                       for c in counts):
+            raise bad_value(f"params={params!r}", f"one positive int per layer type ({len(self.layer_types)}), "
+                            "or one int for all", "count the new block's parameters, e.g. "
+                            "sum(p.numel() for p in block.parameters()).")
+        if self.ends is not None:
+            raise bad_value(f"hidden={shape.hidden}", f"this profile holds Galvatron's own end tables, measured at "
+                            f"hidden {old.hidden}, which no first-order rule carries",
+                            "read Galvatron's profile of the model at that width.")
+        if shape == old and counts == [lt.params for lt in self.layer_types]:
+            return self
+        r = shape.hidden / old.hidden
+        ends = {n: v for n, v in (("embed_params", embed_params), ("head_params", head_params)) if v is not None}
+        for n, v in ends.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad_value(f"{n}={v!r}", "must be an int >= 0", "count the new model's end parameters.")
+
+        def wider(fit: TimeFit | None) -> TimeFit | None:
+            return None if fit is None else fit.scaled(r)
+
+        # the head saves three h-wide tensors per token (the final norm's input and output, the projection's input:
+        # measured on the LLaMA head, tests/test_profilers.py) and, V wide, the logits and the loss's copies of
+        # them, which the width leaves alone
+        narrow = min(self.head_act_bytes, 3.0 * self.act_dtype_bytes * old.seq_len * old.hidden)
+
+        return replace(self, shape=shape,
+                       layer_types=tuple(lt.at_width(shape.hidden, c, old.seq_len)
+                                         for lt, c in zip(self.layer_types, counts)),
+                       embed_params=ends.get("embed_params", round(self.embed_params * r)),
+                       head_params=ends.get("head_params", round(self.head_params * r)),
+                       embed_act_bytes=self.embed_act_bytes * r,
+                       head_act_bytes=self.head_act_bytes + narrow * (r - 1.0),
+                       embed_forward=wider(self.embed_forward), head_forward=wider(self.head_forward),
+                       embed_backward=wider(self.embed_backward), head_backward=wider(self.head_backward))
 
 
 def _loads(text: str, what: str) -> dict[str, Any]:
