@@ -229,15 +229,15 @@ def test_profile_and_search_progress_bars_render_on_stderr_and_leave_the_tables_
     galv(["search", "--devices", "2", "--top-k", "2", "--out", "plan.yaml", "--quiet"])
     out, err = capsys.readouterr()
     assert "ms/step" in out and "%" not in err and "[galv profile]" not in out and "[galv search] (" not in out, out
-    # --seq-len: the same cached profile carried to twice the demo's 64 tokens prices every plan higher, so the
-    # best plan found is slower per step than the best at the profiled length (same global batch, twice the tokens)
+    # --seq-len: the same cached profile carried to twice the demo's 64 tokens prices every plan higher per sample,
+    # so the best plan found has fewer samples/s than the best at the profiled length (the two may differ in their
+    # pipeline degree, hence in their global batch: compare per sample)
     galv(["search", "--devices", "2", "--top-k", "2", "--out", "plan128.yaml", "--quiet", "--seq-len", "128"])
     out, err = capsys.readouterr()
     assert "priced at 128 tokens per sample from the profile measured at 64" in out, out
     at64, at128 = ParallelPlan.load(tmp_path / "plan.yaml"), ParallelPlan.load(tmp_path / "plan128.yaml")
     assert at64.prediction is not None and at128.prediction is not None
-    assert at128.global_batch == at64.global_batch
-    assert at128.prediction.step_time_s > 1.2 * at64.prediction.step_time_s, (at64.prediction, at128.prediction)
+    assert 1.1 * at128.prediction.throughput < at64.prediction.throughput, (at64.prediction, at128.prediction)
 
 
 @pytest.mark.parametrize("value", ["0", "-64"])
