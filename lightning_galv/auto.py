@@ -542,8 +542,9 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # at once (ShardedLayerProfiler.optimizer_bandwidth) replaces the one rank 0 measured alone; v13: tp variants
     # timed at the per-rank batch they run (``tp_sizes``), and every fit keeps its measured points (TimeFit.points);
     # v14: each pass's slowest rank, then the median over rounds (was each rank's median, then the largest); v15: more
-    # rounds while they fit in a time budget (SHARDED_PROFILE_BUDGET_S, up to SHARDED_PROFILE_MAX_ROUNDS)
-    what = {"v": 15, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS,
+    # rounds while they fit in a time budget (SHARDED_PROFILE_BUDGET_S, up to SHARDED_PROFILE_MAX_ROUNDS); v16: FSDP2's
+    # backward overhead with gradient sync off too (zero_overhead "backward_nosync")
+    what = {"v": 16, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS,
             "budget_s": SHARDED_PROFILE_BUDGET_S, "max_rounds": SHARDED_PROFILE_MAX_ROUNDS}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)

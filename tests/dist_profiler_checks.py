@@ -113,6 +113,8 @@ def moe_zero_blocks() -> dict[str, Any]:
                         else None for e in experts],
             "experts_sharded": sorted({hasattr(p, "to_local") for e in experts for p in e.parameters()}),
             "expert_grads": all(p.grad is not None for e in experts for p in e.parameters()),
+            # a gradient on the sharded parameters = reduce-scattered (the /nosync twins keep theirs unsharded)
+            "sharded_grads": sorted({p.grad is not None for p in block.parameters() if hasattr(p, "to_local")}),
             "comm": list(comm(2)),
         }
     return out

@@ -6,7 +6,7 @@ import pytest
 
 from lightning_galv.plan import LayerStrategy, ModelShape, ParallelPlan
 from lightning_galv.planner.cost import (GRAD_BUCKET_BYTES, GalvatronCostModel, StageContext, inflight_microbatches,
-                                         last_bucket_share, overlapped, pipeline_time, state_bytes_per_param)
+                                         bucketed_sync_exposed, overlapped, pipeline_time, state_bytes_per_param)
 from lightning_galv.planner.profiles import HardwareProfile, LayerTypeProfile, ModelProfile, TimeFit, act_key
 
 SEQ, H = 100, 10
@@ -269,7 +269,9 @@ def test_native_dp_sync_overlaps_the_last_backward_without_a_pipeline() -> None:
     """Our GradientSync launches each bucket's all-reduce during the last backward (async, gloo too): priced by the
     profiled overlap slowdown, plus the flatten/scale traffic (4 x grads; no copy back) -- except the last bucket,
     which fills only when backward ends and is paid in full: a model whose gradients fit one 25 MiB bucket (here
-    4 layers x 2 MB) overlaps nothing. Under a pipeline the schedule owns the backward and the sync runs after it."""
+    4 layers x 2 MB) overlaps nothing. Of 400 MB (15 full buckets and a 6.8 MB rest, each all-reduce shorter than
+    the backward that fills the next) the full buckets run beside backward, both slowed, and the rest waits. Under
+    a pipeline the schedule owns the backward and the sync runs after it."""
     bwd = 8 * MS  # 2 ms per sample, b = 4
     # 8 MB of gradients in all: one bucket; 400 MB: 16 buckets (a faster link keeps the all-reduce under backward)
     for params, bw in ((1_000_000, 1e9), (50_000_000, 1e11)):
@@ -277,14 +279,16 @@ def test_native_dp_sync_overlaps_the_last_backward_without_a_pipeline() -> None:
         allreduce = 2 * 1 / 2 * grads / bw  # 2 ms / 1 ms
         optimizer = 28.0 * params / 1e10
         copy = 4 * grads / 1e10
-        tail = allreduce * min(1.0, GRAD_BUCKET_BYTES / (4 * grads))  # the last bucket's share of the 4 layers'
-        assert last_bucket_share(grads, 4) == pytest.approx(tail / allreduce)
+        full = 15 if params == 50_000_000 else 0  # full buckets before the last
+        rest = (4 * grads - full * GRAD_BUCKET_BYTES) / (4 * grads)  # the last bucket's share of the 4 layers'
         for slowdown, is_async in ((1.0, True), (1.5, True), (1.5, False)):  # CPU profiles: async_collectives False
             hw = HardwareProfile.from_dict({**hardware(bw=bw, slowdown=slowdown).to_dict(), "memory_bandwidth": 1e10,
                                             "async_collectives": is_async})
             native = _layer_cost(GalvatronCostModel(profile(params), hw, runtime="native"), LayerStrategy(dp=2))
-            hidden = overlapped(bwd, allreduce - tail, slowdown) - bwd  # the rest: under backward, slowed
-            assert native.step_extra == pytest.approx(optimizer + copy + tail + hidden)
+            # per layer: the rest after backward, the full buckets' all-reduces beside it (each slows it by 0.5x)
+            sync = rest * allreduce + (slowdown - 1.0) * full * GRAD_BUCKET_BYTES / (4 * grads) * allreduce
+            assert native.step_extra == pytest.approx(optimizer + copy + sync)
+            assert bucketed_sync_exposed(bwd, allreduce, 4, grads, slowdown) == pytest.approx(sync)
             # of which the hooks move each gradient into its bucket inside backward (half the traffic); the scaling
             # runs after the wait
             assert native.in_backward == pytest.approx(copy / 2)
@@ -292,10 +296,6 @@ def test_native_dp_sync_overlaps_the_last_backward_without_a_pipeline() -> None:
                 0, LayerStrategy(dp=2), StageContext(2, 8, 4, pp=2))
             assert piped.step_extra == pytest.approx(optimizer + allreduce + copy)
             assert piped.in_backward == 0.0  # under a pipeline every copy runs after the schedule
-        if params == 1_000_000:
-            assert tail == pytest.approx(allreduce)  # one bucket: nothing hidden
-        else:
-            assert 0 < tail < allreduce / 10
     ideal = _layer_cost(GalvatronCostModel(profile(), hardware(bw=1e9)), LayerStrategy(dp=2))
     assert ideal.step_extra == pytest.approx(0.0)  # hidden under the 8 ms backward (slowdown 1), no optimizer bw
 
@@ -581,11 +581,17 @@ def test_native_dp_sync_pays_one_latency_per_bucket() -> None:
     for params in (1_000_000, 50_000_000):  # 4 layers x 2 MB (one bucket), x 100 MB (16 buckets)
         layer_bytes = params * 2.0
         buckets = -(-4 * layer_bytes // GRAD_BUCKET_BYTES)
-        per_layer = lat * buckets / 4  # the stage's buckets' latencies, shared by the 4 layers' bytes
-        tail = last_bucket_share(layer_bytes, 4)  # the last bucket's share waits for backward to end
         cost = _layer_cost(GalvatronCostModel(profile(params), hw, runtime="native"), LayerStrategy(dp=2))
-        hidden = overlapped(cost.bwd, per_layer * (1 - tail), hw.overlap_slowdown) - cost.bwd  # under backward
-        assert cost.step_extra == pytest.approx(per_layer * tail + hidden)
+        # one latency per bucket, each beside the backward that fills the next (2.1 ms of it, slowed 1.1x: 0.1
+        # latency exposed), but the 15th, filled 0.54 ms before backward ends, runs 0.46 ms past it, and the last
+        # waits for the end
+        s, stage_bwd = hw.overlap_slowdown, 4 * cost.bwd
+        if buckets == 1:
+            exposed = lat
+        else:
+            gap = stage_bwd * (1 - 15 * GRAD_BUCKET_BYTES / (4 * layer_bytes))
+            exposed = 14 * (s - 1) * lat + (s - 1) * gap + (lat - gap) + lat
+        assert cost.step_extra == pytest.approx(exposed / 4)
     small = _layer_cost(GalvatronCostModel(profile(1_000_000), hw, runtime="native"), LayerStrategy(dp=2))
     assert small.step_extra == pytest.approx(lat / 4)  # 4 such layers: one latency in all
 
@@ -593,7 +599,8 @@ def test_native_dp_sync_pays_one_latency_per_bucket() -> None:
 def test_native_embedding_gradient_sync_waits_for_the_end_of_backward() -> None:
     """The embedding registers first, so backward makes its gradient last: its all-reduce bucket (ZeRO-0) or its
     FSDP2 reduce-scatter (ZeRO-2) has nothing left to overlap and is paid in full, whatever the model's size; the
-    head's, made first, keeps a block's share (4 layers x 10 MB > one 25 MiB bucket: ~0.65 of it)."""
+    head's, made first, is priced as a block's (4 layers x 10 MB: a full 25 MiB bucket beside backward, the rest
+    after)."""
     from lightning_galv.planner.profiles import TimeFit as T
 
     prof = profile(50_000_000).with_(embed_params=5_000_000, head_params=5_000_000, embed_forward=T(0.0, 4 * MS / SEQ),
@@ -603,8 +610,10 @@ def test_native_embedding_gradient_sync_waits_for_the_end_of_backward() -> None:
     allreduce = 2 * 1 / 2 * 5_000_000 * 2.0 / 1e11  # bf16 over 2 ranks: 0.1 ms, well under the ends' backward
     zero0 = LayerStrategy(dp=2)
     assert cm.end_cost(zero0, ctx, True, False).step_extra == pytest.approx(allreduce)  # all of it, exposed
-    tail = allreduce * last_bucket_share(5_000_000 * 2.0, 4)
-    assert cm.end_cost(zero0, ctx, False, True).step_extra == pytest.approx(tail + 0.5 * (allreduce - tail))
+    # taken as one of 4 layers of 10 MB, it fills a 25 MiB bucket beside backward (slowed 1.5x: 0.5 x its share
+    # of the all-reduce) and the 13.8 MB rest after it
+    full = GRAD_BUCKET_BYTES / (4 * 5_000_000 * 2.0)
+    assert cm.end_cost(zero0, ctx, False, True).step_extra == pytest.approx((0.5 * full + (1 - full)) * allreduce)
     # ZeRO-2: the reduce-scatter (half an all-reduce's volume) exposed once per step; the all-gather runs before
     # the forward, overlapped with it at slowdown 1.5 (FSDP2 gathers in every micro-batch's forward)
     half = allreduce / 2

@@ -300,7 +300,9 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     assert layer.activation(2, "megatron", False) < layer.activation(2, "none", False)
     assert set(layer.zero_overhead) == {"zero2", "zero3"}
     for fits in layer.zero_overhead.values():
-        assert fits["forward"](2, 16) >= 0 and fits["backward"](2, 16) >= 0
+        # and the backward with gradient sync off (accumulation's micro-batches before the last)
+        assert set(fits) == {"forward", "backward", "backward_nosync"}
+        assert fits["forward"](2, 16) >= 0 and fits["backward"](2, 16) >= 0 and fits["backward_nosync"](2, 16) >= 0
     # the optimizer step's DTensor overhead, per layer, measured for tp and for FSDP2 sharding
     assert set(layer.optimizer_overhead) == {"tp", "zero"}
     assert all(0.0 <= v < 1.0 for v in layer.optimizer_overhead.values()), layer.optimizer_overhead
@@ -561,22 +563,32 @@ def test_moe_zero_blocks_are_wrapped_as_the_runtime_wraps_them_4_ranks() -> None
     """At 4 ranks and 4 experts the FSDP2-overhead blocks cover ep 1 (every expert inside the block's state),
     ep 2 (two local experts, each an FSDP2 unit of its own over the 2-rank expert-data group) and ep 4 (one local
     expert, plain: its expert-data group is one rank, so the block's state ignores it), as
-    ``parallelize._apply_expert_data_parallel`` does; each runs forward and backward."""
+    ``parallelize._apply_expert_data_parallel`` does; each runs forward and backward. Each has a ``/nosync`` twin,
+    wrapped alike, whose backward reduce-scatters nothing, nested expert units included (the overhead of the
+    micro-batches before the last under accumulation), and whose predicted backward has no reduce-scatter."""
     from pathlib import Path
 
     from lightning_galv.testing import run_distributed
 
     ranks = run_distributed(f"{Path(__file__).parent / 'dist_profiler_checks.py'}::moe_zero_blocks", 4, ())
+    base = ["zero2", "zero2/ep2/edp2", "zero2/ep4", "zero3", "zero3/ep2/edp2", "zero3/ep4"]
     for r in ranks:
-        assert sorted(r) == ["zero2", "zero2/ep2/edp2", "zero2/ep4", "zero3", "zero3/ep2/edp2", "zero3/ep4"], sorted(r)
+        assert sorted(r) == sorted(base + [k + "/nosync" for k in base]), sorted(r)
         for z in (2, 3):
-            assert r[f"zero{z}"]["experts"] == [None] * 4 and r[f"zero{z}"]["experts_sharded"] == [True]
-            assert r[f"zero{z}/ep2/edp2"]["experts"] == [2, 2] and r[f"zero{z}/ep2/edp2"]["experts_sharded"] == [True]
-            assert r[f"zero{z}/ep4"]["experts"] == [None] and r[f"zero{z}/ep4"]["experts_sharded"] == [False]
+            for twin in ("", "/nosync"):
+                assert r[f"zero{z}{twin}"]["experts"] == [None] * 4 and r[f"zero{z}{twin}"]["experts_sharded"] == [True]
+                ep2 = r[f"zero{z}/ep2/edp2{twin}"]
+                assert ep2["experts"] == [2, 2] and ep2["experts_sharded"] == [True]
+                assert r[f"zero{z}/ep4{twin}"]["experts"] == [None] and r[f"zero{z}/ep4{twin}"]["experts_sharded"] == [False]
         for key, v in r.items():
-            assert v["block_mesh"] == 4 and v["expert_grads"], (key, v)
+            assert v["block_mesh"] == 4, (key, v)
             # the all-to-alls (ep > 1) and the expert units' gathers are part of what the profiler subtracts
-            assert all(c > 0 for c in v["comm"]), (key, v["comm"])
+            assert v["comm"][0] > 0 and v["comm"][1] >= 0, (key, v["comm"])
+            if key.endswith("/nosync"):
+                assert v["sharded_grads"] == [False], key  # nothing reduce-scattered
+                assert v["comm"][1] < r[key.removesuffix("/nosync")]["comm"][1], key  # nor priced
+            else:
+                assert v["sharded_grads"] == [True] and v["expert_grads"] and v["comm"][1] > 0, (key, v)
 
 
 def test_a_profile_carried_to_another_sequence_length_holds_the_activations_measured_there() -> None:

@@ -589,20 +589,64 @@ def bucketed_allreduce_time(hw: HardwareProfile, grad_bytes: float, d: int, stri
     if d <= 1 or grad_bytes <= 0:
         return 0.0
     latency = hw.link("allreduce", d, stride == 1, hw.is_intra_node(d, stride)).latency_s
+    return (hw.collective_time("allreduce", grad_bytes, d, stride) - latency
+            + bucket_latency(hw, grad_bytes, d, stride, bucket_bytes, stage_bytes))
+
+
+def bucket_latency(hw: HardwareProfile, grad_bytes: float, d: int, stride: int,
+                   bucket_bytes: float = GRAD_BUCKET_BYTES, stage_bytes: float | None = None) -> float:
+    """The latency part of :func:`bucketed_allreduce_time`: the buckets' latencies shared by bytes."""
+    if d <= 1 or grad_bytes <= 0:
+        return 0.0
+    latency = hw.link("allreduce", d, stride == 1, hw.is_intra_node(d, stride)).latency_s
     if stage_bytes is None or stage_bytes <= 0:
-        share = grad_bytes / bucket_bytes
-    else:
-        share = math.ceil(stage_bytes / bucket_bytes) * grad_bytes / stage_bytes
-    return hw.collective_time("allreduce", grad_bytes, d, stride) - latency * (1.0 - share)
+        return latency * grad_bytes / bucket_bytes
+    return latency * math.ceil(stage_bytes / bucket_bytes) * grad_bytes / stage_bytes
 
 
-def last_bucket_share(layer_grad_bytes: float, layers: int, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
-    """Share of a stage's replicated gradients in its last all-reduce bucket, which fills only when backward
-    ends (buckets form in backward order; the first layers' gradients come last): that all-reduce has no
-    backward left to hide behind (DDP, Li et al. VLDB'20, Sec. 3.2.3). All of them when the stage's gradients
-    fit one bucket; the stage's gradients are taken as ``layers`` layers like this one."""
-    total = layer_grad_bytes * layers
-    return 1.0 if total <= bucket_bytes else bucket_bytes / total
+def bucketed_sync_exposed(bwd: float, comm: float, layers: int, layer_bytes: float, slowdown: float,
+                          latency: float = 0.0, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
+    """Per layer: what bucketed gradient all-reduces launched during the last backward add to it, for a stage of
+    ``layers`` layers like this one (``bwd`` its backward compute, ``comm`` its share of the all-reduces, of which
+    ``latency`` is latency, ``layer_bytes`` its gradients).
+
+    Why a small simulation and not a share: buckets fill in backward order, ``bucket_bytes`` each and the
+    remainder last (the first layers' gradients come last), and a bucket's all-reduce starts when it is full
+    and the one before it is done (one queue per group, DDP, Li et al. VLDB'20, Sec. 3.2.3). So what waits for
+    the end of backward is the remainder bucket plus whatever earlier buckets still queue: a stage just over one
+    bucket fills its big bucket late and may hide little of it, one of many buckets hides all but the small last
+    one. The share of a full bucket, priced before, charged a 31 MB stage (one 25 MiB bucket + 6 MB) 0.81 of
+    its all-reduce after backward where 0.19 plus what the big one's overlap leaves is right. Gradients are
+    taken to arrive in proportion to backward compute; while an all-reduce and backward overlap, both run
+    ``slowdown`` times slower (:func:`overlapped`)."""
+    if comm <= 0 or layers <= 0:
+        return 0.0
+    total = max(layer_bytes * layers, 1.0)
+    buckets = max(1, math.ceil(total / bucket_bytes))
+    sizes = [bucket_bytes] * (buckets - 1) + [total - bucket_bytes * (buckets - 1)]  # in backward order
+    compute, lat, traffic = bwd * layers, latency * layers, (comm - latency) * layers
+    ready, work, filled = [], [], 0.0
+    for size in sizes:
+        filled += size
+        ready.append(compute * min(1.0, filled / total))  # backward done when this bucket is full
+        work.append(lat / buckets + traffic * size / total)
+    t = done = 0.0  # wall clock, backward compute done
+    running: float | None = None  # the all-reduce in flight: its work left
+    k = 0  # next bucket to launch
+    while True:
+        if running is None and k < buckets and ready[k] <= done:
+            running, k = work[k], k + 1
+        if running is None and done >= compute:
+            return (t - compute) / layers
+        if running is None:  # backward alone up to the next bucket
+            t, done = t + ready[k] - done, ready[k]
+        elif done >= compute:  # the all-reduce alone
+            t, running = t + running, None
+        else:  # both, each slowed: until one of them ends
+            step = min(running, compute - done)
+            t, done, running = t + step * slowdown, done + step, running - step
+            if running <= 1e-15:
+                running = None
 
 
 def zero_post_backward_bytes(grad_bytes: float, accumulated: bool) -> float:
@@ -833,7 +877,13 @@ class GalvatronCostModel(CostModel):
         if entry is not None:  # FSDP2's own work around its collectives, on this rank's FSDP2-managed share
             over, share = entry
             of, ob = over["forward"](b, m.seq_len) * share, over["backward"](b, m.seq_len) * share
-            fwd_t, bwd_t = fwd_t + of, bwd_t + ob  # every micro-batch gathers again (ZeRO-2 and -3 alike)
+            # the micro-batches before the last reduce-scatter nothing, and skip FSDP2's copies around it too: a
+            # 2-rank LLaMA block's backward at 2 samples carried 8.5 ms of FSDP2 work with its reduce-scatter and
+            # 2.9 ms without (ZeRO-3, beyond the collectives): charged per micro-batch, the difference priced
+            # a 2-micro-batch ZeRO-3 plan 9 % slow (costmodel_accuracy.py at f741c80); once per step here
+            first = over["backward_nosync"](b, m.seq_len) * share if accumulates and "backward_nosync" in over else ob
+            fwd_t, bwd_t = fwd_t + of, bwd_t + first  # every micro-batch gathers again (ZeRO-2 and -3 alike)
+            extra, inside = extra + ob - first, inside + ob - first
         if native:
             extra += dtensor_step_overhead(lt, s, d)
         states = 0.0
@@ -897,7 +947,7 @@ class GalvatronCostModel(CostModel):
         one's backward (FSDP2's ``set_requires_gradient_sync``), so that reduce-scatter is a per-step cost,
         not a per-micro-batch one.
         ``tail_share``: the share of these collectives that waits for the end of backward, when the caller knows
-        it (the embedding's: all); default: a block's (:func:`last_bucket_share`, 1/layers under FSDP2).
+        it (the embedding's: all); default: a block's (:func:`bucketed_sync_exposed`, 1/layers under FSDP2).
         ``block``: the groups are a transformer block's, whose ZeRO-0/1 all-reduce buckets the stage's blocks
         share (:func:`bucketed_allreduce_time`'s ``stage_bytes``; the ends ride in them).
         ``prefetched``: a block's FSDP2 all-gathers, which the native runtime prefetches (no pipeline): where the
@@ -917,6 +967,7 @@ class GalvatronCostModel(CostModel):
         gathered = overlapped_last = False
         sync_comm = 0.0  # native ZeRO-0/1 all-reduces launched asynchronously during the last backward
         sync_bytes = 0.0  # their gradient bytes on this rank
+        sync_latency = 0.0  # the latency part of sync_comm
         last_rs = 0.0  # ZeRO-2/3 reduce-scatters that only the last micro-batch's backward runs (``accumulates``)
         # FSDP2 (ZeRO-2/3, one unit per layer) reduce-scatters each unit's gradients when its backward ends; the
         # last unit's has no backward left to hide behind: each layer pays 1/layers of its own in full (no
@@ -964,22 +1015,25 @@ class GalvatronCostModel(CostModel):
                 extra += bucket_copy_time(grad_bytes, hw.memory_bandwidth)
                 inside += bucket_copy_in_backward(grad_bytes, hw.memory_bandwidth, overlap_sync)
                 # a block's buckets: the stage's gradients taken as ``num_layers`` blocks like this one (as for
-                # :func:`last_bucket_share`); an end rides in the blocks' buckets (a full bucket's latency share)
+                # :func:`bucketed_sync_exposed`); an end rides in the blocks' buckets (a full bucket's latency share)
                 stage = nb * self.model.num_layers if block else None
                 if overlap_sync:
                     sync_comm += pieces * bucketed_allreduce_time(hw, nb, d, stride, stage_bytes=stage)
+                    sync_latency += pieces * bucket_latency(hw, nb, d, stride, stage_bytes=stage)
                     sync_bytes += grad_bytes
                 else:
                     extra += pieces * bucketed_allreduce_time(hw, nb, d, stride, stage_bytes=stage)
             else:
                 last_comm += pieces * dp_sync_bytes_time(hw, nb, d, stride)
                 overlapped_last = True
-        if sync_comm > 0:  # async on every backend (gloo too): priced by the profiled overlap slowdown, but
-            # the last bucket's share waits for the end of backward and is paid in full (overlap_sync: no
-            # pipeline, so the stage is the whole model)
-            tail = sync_comm * (last_bucket_share(sync_bytes, self.model.num_layers) if tail_share is None
-                                else tail_share)
-            extra += tail + overlapped(bwd, sync_comm - tail, hw.overlap_slowdown) - bwd
+        if sync_comm > 0:  # async on every backend (gloo too): beside backward at the profiled overlap slowdown,
+            # the buckets queued after it paid in full (overlap_sync: no pipeline, so the stage is the whole model)
+            if tail_share is None:
+                extra += bucketed_sync_exposed(bwd, sync_comm, self.model.num_layers, sync_bytes,
+                                               hw.overlap_slowdown, latency=sync_latency)
+            else:
+                tail = sync_comm * tail_share
+                extra += tail + overlapped(bwd, sync_comm - tail, hw.overlap_slowdown) - bwd
         extra += exposed
         inside += exposed
         if gathered:

@@ -542,8 +542,10 @@ class LayerTypeProfile:
     # checkpointed: "checkpoint_forward" (its forward) and "recompute" (its backward minus the plain one's);
     # without them a recompute is priced as one more forward.
     sharded: Mapping[str, Mapping[str, TimeFit]] = field(default_factory=dict)
-    # zero_key() -> {"forward": fit, "backward": fit}: what FSDP2 adds to one pass of the layer beyond the
-    # collectives themselves -- copy-in/out of the flat buffers, hooks. "zero2"/"zero3": the whole (unsharded)
+    # zero_key() -> {"forward": fit, "backward": fit[, "backward_nosync": fit]}: what FSDP2 adds to one pass of
+    # the layer beyond the collectives themselves -- copy-in/out of the flat buffers, hooks. "backward_nosync":
+    # a backward with gradient sync off (FSDP2's set_requires_gradient_sync(False): the micro-batches before the
+    # last under accumulation), which skips the reduce-scatter's own copies too; missing = "backward". "zero2"/"zero3": the whole (unsharded)
     # layer as one unit; for an MoE block also per expert-parallel degree as the runtime wraps it (experts left
     # plain on a one-rank expert-data group, else FSDP2 units of their own), since much of the work is per unit
     # and per tensor, not per byte. Measured; scaled by the rank's share of the FSDP2-managed parameters of the
@@ -594,10 +596,11 @@ class LayerTypeProfile:
         object.__setattr__(self, "sharded", sharded)
         over = {}
         for key, fits in dict(self.zero_overhead).items():
-            if parse_zero_key(key) is None or set(fits) != {"forward", "backward"}:
+            if parse_zero_key(key) is None or set(fits) not in ({"forward", "backward"},
+                                                                {"forward", "backward", "backward_nosync"}):
                 raise bad_value(f"zero_overhead[{key!r}]", "keys are zero_key()s ('zero2'/'zero3', or for an MoE "
-                                "block e.g. 'zero3/ep4', 'zero3/ep2/edp2'), each with 'forward' and 'backward'",
-                                "record both passes (ShardedLayerProfiler).")
+                                "block e.g. 'zero3/ep4', 'zero3/ep2/edp2'), each with 'forward' and 'backward' "
+                                "(and optionally 'backward_nosync')", "record both passes (ShardedLayerProfiler).")
             if key != f"zero{parse_zero_key(key)[0]}" and self.moe is None:
                 raise bad_value(f"zero_overhead[{key!r}]", "expert-parallel keys need an MoE layer type (moe set)",
                                 "profile a dense block's FSDP2 overhead as 'zero2'/'zero3'.")

@@ -71,6 +71,7 @@ def _payload_bytes(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> 
 
 
 CKPT_SUFFIX = "/ckpt"  # a timed block's key + this: the same variant, checkpointed
+NOSYNC_SUFFIX = "/nosync"  # a ZeRO key + this: the same FSDP2 block with gradient sync off (accumulation)
 
 
 def _progress(msg: str, enabled: bool) -> None:
@@ -944,9 +945,10 @@ class ShardedLayerProfiler:
         by ``apply_ep`` (the all-to-alls too are subtracted), each an FSDP2 unit of its own over the expert-data
         group when that has two or more ranks, else plain tensors the block's state ignores. FSDP2's work is
         largely per unit and per tensor, so the whole block's overhead scaled down to the part FSDP2 still
-        manages priced those layouts low (``cost.zero_overhead_entry``)."""
-        from ..parallel.data_parallel import apply_fsdp
-        from ..parallel.expert import apply_ep
+        manages priced those layouts low (``cost.zero_overhead_entry``).
+
+        Each is followed by its twin with gradient sync off (key + ``NOSYNC_SUFFIX``), timed for the
+        ``backward_nosync`` overhead: the micro-batches before the last of an accumulation."""
         from ..plan import LayerStrategy
         from ..planner.cost import moe_layer_comm
         from ..planner.profiles import zero_key
@@ -960,31 +962,13 @@ class ShardedLayerProfiler:
             for zero in (2, 3):
                 _progress(f"sharded block zero={zero}" + (f" ep={ep}" if ep > 1 else ""), self.progress)
                 s = LayerStrategy(dp=self.world, zero=zero, ep=ep)
-                block = self.make_block().to(self.device)
+                block, units = self._zero_block(layer, factory, s)
                 el = next(block.parameters()).element_size()
-                if layer is not None:
-                    self._global_router_stats(block, layer, factory, s)
-                experts: list[nn.Module] = []
-                if ep > 1:
-                    experts = apply_ep(block, factory.expert_mesh(s), s, "profiled block")
-                expert_ids = {id(p) for m in experts for p in m.parameters()}
-                dense_bytes = sum(p.numel() * p.element_size() for p in block.parameters() if id(p) not in expert_ids)
-                # (bytes, ranks, stride) of every FSDP2 unit's collectives, as the cost model's groups
-                units = [(float(dense_bytes), self.world, 1)]
-                ignored: set[nn.Parameter] = set()
-                if edp > 1:
-                    for m in experts:
-                        apply_fsdp(m, factory.expert_mesh(s)["edp"], s, self.world)
-                        units.append((float(sum(p.numel() * p.element_size() for p in m.parameters())), edp, ep))
-                else:
-                    ignored = {p for m in experts for p in m.parameters()}
-                apply_fsdp(block, factory.data_mesh(s), s, self.world, ignored_params=ignored)
                 gather = sum(self.hw.collective_time("allgather", n, g, st) for n, g, st in units)
                 scatter = sum(self.hw.collective_time("reducescatter", n, g, st) for n, g, st in units)
-                backward = scatter + (gather if zero == 3 else 0.0)
 
-                def comm(b: int, f: float = gather, bw: float = backward, s: LayerStrategy = s,
-                         el: int = el) -> tuple[float, float]:
+                def comm(b: int, f: float = gather, bw: float = scatter + (gather if zero == 3 else 0.0),
+                         s: LayerStrategy = s, el: int = el) -> tuple[float, float]:
                     if layer is None:
                         return f, bw
                     # router statistics (and at ep > 1 the count exchange and all-to-alls) as the cost model
@@ -992,13 +976,50 @@ class ShardedLayerProfiler:
                     mf, mb = moe_layer_comm(self.hw, layer, s, b, self.shape.seq_len, el, 1)
                     return f + mf, bw + mb
 
+                def comm_nosync(b: int, comm: Comm = comm, scatter: float = scatter) -> tuple[float, float]:
+                    f, bw = comm(b)
+                    return f, bw - scatter
+
                 yield zero_key(zero, ep, edp), block, comm
                 del block
+                # the same block as the micro-batches before the last of an accumulation run it: no
+                # reduce-scatter, and none of FSDP2's copies around it (the cost model's "backward_nosync")
+                twin, _ = self._zero_block(layer, factory, s)
+                twin.set_requires_gradient_sync(False)  # type: ignore[operator]  # recurses into expert units
+                yield zero_key(zero, ep, edp) + NOSYNC_SUFFIX, twin, comm_nosync
+                del twin
+
+    def _zero_block(self, layer: LayerTypeProfile | None, factory: Any, s: Any
+                    ) -> tuple[nn.Module, list[tuple[float, int, int]]]:
+        """A block wrapped as ``parallelize()`` wraps a ZeRO-2/3 layer of strategy ``s`` (experts split by
+        ``apply_ep`` at ep > 1, each an FSDP2 unit of its own over a two-or-more-rank expert-data group), and the
+        (bytes, ranks, stride) of every FSDP2 unit's collectives, as the cost model's groups."""
+        from ..parallel.data_parallel import apply_fsdp
+        from ..parallel.expert import apply_ep
+
+        block = self.make_block().to(self.device)
+        if layer is not None:
+            self._global_router_stats(block, layer, factory, s)
+        experts: list[nn.Module] = apply_ep(block, factory.expert_mesh(s), s, "profiled block") if s.ep > 1 else []
+        expert_ids = {id(p) for m in experts for p in m.parameters()}
+        dense_bytes = sum(p.numel() * p.element_size() for p in block.parameters() if id(p) not in expert_ids)
+        units = [(float(dense_bytes), self.world, 1)]
+        ignored: set[nn.Parameter] = set()
+        edp = self.world // s.ep
+        if edp > 1:
+            for m in experts:
+                apply_fsdp(m, factory.expert_mesh(s)["edp"], s, self.world)
+                units.append((float(sum(p.numel() * p.element_size() for p in m.parameters())), edp, s.ep))
+        else:
+            ignored = {p for m in experts for p in m.parameters()}
+        apply_fsdp(block, factory.data_mesh(s), s, self.world, ignored_params=ignored)
+        return block, units
 
     def _zero_overhead(self, sharded: Mapping[str, Mapping[str, TimeFit]], comms: Mapping[str, Comm],
                        measured: Mapping[tuple[str, int], tuple[float, float, float, float]]
                        ) -> dict[str, dict[str, TimeFit]]:
-        """``{zero_key: {"forward": fit, "backward": fit}}`` for :class:`LayerTypeProfile`.zero_overhead.
+        """``{zero_key: {"forward": fit, "backward": fit, "backward_nosync": fit}}`` for
+        :class:`LayerTypeProfile`.zero_overhead.
 
         The FSDP2 blocks of :meth:`_zero_blocks`, timed (in ``measured``) like the sharded variants; minus the
         predicted collectives and the compute of the same block without FSDP2 (``sharded``: the ``tp1/none``
@@ -1008,8 +1029,10 @@ class ShardedLayerProfiler:
 
         seq = self.shape.seq_len
         out: dict[str, dict[str, TimeFit]] = {}
+        nosync: dict[str, TimeFit] = {}
         for key, comm in comms.items():
-            _, ep, _ = parse_zero_key(key)  # type: ignore[misc]  # keys from zero_key
+            base = key.removesuffix(NOSYNC_SUFFIX)
+            _, ep, _ = parse_zero_key(base)  # type: ignore[misc]  # keys from zero_key
             plain = sharded[time_key(1, "none", ep)]
             fwd, bwd = [], []
             for b in self.batch_sizes:
@@ -1019,7 +1042,12 @@ class ShardedLayerProfiler:
                                      max(0.0, tb - comm_b - plain["backward"](b, seq))], self.device)
                 fwd.append((b, seq, float(t[0])))
                 bwd.append((b, seq, float(t[1])))
-            out[key] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
+            if key != base:  # its forward is the synced block's: only the backward differs
+                nosync[base] = TimeFit.fit(bwd)
+            else:
+                out[key] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
+        for base, fit in nosync.items():
+            out[base]["backward_nosync"] = fit
         return out
 
 
