@@ -114,6 +114,9 @@ class ScaledCostModel(CostModel):
     def prices_boundaries(self) -> bool:
         return self.inner.prices_boundaries
 
+    def stage_sync_time(self, plan: ParallelPlan, stage: int, ctx: StageContext) -> float:
+        return self.factor * self.inner.stage_sync_time(plan, stage, ctx)
+
     def context_key(self, ctx: StageContext) -> tuple:
         return self.inner.context_key(ctx)  # a wrapper's costs vary with the context as the wrapped model's do
 
@@ -215,6 +218,10 @@ class Broken(ScaledCostModel):
         freed = super().backward_freed(plan_head, ctx, vocab_parallel_loss)
         return self.parts["freed"](ctx, freed) if "freed" in self.parts else freed
 
+    def stage_sync_time(self, plan: ParallelPlan, stage: int, ctx: StageContext) -> float:
+        t = super().stage_sync_time(plan, stage, ctx)
+        return self.parts["sync"](t) if "sync" in self.parts else t
+
     def evaluate(self, plan: ParallelPlan) -> PlanCost:
         c = super().evaluate(plan)
         return self.parts["evaluate"](c) if "evaluate" in self.parts else c
@@ -249,6 +256,7 @@ BREAKS: dict[str, tuple] = {  # what breaks -> (the rule that must catch it, the
         "dominated_ends_stay_dominated", dict(end=lambda s, ctx, c: LayerCost(0.0, 0.0, 0.0, 0.0, 0.0))),
     "frees memory it does not hold": (
         "backward_freed_is_the_heads", dict(freed=lambda ctx, freed: freed + 1e9)),
+    "gradient sync gives time back": ("stage_sync_time_is_never_negative", dict(sync=lambda t: t - 1e-3)),
     "evaluate undercuts its parts": (
         "evaluate_is_the_sum_of_its_parts", dict(evaluate=lambda c: replace(c, step_time_s=0.9 * c.step_time_s))),
     "evaluate forgets a stage's memory": (

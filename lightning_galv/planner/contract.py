@@ -339,6 +339,18 @@ def expert_states_do_not_grow_with_ep(p: Probe) -> Iterator[str]:
                            f"fewer than {a.short()} ({ca.act:.6g})")
 
 
+def stage_sync_time_is_never_negative(p: Probe) -> Iterator[str]:
+    """``stage_sync_time`` only adds: a negative one would price a plan below the parts the search bounded it by."""
+    for plan in _probe_plans(p):
+        assert plan.global_batch is not None
+        for st in range(plan.pp):
+            ctx = StageContext(plan.stage_size, plan.global_batch // plan.micro_batches, plan.micro_batches, plan.pp,
+                               st, plan.pipeline_schedule, plan.virtual_stages)
+            t = p.cost.stage_sync_time(plan, st, ctx)
+            if not (t >= 0.0 and math.isfinite(t)):
+                yield f"stage_sync_time({_name(plan)}, stage {st}) = {t}: must be finite and >= 0"
+
+
 def evaluate_is_the_sum_of_its_parts(p: Probe) -> Iterator[str]:
     """``evaluate`` agrees with the parts the search optimized: per stage, the fixed part plus every layer's
     time, per-step extra and memory (with the transitions between unequal neighbours and the largest
@@ -401,7 +413,8 @@ RULES: tuple[Callable[[Probe], Iterator[str]], ...] = (
     finite_and_non_negative, layer_cost_depends_on_type_and_stage_shape_only, model_states_shrink_with_zero,
     checkpointing_costs_time,
     transitions_follow_batch_layout, stage_fixed_sees_only_its_ends, dominated_ends_stay_dominated,
-    backward_freed_is_the_heads, evaluate_is_the_sum_of_its_parts, predict_fills_the_prediction,
+    backward_freed_is_the_heads, stage_sync_time_is_never_negative, evaluate_is_the_sum_of_its_parts,
+    predict_fills_the_prediction,
     expert_parallelism_only_where_experts_are, expert_states_do_not_grow_with_ep)
 
 
@@ -463,6 +476,7 @@ def _stage_sums(p: Probe, plan: ParallelPlan) -> tuple[list[float], list[float],
     for st in range(plan.pp):
         ctx = StageContext(plan.stage_size, mb, m, plan.pp, st, plan.pipeline_schedule, v)
         t, e, mem = p.cost.stage_fixed(plan.embed, plan.head, ctx, plan.vocab_parallel_loss)
+        e += p.cost.stage_sync_time(plan, st, ctx)
         transient = 0.0
         for chunk in range(st, plan.pp * v, plan.pp):
             t += p.cost.chunk_boundary_time(plan, chunk, ctx)

@@ -135,6 +135,8 @@ class CostModel(ABC):
     * :meth:`stage_fixed` -- the fixed part of one stage's time and memory (ends, pipeline sends,
       framework bytes): what is left of the budget for the layers. Unlike a layer's ``transient`` (only the
       largest counts), an end's is added in full: it is alive at the stage's peak.
+    * :meth:`stage_sync_time` -- per-step gradient-sync cost of how a stage's parts share collectives (default
+      none): what the parts cannot see alone.
     * :meth:`backward_freed` -- memory released before the blocks' backward, which a recomputing
       block can reuse (default: the head's activations on the last stage).
     * :meth:`boundary_time` -- re-layouts at a pipeline chunk's edges (embedding into the first block, the
@@ -157,6 +159,7 @@ class CostModel(ABC):
       (dominated end strategies can be dropped), and with a pipeline it sees only the ends on its
       stage -- a middle stage only the embedding's dp, which sizes its boundary sends;
     * ``backward_freed`` is 0 without the head and at most the head's activations;
+    * ``stage_sync_time`` is never negative;
     * ``evaluate`` of a plan equals the sums of its parts per stage, and its step time is never
       below the pipeline formula (:func:`pipeline_time`) of those stages -- the search's bounds
       and partition assume it -- unless the model declares ``step_time_vs_pipeline = "at_most"``
@@ -232,6 +235,13 @@ class CostModel(ABC):
         with it, which its layer DP cannot see)."""
         return False
 
+    def stage_sync_time(self, plan: ParallelPlan, stage: int, ctx: StageContext) -> float:
+        """Seconds per step that stage ``stage``'s gradient synchronisation costs beyond what its layers and ends
+        price each on its own: a cost of how they share collectives, which no part sees alone (the layer DP does
+        not either; plans are priced with it once found). Default: none. Never negative, so the search's bounds
+        stay bounds."""
+        return 0.0
+
     def backward_freed(self, plan_head: LayerStrategy, ctx: StageContext, vocab_parallel_loss: bool = False) -> float:
         """Bytes of the head's activations (logits, loss) of one micro-batch, freed before any block runs
         its backward -- so a checkpointed block's recompute peak does not stack on top of them."""
@@ -258,6 +268,7 @@ class CostModel(ABC):
             inflight = ctx.inflight
             vpl = plan.vocab_parallel_loss
             t, e, mem = self.stage_fixed(plan.embed, plan.head, ctx, vpl)
+            e += self.stage_sync_time(plan, st, ctx)
             breakdown["other"] += t
             transient = 0.0
             for chunk in range(st, plan.pp * v, plan.pp):  # this stage's chunks, layers in model order
@@ -593,6 +604,17 @@ def bucketed_allreduce_time(hw: HardwareProfile, grad_bytes: float, d: int, stri
             + bucket_latency(hw, grad_bytes, d, stride, bucket_bytes, stage_bytes))
 
 
+def block_dp_stride(s: LayerStrategy) -> int:
+    """Rank spacing of a block's data group: its tp degree when consecutive ranks form the tp groups (not under
+    Ulysses, whose data group spans the sequence ranks too)."""
+    return 1 if (s.ulysses or s.tp == 1 or not s.tp_consecutive) else s.tp
+
+
+def end_dp_stride(s: LayerStrategy) -> int:
+    """Rank spacing of an end's (embedding's, head's) data group: as a block's, for its vocab-parallel tp."""
+    return s.tp if (s.tp_consecutive and s.tp > 1) else 1
+
+
 def bucket_latency(hw: HardwareProfile, grad_bytes: float, d: int, stride: int,
                    bucket_bytes: float = GRAD_BUCKET_BYTES, stage_bytes: float | None = None) -> float:
     """The latency part of :func:`bucketed_allreduce_time`: the buckets' latencies shared by bytes."""
@@ -863,7 +885,7 @@ class GalvatronCostModel(CostModel):
         bwd_t = bwd + rec + fwd_comm * (1.0 + repeated)  # backward mirrors the forward collectives
         # data parallel: gradients of this rank's weight shard over the data group
         d = s.data_group
-        dp_stride = 1 if (s.ulysses or t == 1 or not s.tp_consecutive) else t
+        dp_stride = block_dp_stride(s)
         if lt.moe is not None:  # synchronous in the forward path: added, never overlapped
             moe_f, moe_b = self._moe_comm(lt, s, b, dp_stride)
             fwd_t += moe_f
@@ -1077,6 +1099,53 @@ class GalvatronCostModel(CostModel):
     def prices_boundaries(self) -> bool:
         return self.runtime == "native"
 
+    def stage_sync_time(self, plan: ParallelPlan, stage: int, ctx: StageContext) -> float:
+        """Native runtime: the latencies of gradient all-reduce buckets that the parts priced only a share of.
+
+        ``GradientSync`` buckets each data group's ZeRO-0/1 gradients on its own, one latency a bucket. A part
+        prices its share of the latencies as if its group held the stage's blocks (a block: as one of
+        ``num_layers`` like it; an end: riding in the blocks' buckets). That holds for a uniform data-parallel
+        plan; where the ends (or a few blocks) reduce over a group no other part shares -- ends over the world
+        beside tensor-parallel blocks, a heterogeneous plan -- their group still runs one whole collective,
+        launched when its last gradient is ready: for the embedding's (made last), after backward. Measured at
+        4 gloo ranks on 2 cores, where a latency is 2-9 ms: every plan whose blocks sync no gradients over the
+        ends' 4 ranks took ~5 ms more per step than priced (costmodel_accuracy.py at f741c80; 4r tp4 15 vs 9 ms
+        after backward). Charged here in full for every group: the whole buckets' latencies minus the shares
+        the parts paid (never negative)."""
+        if self.runtime != "native":
+            return 0.0
+        assert plan.embed is not None and plan.head is not None
+        el = 4.0 if self.model.precision == "fp32" else 2.0
+        groups: dict[tuple[int, int], list[float]] = {}  # (ranks, stride) -> [gradient bytes, latencies paid]
+
+        def add(params: float, d: int, stride: int, pieces: int, block: bool) -> None:
+            if d <= 1 or params <= 0:
+                return
+            nb = params * el / pieces
+            latency = self.hw.link("allreduce", d, stride == 1, self.hw.is_intra_node(d, stride)).latency_s
+            paid = bucket_latency(self.hw, nb, d, stride, stage_bytes=nb * self.model.num_layers if block else None)
+            g = groups.setdefault((d, stride), [0.0, 0.0])
+            g[0] += params * el
+            g[1] += pieces * paid / latency if latency > 0 else 0.0
+
+        for chunk in range(stage, plan.pp * plan.virtual_stages, plan.pp):
+            for i in plan.stage_layers(chunk):
+                s = plan.layers[i]
+                if s.zero <= 1:
+                    for params, d, stride, pieces in self._param_groups(self.model.layer(i), s, s.data_group,
+                                                                        block_dp_stride(s)):
+                        add(params, d, stride, pieces, True)
+        ends = ([(plan.embed, self.model.embed_params)] if stage == 0 else []) + \
+            ([(plan.head, self.model.head_params)] if stage == plan.pp - 1 else [])
+        for s, params in ends:
+            if s.zero <= 1:
+                add(params / s.tp, s.dp, end_dp_stride(s), 1, False)
+        out = 0.0
+        for (d, stride), (nbytes, paid) in groups.items():
+            latency = self.hw.link("allreduce", d, stride == 1, self.hw.is_intra_node(d, stride)).latency_s
+            out += max(0.0, math.ceil(nbytes / GRAD_BUCKET_BYTES - 1e-9) - paid) * latency
+        return out
+
     # -- embedding + head ----------------------------------------------------------------------------
     def end_cost(self, s: LayerStrategy, ctx: StageContext, first: bool, last: bool,
                  vocab_parallel_loss: bool = False) -> LayerCost:
@@ -1088,7 +1157,7 @@ class GalvatronCostModel(CostModel):
         fwd = bwd = extra = states = act = peak_transient = hooked = 0.0
         precision = "fp32" if m.precision == "fp32" else "mixed"
         d = s.dp
-        dp_stride = s.tp if (s.tp_consecutive and s.tp > 1) else 1
+        dp_stride = end_dp_stride(s)
         head_t, head_share = 0.0, 1.0
         if last:  # logits gathered (default) or vocab-parallel loss
             head_t, head_share = vocab_parallel_head(hw, b * seq * m.shape.vocab_size * m.act_dtype_bytes, b * seq,
