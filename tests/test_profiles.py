@@ -307,6 +307,10 @@ def test_with_width_prices_the_flops_keeps_the_launch_overhead_and_scales_memory
     assert ModelProfile.from_json(wide.to_json()) == wide
     assert prof.with_width(SHAPE, 786432) is prof
     assert prof.with_width(WIDE, 1769472, embed_params=1, head_params=2).embed_params == 1
+    # at the profiled width too: new end counts are taken (not dropped by the no-change shortcut), bad ones refused
+    assert prof.with_width(SHAPE, 786432, embed_params=7).embed_params == 7
+    with pytest.raises(ValueError, match=r"head_params=-1.*int >= 0.*HINT"):
+        prof.with_width(SHAPE, 786432, head_params=-1)
     # the cost model sees it: more to compute, to hold and to send
     plan = ParallelPlan.uniform(2, SHAPE.num_layers, LayerStrategy(tp=2, sp="megatron"), global_batch=4)
     hw = HardwareProfile.uniform(1, 2, 80e9)

@@ -1050,13 +1050,14 @@ class ModelProfile:
             raise bad_value(f"hidden={shape.hidden}", f"this profile holds Galvatron's own end tables, measured at "
                             f"hidden {old.hidden}, which no first-order rule carries",
                             "read Galvatron's profile of the model at that width.")
-        if shape == old and counts == [lt.params for lt in self.layer_types]:
-            return self
-        r = shape.hidden / old.hidden
         ends = {n: v for n, v in (("embed_params", embed_params), ("head_params", head_params)) if v is not None}
         for n, v in ends.items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad_value(f"{n}={v!r}", "must be an int >= 0", "count the new model's end parameters.")
+        if shape == old and counts == [lt.params for lt in self.layer_types] and \
+                all(v == getattr(self, n) for n, v in ends.items()):
+            return self
+        r = shape.hidden / old.hidden
 
         def wider(fit: TimeFit | None) -> TimeFit | None:
             return None if fit is None else fit.scaled(r)
