@@ -670,27 +670,28 @@ def test_stage_sync_time_charges_whole_bucket_latencies_of_groups_no_block_share
     """GradientSync runs one collective per bucket of each data group. Each part pays a share of the latencies as
     if its group held the stage's blocks; ends over 4 ranks beside tp4 blocks (whose gradients sync over no
     one) are a 1 MB group of their own and still run one whole all-reduce: the stage adds the latency the ends
-    did not pay. A uniform data-parallel plan, whose ends ride in the blocks' bucket, adds nothing; a
-    heterogeneous one adds what each group lacks of a whole latency. The textbook runtime has no buckets."""
+    did not pay. A uniform data-parallel plan, whose ends ride in the blocks' bucket, adds nothing. Groups' last
+    all-reduces run side by side after backward, so the step waits for the longest, not their sum: blocks over
+    2 ranks, whose one bucket the parts paid in full, hide the ends' missing latency; two groups both short of a
+    whole latency cost one latency, less what their parts paid. The textbook runtime has no buckets."""
     lat = 1e-3
     hw = HardwareProfile.uniform(1, 8, 1e12, intra_bw=1e30, inter_bw=1e30, latency_s=lat, memory_bandwidth=0.0)
     prof = profile().with_(embed_params=250_000, head_params=250_000)  # bf16: 0.5 MB each, 2 MB per block
     cm = GalvatronCostModel(prof, hw, runtime="native")
     dp4, tp4, tp2dp2 = LayerStrategy(dp=4), LayerStrategy(tp=4), LayerStrategy(tp=2, dp=2)
-    ends = GRAD_BUCKET_BYTES
-    plan = ParallelPlan(world_size=4, layers=(tp4,) * 4, embed=dp4, head=dp4, global_batch=8)
+    ends_paid = 2 * 500_000 / GRAD_BUCKET_BYTES  # each end: its bytes' share of a bucket's latency
+
+    def plan(*layers: LayerStrategy) -> ParallelPlan:
+        return ParallelPlan(world_size=4, layers=layers, embed=dp4, head=dp4, global_batch=8)
+
     ctx = StageContext(4, 8, 1)
-    assert cm.stage_sync_time(plan, 0, ctx) == pytest.approx(lat * (1 - 2 * 500_000 / ends))
+    assert cm.stage_sync_time(plan(tp4, tp4, tp4, tp4), 0, ctx) == pytest.approx(lat * (1 - ends_paid))
     no_sync = GalvatronCostModel(prof, hw, runtime="native")
     no_sync.stage_sync_time = lambda *a: 0.0  # type: ignore[method-assign]
-    assert cm.evaluate(plan).step_time_s - no_sync.evaluate(plan).step_time_s == pytest.approx(
-        lat * (1 - 2 * 500_000 / ends))
-    # one group for all: the blocks paid a whole latency, the ends a bit more
-    assert cm.stage_sync_time(ParallelPlan(world_size=4, layers=(dp4,) * 4, embed=dp4, head=dp4, global_batch=8),
-                              0, ctx) == 0.0
-    # layer 0 alone over its 2-rank group (paid a quarter), the other three with the ends over 4 ranks
-    het = ParallelPlan(world_size=4, layers=(tp2dp2, dp4, dp4, dp4), embed=dp4, head=dp4, global_batch=8)
-    tp2_share = 1_000_000 / (4 * 1_000_000)  # its 1 MB (half the block) as one of 4 such blocks in one bucket
-    dp4_paid = 3 * 0.25 + 2 * 500_000 / ends
-    assert cm.stage_sync_time(het, 0, ctx) == pytest.approx(lat * ((1 - tp2_share) + (1 - dp4_paid)))
-    assert GalvatronCostModel(prof, hw).stage_sync_time(plan, 0, ctx) == 0.0
+    assert cm.evaluate(plan(tp4, tp4, tp4, tp4)).step_time_s - no_sync.evaluate(plan(tp4, tp4, tp4, tp4)).step_time_s \
+        == pytest.approx(lat * (1 - ends_paid))
+    assert cm.stage_sync_time(plan(dp4, dp4, dp4, dp4), 0, ctx) == 0.0  # one group: the blocks paid its latency
+    assert cm.stage_sync_time(plan(tp2dp2, tp2dp2, tp2dp2, tp2dp2), 0, ctx) == 0.0  # the blocks' tail hides the ends'
+    # layer 3 alone over its 2-rank group (paid a quarter of its latency), the ends over 4 ranks (paid ends_paid)
+    assert cm.stage_sync_time(plan(tp4, tp4, tp4, tp2dp2), 0, ctx) == pytest.approx(lat * (1 - 0.25 - ends_paid))
+    assert GalvatronCostModel(prof, hw).stage_sync_time(plan(tp4, tp4, tp4, tp4), 0, ctx) == 0.0

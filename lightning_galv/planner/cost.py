@@ -1100,18 +1100,22 @@ class GalvatronCostModel(CostModel):
         return self.runtime == "native"
 
     def stage_sync_time(self, plan: ParallelPlan, stage: int, ctx: StageContext) -> float:
-        """Native runtime: the latencies of gradient all-reduce buckets that the parts priced only a share of.
+        """Native runtime: the latencies of gradient all-reduce buckets that the parts priced only a share of,
+        where no other group's collective after backward hides them.
 
         ``GradientSync`` buckets each data group's ZeRO-0/1 gradients on its own, one latency a bucket. A part
         prices its share of the latencies as if its group held the stage's blocks (a block: as one of
         ``num_layers`` like it; an end: riding in the blocks' buckets). That holds for a uniform data-parallel
         plan; where the ends (or a few blocks) reduce over a group no other part shares -- ends over the world
         beside tensor-parallel blocks, a heterogeneous plan -- their group still runs one whole collective,
-        launched when its last gradient is ready: for the embedding's (made last), after backward. Measured at
-        4 gloo ranks on 2 cores, where a latency is 2-9 ms: every plan whose blocks sync no gradients over the
-        ends' 4 ranks took ~5 ms more per step than priced (costmodel_accuracy.py at f741c80; 4r tp4 15 vs 9 ms
-        after backward). Charged here in full for every group: the whole buckets' latencies minus the shares
-        the parts paid (never negative)."""
+        launched when its last gradient is ready (for the embedding's, made last: after backward). The groups'
+        last buckets then run side by side (one communicator each) and the step waits for the slowest, where the
+        parts add up what each priced: this charges ``max(tail) - sum(tail priced)`` over the groups, a tail being
+        a group's last all-reduce, never below zero. Measured at 4 gloo ranks on 2 cores (a latency: 2-9 ms):
+        every plan whose blocks sync nothing beside the ends' 4 ranks took ~5 ms per step more than priced (4r
+        tp4 15 vs 9 ms after backward, costmodel_accuracy.py at f741c80), and charging every group its missing
+        latency in full priced the plans whose blocks sync over 2 ranks meanwhile 5-9 ms high (4r tp2·dp2 30 vs
+        25 ms, at b2ebb39)."""
         if self.runtime != "native":
             return 0.0
         assert plan.embed is not None and plan.head is not None
@@ -1140,11 +1144,14 @@ class GalvatronCostModel(CostModel):
         for s, params in ends:
             if s.zero <= 1:
                 add(params / s.tp, s.dp, end_dp_stride(s), 1, False)
-        out = 0.0
+        tails, priced = [], 0.0
         for (d, stride), (nbytes, paid) in groups.items():
             latency = self.hw.link("allreduce", d, stride == 1, self.hw.is_intra_node(d, stride)).latency_s
-            out += max(0.0, math.ceil(nbytes / GRAD_BUCKET_BYTES - 1e-9) - paid) * latency
-        return out
+            buckets = max(1, math.ceil(nbytes / GRAD_BUCKET_BYTES - 1e-9))
+            tail = self.hw.collective_time("allreduce", nbytes - GRAD_BUCKET_BYTES * (buckets - 1), d, stride)
+            tails.append(tail)
+            priced += tail - max(0.0, buckets - paid) * latency  # the parts paid all of it but the missing latencies
+        return max(0.0, max(tails, default=0.0) - priced)
 
     # -- embedding + head ----------------------------------------------------------------------------
     def end_cost(self, s: LayerStrategy, ctx: StageContext, first: bool, last: bool,
