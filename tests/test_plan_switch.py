@@ -58,7 +58,9 @@ def test_replan_keeps_the_best_plan_and_moves_off_a_slower_one() -> None:
     moved = replan_search(ckpt, model, hw, 16e9, 0.02)
     assert moved.plan is not None and loader_layout(moved.plan) == loader_layout(ckpt)
     assert [s.short() for s in moved.plan.layers] == ["dp64·zero2"] * 8
-    assert moved.current_s == pytest.approx(13.03e-3, rel=2e-3) and moved.best_s == pytest.approx(10.28e-3, rel=2e-3)
+    # (13.03 ms before the bucket queue simulation priced the 268 MB of ZeRO-0 gradients' last 6 MB bucket, not a
+    # full 25 MiB one, after backward)
+    assert moved.current_s == pytest.approx(12.972e-3, rel=2e-3) and moved.best_s == pytest.approx(10.28e-3, rel=2e-3)
     from lightning_galv.auto import priced_hardware
 
     cost = GalvatronCostModel(model, priced_hardware(model, hw, 16e9), SearchSpace().default_embed_zero, runtime="native")
