@@ -569,3 +569,50 @@ def test_fsdp_overhead_measured_at_the_plans_ep_wins_over_the_scaled_whole_block
     without = GalvatronCostModel(base, a100(), runtime="native").layer_cost(0, s, ctx)
     assert with_over.fwd - without.fwd == pytest.approx(3 * ms, rel=1e-9)
     assert with_over.bwd - without.bwd == pytest.approx(5 * ms, rel=1e-9)
+
+
+def test_native_dense_and_expert_all_reduces_wait_side_by_side() -> None:
+    """Native runtime, ZeRO-0, ep > 1: GradientSync runs the dense gradients' buckets (over the data group) and the
+    experts' (over the expert-data group) on two communicators, so the last backward waits for the slower queue,
+    not for both in a row: the block's part charges the larger of the two groups' simulated exposures. The stage
+    then adds nothing for a uniform plan whose ends ride with the dense group (their tail is shorter than the
+    experts'), and the ends' tail beyond the experts' when it is longer (one bucket per group here: a small MoE
+    model, 8 ranks, 1 GB/s, 1 ms latency)."""
+    from lightning_galv.planner.cost import (bucket_copy_time, bucket_latency, bucketed_allreduce_time,
+                                             bucketed_sync_exposed)
+
+    shape = ModelShape(num_layers=4, hidden=128, num_heads=4, num_kv_heads=2, ffn_hidden=256, vocab_size=256,
+                       seq_len=64)
+    prof = ModelProfile.from_shape(shape, moe=MoELayerFacts.swiglu(128, num_experts=8, top_k=2, expert_hidden=256))
+    hw = HardwareProfile.uniform(1, 8, 80 * GiB, intra_bw=1e9, latency_s=1e-3, memory_bandwidth=1e11)
+    cm = GalvatronCostModel(prof, hw, runtime="native")
+    lt, el, L, ep = prof.layer(0), (4.0 if prof.precision == "fp32" else 2.0), 4, 2
+    experts = 8 // ep * lt.moe.expert_params
+    dense = lt.params - 8 * lt.moe.expert_params
+    s, ctx = LayerStrategy(dp=8, ep=ep), StageContext(8, 8, 1)
+    c = cm.layer_cost(0, s, ctx)
+
+    def queue(params: float, d: int, stride: int) -> tuple[float, float, float]:
+        nb = el * params
+        return (bucketed_allreduce_time(hw, nb, d, stride, stage_bytes=nb * L),
+                bucket_latency(hw, nb, d, stride, stage_bytes=nb * L), nb)
+
+    qs = [queue(dense, 8, 1), queue(experts, 8 // ep, ep)]
+    exposed = [bucketed_sync_exposed(c.bwd, comm, L, nb, hw.overlap_slowdown, latency=lat) for comm, lat, nb in qs]
+    fixed = OPTIMIZER_TRAFFIC_BYTES * (dense + experts) / hw.memory_bandwidth + \
+        bucket_copy_time(el * (dense + experts), hw.memory_bandwidth)
+    assert c.step_extra == pytest.approx(fixed + max(exposed), rel=1e-9)
+    one_queue = bucketed_sync_exposed(c.bwd, qs[0][0] + qs[1][0], L, qs[0][2] + qs[1][2], hw.overlap_slowdown,
+                                      latency=qs[0][1] + qs[1][1])
+    assert fixed + one_queue > c.step_extra * 1.05  # the negative control: one queue for both costs more
+    plan = ParallelPlan.uniform(8, L, s, global_batch=8).with_(embed=LayerStrategy(dp=8), head=LayerStrategy(dp=8))
+    assert cm.stage_sync_time(plan, 0, ctx) == 0.0
+    # a large vocabulary: the ends' 8-rank all-reduce (with the blocks' dense gradients, 20 MB: one bucket)
+    # outlasts the experts' (3 MB over 4 ranks), which is all the blocks charged; but the ends priced their bytes'
+    # share of that tail themselves, and with it the parts already sum past the slowest tail: nothing to add
+    big = prof.with_(embed_params=5_000_000, head_params=5_000_000)
+    dense_tail = hw.collective_time("allreduce", el * (1e7 + dense * L), 8, 1)
+    expert_tail = hw.collective_time("allreduce", el * experts * L, 8 // ep, ep)
+    ends_priced = dense_tail * 1e7 / (1e7 + dense * L)
+    assert expert_tail < dense_tail < expert_tail + ends_priced
+    assert GalvatronCostModel(big, hw, runtime="native").stage_sync_time(plan, 0, ctx) == 0.0

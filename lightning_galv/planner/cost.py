@@ -961,7 +961,8 @@ class GalvatronCostModel(CostModel):
         FSDP2's exposed last reduce-scatter and, when accumulating, the last micro-batch's reduce-scatters, which
         FSDP2 runs from its backward hooks) of parameter groups each data parallel over its own ranks, given as
         (parameters, ranks, stride, separate collectives): the collectives of all groups share one overlap
-        with the compute (they queue on the same link), each pays its own latency. ``overlap_sync``: the
+        with the compute (they queue on the same link), each pays its own latency -- but for the native ZeRO-0/1
+        all-reduces after backward, which each group runs on its own communicator (:meth:`_sync_exposures`). ``overlap_sync``: the
         native runtime's ZeRO-0/1 all-reduces run beside the last backward (no pipeline, see
         ``parallel.data_parallel.GradientSync``). ``accumulates``: gradient accumulation without a pipeline,
         where the runtime turns gradient sync off for all but the last micro-batch -- ZeRO-2/3 units then
@@ -987,9 +988,9 @@ class GalvatronCostModel(CostModel):
         extra = inside = 0.0
         fwd_comm = bwd_comm = last_comm = 0.0
         gathered = overlapped_last = False
-        sync_comm = 0.0  # native ZeRO-0/1 all-reduces launched asynchronously during the last backward
-        sync_bytes = 0.0  # their gradient bytes on this rank
-        sync_latency = 0.0  # the latency part of sync_comm
+        # native ZeRO-0/1 all-reduces launched asynchronously during the last backward, per data group (one
+        # queue each): (their time, its latency part, this rank's gradient bytes)
+        queues: list[tuple[float, float, float]] = []
         last_rs = 0.0  # ZeRO-2/3 reduce-scatters that only the last micro-batch's backward runs (``accumulates``)
         # FSDP2 (ZeRO-2/3, one unit per layer) reduce-scatters each unit's gradients when its backward ends; the
         # last unit's has no backward left to hide behind: each layer pays 1/layers of its own in full (no
@@ -1040,20 +1041,19 @@ class GalvatronCostModel(CostModel):
                 # :func:`bucketed_sync_exposed`); an end rides in the blocks' buckets (a full bucket's latency share)
                 stage = nb * self.model.num_layers if block else None
                 if overlap_sync:
-                    sync_comm += pieces * bucketed_allreduce_time(hw, nb, d, stride, stage_bytes=stage)
-                    sync_latency += pieces * bucket_latency(hw, nb, d, stride, stage_bytes=stage)
-                    sync_bytes += grad_bytes
+                    queues.append((pieces * bucketed_allreduce_time(hw, nb, d, stride, stage_bytes=stage),
+                                   pieces * bucket_latency(hw, nb, d, stride, stage_bytes=stage), grad_bytes))
                 else:
                     extra += pieces * bucketed_allreduce_time(hw, nb, d, stride, stage_bytes=stage)
             else:
                 last_comm += pieces * dp_sync_bytes_time(hw, nb, d, stride)
                 overlapped_last = True
-        if sync_comm > 0:  # async on every backend (gloo too): beside backward at the profiled overlap slowdown,
+        if queues:  # async on every backend (gloo too): beside backward at the profiled overlap slowdown,
             # the buckets queued after it paid in full (overlap_sync: no pipeline, so the stage is the whole model)
             if tail_share is None:
-                extra += bucketed_sync_exposed(bwd, sync_comm, self.model.num_layers, sync_bytes,
-                                               hw.overlap_slowdown, latency=sync_latency)
+                extra += max(self._sync_exposures(queues, bwd))
             else:
+                sync_comm = sum(q[0] for q in queues)
                 tail = sync_comm * tail_share
                 extra += tail + overlapped(bwd, sync_comm - tail, hw.overlap_slowdown) - bwd
         extra += exposed
@@ -1072,6 +1072,18 @@ class GalvatronCostModel(CostModel):
         if overlapped_last:
             return fwd, bwd, extra + self._overlap(bwd, last_comm) - bwd, inside
         return fwd, bwd, extra, inside
+
+    def _sync_exposures(self, queues: list[tuple[float, float, float]], bwd: float) -> list[float]:
+        """Per data group of a block, what its bucketed all-reduces add to the last backward (per layer,
+        :func:`bucketed_sync_exposed`), each group simulated as its own queue.
+
+        Why per group and then the largest, not one queue: ``GradientSync`` runs each data group's buckets on
+        that group's communicator, so an MoE block's dense gradients (over the data group) and its experts'
+        (over the expert-data group) reduce side by side and the step waits for the slower. Measured at 4 gloo
+        ranks (moe ep2, costmodel_accuracy.py --model moe at a789094): 8.9 ms waited after backward where one
+        queue of both priced 15 ms and the slower group alone 8.8 ms."""
+        return [bucketed_sync_exposed(bwd, comm, self.model.num_layers, nbytes, self.hw.overlap_slowdown,
+                                      latency=latency) for comm, latency, nbytes in queues]
 
     def _optimizer_time(self, local_params: float, zero: int, d: int) -> float:
         """Memory-bound optimizer update of this rank's shard (ZeRO SC'20: stages >= 1 shard the update)."""
@@ -1115,43 +1127,72 @@ class GalvatronCostModel(CostModel):
         every plan whose blocks sync nothing beside the ends' 4 ranks took ~5 ms per step more than priced (4r
         tp4 15 vs 9 ms after backward, costmodel_accuracy.py at f741c80), and charging every group its missing
         latency in full priced the plans whose blocks sync over 2 ranks meanwhile 5-9 ms high (4r tp2·dp2 30 vs
-        25 ms, at b2ebb39)."""
+        25 ms, at b2ebb39). A block with two groups (an MoE block's dense and expert gradients) charges only its
+        slower queue beside backward, so the other group counts as priced only for the parts that charged it."""
         if self.runtime != "native":
             return 0.0
         assert plan.embed is not None and plan.head is not None
         el = 4.0 if self.model.precision == "fp32" else 2.0
-        groups: dict[tuple[int, int], list[float]] = {}  # (ranks, stride) -> [gradient bytes, latencies paid]
+        overlap_sync = bool(self.context_key(ctx) and self.context_key(ctx)[0])
+        # (ranks, stride) -> [gradient bytes, of them in parts that charged this group's tail, latencies those paid]
+        groups: dict[tuple[int, int], list[float]] = {}
 
-        def add(params: float, d: int, stride: int, pieces: int, block: bool) -> None:
+        def add(params: float, d: int, stride: int, pieces: int, block: bool, charged: bool) -> None:
             if d <= 1 or params <= 0:
                 return
             nb = params * el / pieces
             latency = self.hw.link("allreduce", d, stride == 1, self.hw.is_intra_node(d, stride)).latency_s
             paid = bucket_latency(self.hw, nb, d, stride, stage_bytes=nb * self.model.num_layers if block else None)
-            g = groups.setdefault((d, stride), [0.0, 0.0])
+            g = groups.setdefault((d, stride), [0.0, 0.0, 0.0])
             g[0] += params * el
-            g[1] += pieces * paid / latency if latency > 0 else 0.0
+            if charged:
+                g[1] += params * el
+                g[2] += pieces * paid / latency if latency > 0 else 0.0
 
         for chunk in range(stage, plan.pp * plan.virtual_stages, plan.pp):
             for i in plan.stage_layers(chunk):
                 s = plan.layers[i]
-                if s.zero <= 1:
-                    for params, d, stride, pieces in self._param_groups(self.model.layer(i), s, s.data_group,
-                                                                        block_dp_stride(s)):
-                        add(params, d, stride, pieces, True)
+                if s.zero > 1:
+                    continue
+                lt = self.model.layer(i)
+                block_groups = self._param_groups(lt, s, s.data_group, block_dp_stride(s))
+                # beside backward, a block's part charges only its slowest group's queue (_sync_exposures)
+                winner = self._sync_winner(block_groups, self.layer_cost(i, s, ctx).bwd) if overlap_sync else None
+                for k, (params, d, stride, pieces) in enumerate(block_groups):
+                    add(params, d, stride, pieces, True, winner is None or k == winner)
         ends = ([(plan.embed, self.model.embed_params)] if stage == 0 else []) + \
             ([(plan.head, self.model.head_params)] if stage == plan.pp - 1 else [])
         for s, params in ends:
             if s.zero <= 1:
-                add(params / s.tp, s.dp, end_dp_stride(s), 1, False)
+                add(params / s.tp, s.dp, end_dp_stride(s), 1, False, True)
         tails, priced = [], 0.0
-        for (d, stride), (nbytes, paid) in groups.items():
+        for (d, stride), (nbytes, charged, paid) in groups.items():
             latency = self.hw.link("allreduce", d, stride == 1, self.hw.is_intra_node(d, stride)).latency_s
             buckets = max(1, math.ceil(nbytes / GRAD_BUCKET_BYTES - 1e-9))
             tail = self.hw.collective_time("allreduce", nbytes - GRAD_BUCKET_BYTES * (buckets - 1), d, stride)
             tails.append(tail)
-            priced += tail - max(0.0, buckets - paid) * latency  # the parts paid all of it but the missing latencies
+            # the parts that charged this group paid their bytes' share of it but the missing latencies
+            share = charged / nbytes
+            priced += max(0.0, tail * share - max(0.0, buckets * share - paid) * latency)
         return max(0.0, max(tails, default=0.0) - priced)
+
+    def _sync_winner(self, groups: list[tuple[float, int, int, int]], bwd: float) -> int | None:
+        """Index of the data group whose all-reduce queue a block's part charges (the slowest; see
+        :meth:`_data_parallel_groups`), or None when it has one group or none syncing."""
+        el = 4.0 if self.model.precision == "fp32" else 2.0
+        queues, index = [], []
+        for k, (params, d, stride, pieces) in enumerate(groups):
+            if d <= 1 or params <= 0:
+                continue
+            nb = params * el / pieces
+            stage = nb * self.model.num_layers
+            queues.append((pieces * bucketed_allreduce_time(self.hw, nb, d, stride, stage_bytes=stage),
+                           pieces * bucket_latency(self.hw, nb, d, stride, stage_bytes=stage), params * el))
+            index.append(k)
+        if len(queues) < 2:
+            return None
+        exposures = self._sync_exposures(queues, bwd)
+        return index[exposures.index(max(exposures))]
 
     # -- embedding + head ----------------------------------------------------------------------------
     def end_cost(self, s: LayerStrategy, ctx: StageContext, first: bool, last: bool,
