@@ -46,17 +46,23 @@ def predicted_parts(model, hw, plan) -> dict[str, float]:  # type: ignore[no-unt
     ctx = StageContext(plan.stage_size, plan.global_batch // m, m, plan.pp, 0, plan.pipeline_schedule,
                        plan.virtual_stages)
     ends, extra, _ = cm.stage_fixed(plan.embed, plan.head, ctx, plan.vocab_parallel_loss)
-    ends += cm.chunk_boundary_time(plan, 0, ctx)
+    cost = cm.evaluate(plan)
+    # what the measurement counts as ends besides the ends themselves: the re-layouts at the chunk's edges and
+    # between blocks of different strategies (a heterogeneous plan's), all outside the blocks' hooks
+    ends += cost.breakdown["transitions"]
+    extra += cm.stage_sync_time(plan, 0, ctx)  # the stage's own gradient-sync part (after backward)
     fwd = bwd = hooked = 0.0
     for i, s in enumerate(plan.layers):
         c = cm.layer_cost(i, s, ctx)
         # the bucket copies the gradient hooks run inside backward count there, as measured
         fwd, bwd, extra = fwd + c.fwd, bwd + c.bwd + c.in_backward, extra + c.step_extra - c.in_backward
         hooked += c.in_backward
-    cost = cm.evaluate(plan)
     ends_hooked = cost.stage_in_backward_s[0] - hooked  # the ends' own (embedding and head gradients)
-    return {"fwd": fwd, "bwd": bwd, "ends": ends + ends_hooked, "extra": extra - ends_hooked,
-            "step": cost.step_time_s}
+    parts = {"fwd": fwd, "bwd": bwd, "ends": ends + ends_hooked, "extra": extra - ends_hooked}
+    if abs(sum(parts.values()) - cost.step_time_s) > 1e-9 * max(1.0, cost.step_time_s):
+        raise ValueError(f"plan parts sum to {sum(parts.values())} s, evaluate() to {cost.step_time_s} s: the split "
+                         "must add up to the step. HINT: a part of the cost model is missing from this split.")
+    return parts | {"step": cost.step_time_s}
 
 
 def _ci(xs: list[float]) -> str:
