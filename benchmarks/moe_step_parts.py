@@ -10,7 +10,7 @@ sync), splitting each step into:
 - the MoE blocks' forward and backward (hooks on each block; all-to-all included), vs the cost model's per-layer
   ``fwd`` and ``bwd`` summed (``layer_cost``);
 - the ends: the rest of fwd+bwd (embedding, final norm, head, loss), vs ``stage_fixed``'s per-micro-batch time
-  (plus the chunk-boundary re-layouts, zero for these plans);
+  (plus every re-layout outside the blocks: at the chunk's edges and between blocks of different strategies);
 - after backward: the gradient sync still to wait for and the optimizer step, vs the layers' and the ends'
   per-step extras.
 
