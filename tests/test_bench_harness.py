@@ -1,4 +1,5 @@
-"""The benchmark harness (benchmarks/_results.py, _stats.py): stamped sections, replaced in place; t-intervals."""
+"""The benchmark harness (benchmarks/_results.py, _stats.py): stamped sections, replaced in place; t-intervals; the
+step-parts diagnostic's predicted split."""
 
 from __future__ import annotations
 
@@ -52,3 +53,33 @@ def test_launch_offsets_split_a_shared_shift_from_each_plan_s_own_error() -> Non
     assert residuals[3] == pytest.approx([-0.05, -0.05])
     with pytest.raises(ValueError, match="HINT"):
         launch_offsets([[0.0], [0.0, 0.1]])
+
+
+def test_step_parts_prediction_adds_up_to_the_step_for_every_stored_plan() -> None:
+    """moe_step_parts.py compares the cost model's split of a step (blocks' fwd / bwd, ends, after backward) with a
+    measured one: the split must hold everything evaluate() prices -- re-layouts between blocks of different
+    strategies and the stage's gradient-sync part included (the hetero plans have both) -- or a part reads low
+    for what another holds. Every one-stage, one-micro-batch plan of the accuracy benchmark, dense and MoE, from
+    the stored profiles of its first launch."""
+    import json
+
+    from costmodel_accuracy import profile_for
+    from costmodel_repredict import _cases, _load
+    from moe_step_parts import predicted_parts
+
+    from lightning_galv.planner.profiles import HardwareProfile, ModelProfile
+
+    data_dir = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+    cases, checked = _cases(), 0
+    for model in ("llama", "moe"):
+        profiles = json.loads((data_dir / f"costmodel_{model}_profiles.json").read_text())
+        for r in json.loads((data_dir / f"costmodel_{model}.json").read_text()):
+            case = cases[r["name"]]
+            if case.plan.pp > 1 or case.plan.micro_batches > 1:
+                continue
+            m, h = profiles[r["runs"][0]["launch"]][str(r["world"])][:2]
+            parts = predicted_parts(profile_for(_load(m, ModelProfile), case), _load(h, HardwareProfile), case.plan)
+            assert parts["fwd"] + parts["bwd"] + parts["ends"] + parts["extra"] == pytest.approx(parts["step"],
+                                                                                                rel=1e-9)
+            checked += 1
+    assert checked >= 40  # 34 dense (held-out shapes too) and 11 MoE plans when written
