@@ -1037,14 +1037,11 @@ class GalvatronCostModel(CostModel):
             elif native and zero <= 1:  # data.GradientSync: bucketed all-reduces, during or after the last backward
                 extra += bucket_copy_time(grad_bytes, hw.memory_bandwidth)
                 inside += bucket_copy_in_backward(grad_bytes, hw.memory_bandwidth, overlap_sync)
-                # a block's buckets: the stage's gradients taken as ``num_layers`` blocks like this one (as for
-                # :func:`bucketed_sync_exposed`); an end rides in the blocks' buckets (a full bucket's latency share)
-                stage = nb * self.model.num_layers if block else None
+                queue = self._sync_queue(params, d, stride, pieces, block)
                 if overlap_sync:
-                    queues.append((pieces * bucketed_allreduce_time(hw, nb, d, stride, stage_bytes=stage),
-                                   pieces * bucket_latency(hw, nb, d, stride, stage_bytes=stage), grad_bytes))
+                    queues.append(queue)
                 else:
-                    extra += pieces * bucketed_allreduce_time(hw, nb, d, stride, stage_bytes=stage)
+                    extra += queue[0]
             else:
                 last_comm += pieces * dp_sync_bytes_time(hw, nb, d, stride)
                 overlapped_last = True
@@ -1072,6 +1069,18 @@ class GalvatronCostModel(CostModel):
         if overlapped_last:
             return fwd, bwd, extra + self._overlap(bwd, last_comm) - bwd, inside
         return fwd, bwd, extra, inside
+
+    def _sync_queue(self, params: float, d: int, stride: int, pieces: int, block: bool
+                    ) -> tuple[float, float, float]:
+        """(time, its latency part, this rank's gradient bytes) of one data group's bucketed ZeRO-0/1 all-reduces
+        of ``params`` parameters in ``pieces`` collectives. A block's buckets: the stage's gradients taken as
+        ``num_layers`` blocks like this one (as for :func:`bucketed_sync_exposed`); an end (``block`` False) rides
+        in the blocks' buckets (a full bucket's latency share)."""
+        el = 4.0 if self.model.precision == "fp32" else 2.0
+        nb = params * el / pieces
+        stage = nb * self.model.num_layers if block else None
+        return (pieces * bucketed_allreduce_time(self.hw, nb, d, stride, stage_bytes=stage),
+                pieces * bucket_latency(self.hw, nb, d, stride, stage_bytes=stage), params * el)
 
     def _sync_exposures(self, queues: list[tuple[float, float, float]], bwd: float) -> list[float]:
         """Per data group of a block, what its bucketed all-reduces add to the last backward (per layer,
@@ -1133,7 +1142,8 @@ class GalvatronCostModel(CostModel):
             return 0.0
         assert plan.embed is not None and plan.head is not None
         el = 4.0 if self.model.precision == "fp32" else 2.0
-        overlap_sync = bool(self.context_key(ctx) and self.context_key(ctx)[0])
+        key = self.context_key(ctx)
+        overlap_sync = bool(key and key[0])
         # (ranks, stride) -> [gradient bytes, of them in parts that charged this group's tail, latencies those paid]
         groups: dict[tuple[int, int], list[float]] = {}
 
@@ -1179,16 +1189,11 @@ class GalvatronCostModel(CostModel):
     def _sync_winner(self, groups: list[tuple[float, int, int, int]], bwd: float) -> int | None:
         """Index of the data group whose all-reduce queue a block's part charges (the slowest; see
         :meth:`_data_parallel_groups`), or None when it has one group or none syncing."""
-        el = 4.0 if self.model.precision == "fp32" else 2.0
         queues, index = [], []
         for k, (params, d, stride, pieces) in enumerate(groups):
-            if d <= 1 or params <= 0:
-                continue
-            nb = params * el / pieces
-            stage = nb * self.model.num_layers
-            queues.append((pieces * bucketed_allreduce_time(self.hw, nb, d, stride, stage_bytes=stage),
-                           pieces * bucket_latency(self.hw, nb, d, stride, stage_bytes=stage), params * el))
-            index.append(k)
+            if d > 1 and params > 0:
+                queues.append(self._sync_queue(params, d, stride, pieces, True))
+                index.append(k)
         if len(queues) < 2:
             return None
         exposures = self._sync_exposures(queues, bwd)
