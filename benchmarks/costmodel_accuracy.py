@@ -654,8 +654,9 @@ tokens per step of the profiled shape; the profile carried there by `ModelProfil
 point read at its token count, block passes times the attention span's FLOP growth, activations in proportion
 to the length; their speed probes stay at the profiled length, so that probe and reference time one pass) or the
 width (192 or 384 at heads of the profiled size and the FFN at 3x, the profile carried by
-`ModelProfile.with_width`: per-token work times the block's forward FLOP ratio, the measured per-call overhead
-kept, activations and the ends in proportion to the width but for the head's logits; probed at the profiled
+`ModelProfile.with_width`: per-token work split by the matmul rate timed beside the profile's block variants
+into the weights' matmuls, times the weight ratio, and the rest, times the width ratio (until 2026-12-07: all of
+it times the block's forward FLOP ratio), the measured per-call overhead kept, activations and the ends in proportion to the width but for the head's logits; probed at the profiled
 width).
 
 Speed correction: the VM's speed drifts (the same launch ran 45 ms and 75 ms per forward minutes apart), so a

@@ -187,7 +187,9 @@ def profile_machine(sizes: tuple[int, ...], repeats: int, cfg: dict, seq: int, r
                                        time_budget_s=budget_s, max_repeats=max(rounds, SHARDED_PROFILE_MAX_ROUNDS))
         layer = sharded.fit(model.layer(0))
     # the optimizer step every rank takes at once, as automatic mode prices it (auto.sharded_profile)
-    model = model.with_(layer_types=(layer,), optimizer_bandwidth=sharded.optimizer_bandwidth)
+    # and the matmul rate timed beside the variants, which with_width splits a block's time by
+    model = model.with_(layer_types=(layer,), optimizer_bandwidth=sharded.optimizer_bandwidth,
+                        matmul_flops=sharded.matmul_flops)
     after = [probe(cfg, seq) for _ in range(AROUND_PROBES)]
     return {"hardware": hw.to_json(), "model": model.to_json(), "optimizer_bandwidth": model.optimizer_bandwidth,
             "rounds": taken, **_references(before, after, calls)}

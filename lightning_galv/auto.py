@@ -543,8 +543,9 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # timed at the per-rank batch they run (``tp_sizes``), and every fit keeps its measured points (TimeFit.points);
     # v14: each pass's slowest rank, then the median over rounds (was each rank's median, then the largest); v15: more
     # rounds while they fit in a time budget (SHARDED_PROFILE_BUDGET_S, up to SHARDED_PROFILE_MAX_ROUNDS); v16: FSDP2's
-    # backward overhead with gradient sync off too (zero_overhead "backward_nosync")
-    what = {"v": 16, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS,
+    # backward overhead with gradient sync off too (zero_overhead "backward_nosync"); v17: the profile carries the
+    # matmul rate timed beside the variants (ModelProfile.matmul_flops, for with_width)
+    what = {"v": 17, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS,
             "budget_s": SHARDED_PROFILE_BUDGET_S, "max_rounds": SHARDED_PROFILE_MAX_ROUNDS}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
@@ -565,7 +566,7 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
         return ModelProfile.from_json(hit)
     sp_kinds = parts.sp_modes if tuple(parts.sp_modes) != tuple(SP_MODES) else ("none", "megatron", "ulysses")
     types: list[LayerTypeProfile] = []
-    bandwidth = profile.optimizer_bandwidth
+    bandwidth, matmul = profile.optimizer_bandwidth, profile.matmul_flops
     for j, lt in enumerate(profile.layer_types):
         block = parts.blocks[profile.layer_type_of.index(j)]
         profiler = ShardedLayerProfiler(lambda b=block: copy.deepcopy(b).float(), profile.shape, hw,
@@ -578,7 +579,9 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
             # the optimizer step: rank 0 took that alone while the other ranks waited, which on a machine whose
             # ranks share cores and memory is not the speed of a step every rank takes at once
             bandwidth = profiler.optimizer_bandwidth
-    out = profile.with_(layer_types=tuple(types), optimizer_bandwidth=bandwidth)
+        if j == 0 and profiler.matmul_flops > 0:  # timed beside the first block type's variants
+            matmul = profiler.matmul_flops
+    out = profile.with_(layer_types=tuple(types), optimizer_bandwidth=bandwidth, matmul_flops=matmul)
     if cache is not None and rank == 0:
         cache.save("model", key, out)
     return out

@@ -34,6 +34,7 @@ def sharded_profile() -> dict[str, Any]:
     layer = prof.fit(plain.layer(0))
     return {"groups_left": (after_hw, len(c10d._world.pg_map) - groups0), "hw": hw.to_dict(), "plain": plain.to_dict(), "layer": plain.with_(layer_types=(layer,)).to_dict(),
             "variants": prof.variants(), "together_bandwidth": prof.optimizer_bandwidth,
+            "matmul_flops": prof.matmul_flops,
             "moe": moe_sharded_profile(hw), "slowest_pass": slowest_pass(shape, hw)}
 
 

@@ -315,8 +315,13 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     # the optimizer step is priced at the bandwidth of every rank stepping at once, slowest rank (the same on both),
     # not at what rank 0's ModelProfiler measured alone
     assert r["together_bandwidth"] > 0 and ranks[1]["together_bandwidth"] == r["together_bandwidth"]
+    # the matmul rate timed beside the variants: one number on every rank (the slowest rank's passes), of a
+    # plausible size for fp32 matmuls on a CPU core shared by two ranks' threads (this machine: ~1e11 on one core)
+    assert 1e8 < r["matmul_flops"] < 1e13 and ranks[1]["matmul_flops"] == r["matmul_flops"]
     assert moe_prof.optimizer_bandwidth > 0 and moe_prof.optimizer_bandwidth != r["moe_alone_bandwidth"]
     assert ModelProfile.from_dict(ranks[1]["moe"]).optimizer_bandwidth == moe_prof.optimizer_bandwidth
+    # automatic mode keeps the matmul rate with the profile (the first block type's), the same on every rank
+    assert moe_prof.matmul_flops > 0 and ModelProfile.from_dict(ranks[1]["moe"]).matmul_flops == moe_prof.matmul_flops
     dense_t, moe_t = (moe_prof.layer_types[j] for j in (0, 1))
     assert moe_t.moe is not None and dense_t.moe is None
     assert "tp1/none/ep2" in moe_t.sharded and not any("/ep" in k for k in dense_t.sharded)

@@ -318,6 +318,47 @@ def test_with_width_prices_the_flops_keeps_the_launch_overhead_and_scales_memory
     assert b.step_time_s > a.step_time_s and b.peak_memory_bytes > a.peak_memory_bytes
 
 
+def test_with_width_and_a_matmul_rate_scales_the_matmuls_by_the_weights_and_the_rest_by_the_width() -> None:
+    """With the profile's matmul rate, a block's per-token work splits into the weights' matmuls (2 FLOPs per
+    weight and token forward, 4 backward, over the tp ranks) -- times the weight ratio (2.25) -- and the rest --
+    times the width ratio (1.5); the launch overhead stays. Golden numbers by hand from ``_measured_layer``'s
+    fits, the rate chosen so that 256 tokens' forward matmuls take 1.2 ms. Negative control: the FLOP-ratio rule
+    without a rate prices the same point 12 % higher (2.22 x of all the work, not 2.25 x / 1.5 x of its parts)."""
+    rate = 2 * 786432 * 256 / 1.2e-3
+    prof = ModelProfile("p", SHAPE, (_measured_layer(),), (0,) * SHAPE.num_layers, precision="fp32",
+                        matmul_flops=rate)
+    wide = prof.with_width(WIDE, 1769472)
+    lt2 = wide.layer(0)
+    # forward at 256 tokens: 2 ms = 0.1 overhead + 1.2 matmuls + 0.7 rest
+    assert lt2.forward(2, 128) == pytest.approx(1e-4 + 1.2e-3 * 2.25 + 0.7e-3 * 1.5)
+    # backward at 512 tokens: 6 ms = 0.1 + 4.8 (4 FLOPs per weight and token) + 1.1
+    assert lt2.backward(4, 128) == pytest.approx(1e-4 + 4.8e-3 * 2.25 + 1.1e-3 * 1.5)
+    # tp2: half the matmuls per rank; 10 ms = 0.1 + 2.4 + 7.5
+    assert lt2.sharded_fit("backward", 2, "megatron")(4, 128) == pytest.approx(1e-4 + 2.4e-3 * 2.25 + 7.5e-3 * 1.5)
+    assert lt2.zero_overhead == prof.with_(matmul_flops=0.0).with_width(WIDE, 1769472).layer(0).zero_overhead
+    assert wide.matmul_flops == rate and ModelProfile.from_json(wide.to_json()) == wide
+    flop_rule = prof.with_(matmul_flops=0.0).with_width(WIDE, 1769472).layer(0).forward(2, 128)
+    assert flop_rule == pytest.approx(1e-4 + 1.9e-3 * 3637248 / 1638400)  # 4.32 ms against the split's 3.85
+    assert lt2.forward(2, 128) < 0.9 * flop_rule
+    # narrowing: the part that is not matmuls shrinks with the width only, so the split prices more than FLOPs
+    narrow_shape = ModelShape(num_layers=4, hidden=128, num_heads=4, num_kv_heads=4, ffn_hidden=512,
+                              vocab_size=1000, seq_len=128)
+    narrow = prof.with_width(narrow_shape, 196608).layer(0)  # a quarter of the weights
+    assert narrow.forward(2, 128) == pytest.approx(1e-4 + 1.2e-3 * 0.25 + 0.7e-3 * 0.5)
+    assert narrow.forward(2, 128) > prof.with_(matmul_flops=0.0).with_width(narrow_shape, 196608).layer(0).forward(2, 128)
+    # a rate so slow that the matmuls would take longer than the work measured: all of it is matmuls
+    slow = prof.with_(matmul_flops=rate / 10).with_width(WIDE, 1769472).layer(0)
+    assert slow.forward(2, 128) == pytest.approx(1e-4 + 1.9e-3 * 2.25)
+    # serialized without the key when not measured (older profiles read and fingerprint as before)
+    assert "matmul_flops" not in prof.with_(matmul_flops=0.0).to_dict() and prof.to_dict()["matmul_flops"] == rate
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), True, "1e11"])
+def test_a_model_profile_refuses_a_bad_matmul_rate(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"matmul_flops=.*finite number >= 0.*HINT"):
+        ModelProfile.from_shape(SHAPE).with_(matmul_flops=bad)
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(num_layers=6), "num_layers=6.*width only.*HINT"),
     (dict(seq_len=256), "seq_len=256.*with_seq_len"),

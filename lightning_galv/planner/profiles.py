@@ -279,6 +279,21 @@ class TimeFit:
         pts = tuple((t, min(y, self.const) + (y - min(y, self.const)) * factor) for t, y in self.points)
         return TimeFit(self.const, self.per_token * factor, self.per_token_ctx * factor, pts, self.points_seq)
 
+    def split_scaled(self, matmul_per_token: float, matmul_factor: float, rest_factor: float) -> "TimeFit":
+        """The per-token work split in two, each part scaled by its own factor, the launch overhead as it is: matmul
+        seconds (``matmul_per_token`` a token, never more than the work there is) times ``matmul_factor``, the rest
+        (the attention-span term included) times ``rest_factor``. Points keep their token counts."""
+        def point(t: float, y: float) -> float:
+            over = min(y, self.const)
+            work = y - over
+            mm = min(work, matmul_per_token * t)
+            return over + mm * matmul_factor + (work - mm) * rest_factor
+
+        mm = min(self.per_token, matmul_per_token)
+        return TimeFit(self.const, mm * matmul_factor + (self.per_token - mm) * rest_factor,
+                       self.per_token_ctx * rest_factor, tuple((t, point(t, y)) for t, y in self.points),
+                       self.points_seq)
+
     def times(self, factor: float) -> "TimeFit":
         """Every term ``factor`` times (a whole pass slower or faster)."""
         return TimeFit(self.const * factor, self.per_token * factor, self.per_token_ctx * factor,
@@ -646,10 +661,13 @@ class LayerTypeProfile:
                        activation_bytes={k: v * r for k, v in self.activation_bytes.items()},
                        sharded=fits(self.sharded, f), zero_overhead=fits(self.zero_overhead, 1.0))
 
-    def at_width(self, hidden: int, params: int, seq_len: int) -> "LayerTypeProfile":
+    def at_width(self, hidden: int, params: int, seq_len: int, matmul_flops: float = 0.0) -> "LayerTypeProfile":
         """This dense layer type carried to another width (see :meth:`ModelProfile.with_width`): every compute
-        fit's per-token work times the FLOP ratio (:func:`block_flops_per_token`; the per-call launch overhead as
-        measured), FSDP2's overhead in proportion to the parameters it copies, every activation entry in
+        fit's per-token work -- with ``matmul_flops`` (the rank's matmul rate, FLOP/s) split into the weights'
+        matmuls (2 FLOPs per weight and token forward and in a recompute, 4 backward, over ``tp`` ranks) times the
+        weight ratio and the rest times the width ratio (:meth:`TimeFit.split_scaled`); without it, all of it times
+        the FLOP ratio (:func:`block_flops_per_token`); the per-call launch overhead as measured either way --,
+        FSDP2's overhead in proportion to the parameters it copies, every activation entry in
         proportion to the width (a block's saved tensors are ``[b, s, h]`` or ``[b, s, ffn]``, and the FFN is
         taken to keep its ratio to ``h``), the optimizer's per-tensor DTensor overhead as it is (same tensors)."""
         if self.moe is not None:
@@ -661,12 +679,23 @@ class LayerTypeProfile:
         def fits(table: Mapping[str, Mapping[str, TimeFit]], factor: float) -> dict[str, dict[str, TimeFit]]:
             return {k: {kind: fit.scaled(factor) for kind, fit in v.items()} for k, v in table.items()}
 
-        return replace(self, forward=self.forward.scaled(f), backward=self.backward.scaled(f),
-                       recompute=None if self.recompute is None else self.recompute.scaled(f),
+        def wider(fit: TimeFit, kind: str, tp: int = 1) -> TimeFit:
+            if matmul_flops <= 0:
+                return fit.scaled(f)
+            per_token = (4.0 if kind == "backward" else 2.0) * self.params / tp / matmul_flops
+            return fit.split_scaled(per_token, rp, r)
+
+        def tp_of(key: str) -> int:
+            m = re.match(r"tp([0-9]+)/", key)
+            return int(m.group(1)) if m else 1
+
+        sharded = {k: {kind: wider(fit, kind, tp_of(k)) for kind, fit in v.items()} for k, v in self.sharded.items()}
+        return replace(self, forward=wider(self.forward, "forward"), backward=wider(self.backward, "backward"),
+                       recompute=None if self.recompute is None else wider(self.recompute, "recompute"),
                        params=params, hidden=hidden,
                        params_sp=None if self.params_sp is None else round(self.params_sp * rp),
                        activation_bytes={k: v * r for k, v in self.activation_bytes.items()},
-                       sharded=fits(self.sharded, f), zero_overhead=fits(self.zero_overhead, rp))
+                       sharded=sharded, zero_overhead=fits(self.zero_overhead, rp))
 
     def sharded_fit(self, kind: str, tp: int, sp: str, ep: int = 1) -> TimeFit | None:
         """The measured per-rank fit of ``kind`` (``"forward"``/``"backward"``, or ``"checkpoint_forward"``/
@@ -807,6 +836,10 @@ class ModelProfile:
     # the profile because it was measured with it: a cached profile must price the optimizer step exactly
     # like the run that measured it (it becomes HardwareProfile.memory_bandwidth in automatic mode).
     optimizer_bandwidth: float = 0.0
+    # FLOP/s of a dense matmul of the block's FFN shape on one rank, timed beside the sharded block variants with
+    # every rank busy (0 = not measured). Kept with the profile for the same reason; :meth:`with_width` splits a
+    # block's time by it into matmul work (scales with the weights) and the rest (with the width).
+    matmul_flops: float = 0.0
     # the ends as Galvatron measured them (per vocab-tp degree, with and without Megatron-SP); None for
     # profiles from our own profiler or from the shape, whose ends are the embed_* / head_* fields above
     ends: EndsProfile | None = None
@@ -825,6 +858,10 @@ class ModelProfile:
                 object.__setattr__(self, attr, TimeFit(**v))
         if not (self.optimizer_bandwidth >= 0 and math.isfinite(self.optimizer_bandwidth)):
             raise bad_value(f"optimizer_bandwidth={self.optimizer_bandwidth}", "must be a finite number >= 0 (bytes/s)",
+                            "use 0 when unknown; re-profile otherwise.")
+        if isinstance(self.matmul_flops, bool) or not isinstance(self.matmul_flops, (int, float)) or \
+                not (self.matmul_flops >= 0 and math.isfinite(self.matmul_flops)):
+            raise bad_value(f"matmul_flops={self.matmul_flops!r}", "must be a finite number >= 0 (FLOP/s)",
                             "use 0 when unknown; re-profile otherwise.")
         if self.precision not in PRECISIONS:
             raise bad_value(f"precision={self.precision}", f"must be one of {PRECISIONS}",
@@ -940,6 +977,8 @@ class ModelProfile:
         for attr in ("embed_backward", "head_backward"):  # and profiles whose ends' backwards were not measured
             if d[attr] is None:
                 d.pop(attr)
+        if not d["matmul_flops"]:  # and profiles without a measured matmul rate
+            d.pop("matmul_flops")
         if self.ends is None:  # so do profiles without Galvatron's end tables
             d.pop("ends")
         else:
@@ -1008,9 +1047,13 @@ class ModelProfile:
         large member may itself not fit; issue 17 validates the cost model on held-out widths this way. The
         first-order rule, beside :meth:`with_seq_len`'s:
 
-        - compute: each layer type's per-token work times the ratio of its forward FLOPs per token
-          (:func:`block_flops_per_token` at the new ``params`` and ``hidden``), the measured per-call overhead
-          kept; the embedding's and the head's (a ``V x h`` gather and matmul) in proportion to the width;
+        - compute: each layer type's per-token work, split by the profile's ``matmul_flops`` into the weights'
+          matmuls, times the ratio of the weights, and the rest (attention over the sequence, norms, activations,
+          residuals: all ``h`` wide per token), times the ratio of the widths (:meth:`LayerTypeProfile.at_width`);
+          a profile without a matmul rate takes all of it times the ratio of the forward FLOPs per token
+          (:func:`block_flops_per_token` at the new ``params`` and ``hidden``); the measured per-call overhead
+          kept either way; the embedding's and the head's (a ``V x h`` gather and matmul) in proportion to the
+          width;
         - memory: activation bytes per sample in proportion to the width, but for the head's logits and their
           copy in the loss (``V`` wide);
           parameters, gradients and optimizer states from ``params`` / ``embed_params`` / ``head_params``;
@@ -1021,8 +1064,11 @@ class ModelProfile:
         parameter count in the new model (one int: the same for every type). ``embed_params`` /
         ``head_params``: the new ends' (default: in proportion to the width). Refused: MoE layer types, Galvatron
         profiles (per-shape end tables), and an FFN whose ratio to the width moves by more than 10 % (the
-        activations' rule assumes it stays). Time as proportional to FLOPs is the weak part: a wider block runs
-        its matmuls more efficiently on most hardware, so the rule tends to over-price widening."""
+        activations' rule assumes it stays). Why the split: taking all of a block's time as proportional to FLOPs
+        over-priced widening and under-priced narrowing on CPU, where the matmuls' rate barely moves with their
+        size but the rest of the work grows with the width alone (see ``profiling.profilers._MatmulProbe``). On
+        hardware whose matmuls run faster the larger they are (GPUs at these sizes), the matmul part is still
+        priced by its FLOPs and so tends to over-price widening."""
         if not isinstance(shape, ModelShape):
             raise bad_value(f"shape={shape!r}", "must be a ModelShape (the new model's)",
                             "e.g. model.galv_shape(seq_len) of the model you plan for.")
@@ -1068,7 +1114,7 @@ class ModelProfile:
         narrow = min(self.head_act_bytes, 3.0 * self.act_dtype_bytes * old.seq_len * old.hidden)
 
         return replace(self, shape=shape,
-                       layer_types=tuple(lt.at_width(shape.hidden, c, old.seq_len)
+                       layer_types=tuple(lt.at_width(shape.hidden, c, old.seq_len, self.matmul_flops)
                                          for lt, c in zip(self.layer_types, counts)),
                        embed_params=ends.get("embed_params", round(self.embed_params * r)),
                        head_params=ends.get("head_params", round(self.head_params * r)),

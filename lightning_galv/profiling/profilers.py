@@ -517,6 +517,9 @@ class ShardedLayerProfiler:
         # bytes/s of an Adam step over unsharded copies of the block, every rank stepping at once and the slowest
         # one read (0 until fit() has measured it; one rank measures nothing). See :meth:`_optimizer_overhead`.
         self.optimizer_bandwidth = 0.0
+        # FLOP/s of one dense matmul of the block's FFN shape, timed in the same interleaved rounds as the block
+        # variants (0 until fit() has measured it). See :class:`_MatmulProbe`.
+        self.matmul_flops = 0.0
 
     def _sync(self) -> None:
         if torch.device(self.device).type == "cuda":
@@ -579,13 +582,20 @@ class ShardedLayerProfiler:
             else:
                 measured.update(self._time_blocks([(key, block)]))
             del block
+        probe_b = max(self.batch_sizes)
+        probe = [(_MatmulProbe.KEY, _MatmulProbe(self.shape.hidden, self.shape.ffn_hidden,
+                                                 next(self.make_block().parameters()).dtype, self.device), probe_b)]
         if held:
             _progress(f"timing {len(held)} blocks x {max(len(self.sizes(k)) for k, _ in held)} batch sizes, "
                       f"{self.repeats} interleaved rounds" + (
                           f" (up to {self.max_repeats} within {self.time_budget_s:g} s)" if self.time_budget_s else ""),
                       self.progress)
-            measured.update(self._time_blocks(held))
+            measured.update(self._time_blocks(held, probe))
+        else:
+            measured.update(self._time_blocks([], probe))
         del held
+        tf, tb, _, _ = measured.pop((_MatmulProbe.KEY, probe_b))
+        self.matmul_flops = probe[0][1].flops(probe_b * self.shape.seq_len) / max(tf + tb, 1e-12)
         self._close_factories()
         computed: dict[tuple[str, int], tuple[float, float]] = {}
         for key, comm_of in comms.items():
@@ -714,10 +724,12 @@ class ShardedLayerProfiler:
         t = _max_over_ranks([share], self.device)[0]  # each rank's own share, the largest: one number everywhere
         return None if t < 0 else t
 
-    def _time_blocks(self, blocks: Sequence[tuple[str, nn.Module]]
+    def _time_blocks(self, blocks: Sequence[tuple[str, nn.Module]],
+                     extra: Sequence[tuple[str, nn.Module, int]] = ()
                      ) -> dict[tuple[str, int], tuple[float, float, float, float]]:
-        """:meth:`_time_interleaved` over every block at every batch size, keyed ``(key, batch)``."""
-        runs = [(key, block, b) for key, block in blocks for b in self.sizes(key)]
+        """:meth:`_time_interleaved` over every block at every batch size, and the ``extra`` (key, module, batch)
+        runs at theirs, in the same rounds, keyed ``(key, batch)``."""
+        runs = [(key, block, b) for key, block in blocks for b in self.sizes(key)] + list(extra)
         walls = self._time_interleaved([(block, b) for _, block, b in runs])
         return {(key, b): w for (key, _, b), w in zip(runs, walls)}
 
@@ -1185,6 +1197,31 @@ class HardwareProfiler:
             if r > 0:
                 rec.append(_max_over_ranks(row, self.device))  # [compute, all-reduce, both]: slowest rank each
         return statistics.median(overlap_slowdown_from(c, m, b) for c, m, b in rec)
+
+
+class _MatmulProbe(nn.Module):
+    """One bias-free linear layer of a block's FFN shape (``hidden -> ffn_hidden``), timed forward and backward
+    (input and weight gradients: 6 FLOPs per weight and token) in the rounds that time the block variants.
+
+    Why: ``ModelProfile.with_width`` carries a block's time to another width. Taking all of it as proportional to
+    FLOPs over-priced widening and under-priced narrowing on CPU (costmodel_accuracy.py at b2ebb39, 2 ranks: width
+    384 +5.5 % and +10.0 %, width 192 -7.0 %, the last in all 10 launches), while a matmul's rate barely moves with
+    its size here (105-110 GFLOP/s on one core from 64 to 768 wide): the block's time is matmul work plus work
+    that grows with the width only (norms, activations, residuals, softmax). The rate measured here splits the
+    two. Timed beside the variants, so a slow spell touches both alike; its wall time, slowest rank, as theirs."""
+
+    KEY = "matmul"
+
+    def __init__(self, hidden: int, ffn_hidden: int, dtype: torch.dtype, device: str | torch.device) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, ffn_hidden, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.to(self.proj.weight.dtype))  # [b, s, hidden] -> [b, s, ffn_hidden]
+
+    def flops(self, tokens: int) -> float:
+        """Forward + backward FLOPs at ``tokens`` tokens: 2 per weight and token forward, 4 backward."""
+        return 6.0 * tokens * self.proj.weight.numel()
 
 
 def rounds_within_budget(round_s: float, budget_s: float, least: int, most: int) -> int:
