@@ -61,8 +61,8 @@ def _raw_timings() -> Iterator[tuple[list[dict[tuple[str, int], tuple[float, flo
     rounds: list[int] = []
     original = ShardedLayerProfiler._time_blocks
 
-    def recording(self: ShardedLayerProfiler, blocks: Any) -> Any:
-        out = original(self, blocks)
+    def recording(self: ShardedLayerProfiler, blocks: Any, *extra: Any) -> Any:
+        out = original(self, blocks, *extra)
         calls.append(dict(out))
         rounds.append(self.rounds_timed[-1])
         return out
