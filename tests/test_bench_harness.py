@@ -83,3 +83,24 @@ def test_step_parts_prediction_adds_up_to_the_step_for_every_stored_plan() -> No
                                                                                                 rel=1e-9)
             checked += 1
     assert checked >= 50  # 39 dense (held-out shapes too) and 11 MoE plans when written
+
+
+def test_the_raw_timing_recorder_passes_the_profilers_extra_runs_through(one_rank_group: None) -> None:
+    """costmodel_ranks._raw_timings wraps ShardedLayerProfiler._time_blocks to record its raw medians; the wrapper
+    must take what the profiler passes (the matmul probe's run since e53e399: a 15-launch accuracy run stopped at
+    its first profile when it did not) and record every run, the probe's included."""
+    import torch
+
+    import costmodel_ranks
+    from lightning_galv.plan import ModelShape
+    from lightning_galv.planner.profiles import HardwareProfile
+    from lightning_galv.profiling.profilers import ShardedLayerProfiler, _MatmulProbe
+
+    shape = ModelShape(1, 4, 1, 1, 8, 8, 2)
+    prof = ShardedLayerProfiler(lambda: torch.nn.Linear(4, 4), shape, HardwareProfile.uniform(1, 1, 1e9),
+                                batch_sizes=(1,), repeats=1, progress=False)
+    with costmodel_ranks._raw_timings() as (calls, rounds):
+        out = prof._time_blocks([("tp1/none", torch.nn.Linear(4, 4))],
+                                [(_MatmulProbe.KEY, _MatmulProbe(4, 8, torch.float32, "cpu"), 3)])
+    assert set(out) == {("tp1/none", 1), ("matmul", 3)} and calls == [out] and rounds == [1]
+    assert "recording" not in ShardedLayerProfiler._time_blocks.__qualname__  # the profiler's own again

@@ -6,7 +6,8 @@ import pytest
 
 from lightning_galv.plan import LayerStrategy, ModelShape, ParallelPlan
 from lightning_galv.planner.cost import (GRAD_BUCKET_BYTES, GalvatronCostModel, StageContext, inflight_microbatches,
-                                         bucketed_sync_exposed, overlapped, pipeline_time, state_bytes_per_param)
+                                         bucketed_sync_exposed, bucketed_sync_split, overlapped, pipeline_time,
+                                         state_bytes_per_param)
 from lightning_galv.planner.profiles import HardwareProfile, LayerTypeProfile, ModelProfile, TimeFit, act_key
 
 SEQ, H = 100, 10
@@ -286,12 +287,15 @@ def test_native_dp_sync_overlaps_the_last_backward_without_a_pipeline() -> None:
                                             "async_collectives": is_async})
             native = _layer_cost(GalvatronCostModel(profile(params), hw, runtime="native"), LayerStrategy(dp=2))
             # per layer: the rest after backward, the full buckets' all-reduces beside it (each slows it by 0.5x)
-            sync = rest * allreduce + (slowdown - 1.0) * full * GRAD_BUCKET_BYTES / (4 * grads) * allreduce
+            stretch = (slowdown - 1.0) * full * GRAD_BUCKET_BYTES / (4 * grads) * allreduce
+            sync = rest * allreduce + stretch
             assert native.step_extra == pytest.approx(optimizer + copy + sync)
             assert bucketed_sync_exposed(bwd, allreduce, 4, grads, slowdown) == pytest.approx(sync)
-            # of which the hooks move each gradient into its bucket inside backward (half the traffic); the scaling
-            # runs after the wait
-            assert native.in_backward == pytest.approx(copy / 2)
+            # the two parts: backward slowed beside the full buckets, then the last bucket after it
+            assert bucketed_sync_split(bwd, allreduce, 4, grads, slowdown) == pytest.approx((stretch, rest * allreduce))
+            # of which inside backward: the hooks moving each gradient into its bucket (half the traffic; the
+            # scaling runs after the wait), and backward's slowdown beside the all-reduces
+            assert native.in_backward == pytest.approx(copy / 2 + stretch)
             piped = GalvatronCostModel(profile(params), hw, runtime="native").layer_cost(
                 0, LayerStrategy(dp=2), StageContext(2, 8, 4, pp=2))
             assert piped.step_extra == pytest.approx(optimizer + allreduce + copy)

@@ -80,7 +80,8 @@ class LayerCost:
     transient: float = 0.0  # bytes briefly alive: a block's recompute / FSDP2 peak (the largest counts), the head's
     # FSDP2 bytes at the start of backward, the embedding's under a pipeline (stage_fixed adds them to the peak)
     in_backward: float = 0.0  # s per step of ``step_extra`` that runs inside the last micro-batch's backward (the
-    # runtime's gradient hooks): counted in step_extra, so no total changes; it only tells a measured phase split
+    # runtime's gradient hooks, and how much slower backward runs beside the gradient all-reduces it launched):
+    # counted in step_extra, so no total changes; it only tells a measured phase split
 
     def step_time(self, m: int) -> float:
         return m * (self.fwd + self.bwd) + self.step_extra
@@ -628,7 +629,15 @@ def bucket_latency(hw: HardwareProfile, grad_bytes: float, d: int, stride: int,
 
 def bucketed_sync_exposed(bwd: float, comm: float, layers: int, layer_bytes: float, slowdown: float,
                           latency: float = 0.0, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
-    """Per layer: what bucketed gradient all-reduces launched during the last backward add to it, for a stage of
+    """Per layer: what bucketed gradient all-reduces launched during the last backward add to it -- the sum of
+    :func:`bucketed_sync_split`'s two parts."""
+    return sum(bucketed_sync_split(bwd, comm, layers, layer_bytes, slowdown, latency, bucket_bytes))
+
+
+def bucketed_sync_split(bwd: float, comm: float, layers: int, layer_bytes: float, slowdown: float,
+                        latency: float = 0.0, bucket_bytes: float = GRAD_BUCKET_BYTES) -> tuple[float, float]:
+    """Per layer: (how much longer the last backward runs beside its all-reduces, what they take after it ends),
+    the time bucketed gradient all-reduces launched during the last backward add to it, for a stage of
     ``layers`` layers like this one (``bwd`` its backward compute, ``comm`` its share of the all-reduces, of which
     ``latency`` is latency, ``layer_bytes`` its gradients).
 
@@ -640,9 +649,10 @@ def bucketed_sync_exposed(bwd: float, comm: float, layers: int, layer_bytes: flo
     one. The share of a full bucket, priced before, charged a 31 MB stage (one 25 MiB bucket + 6 MB) 0.81 of
     its all-reduce after backward where 0.19 plus what the big one's overlap leaves is right. Gradients are
     taken to arrive in proportion to backward compute; while an all-reduce and backward overlap, both run
-    ``slowdown`` times slower (:func:`overlapped`)."""
+    ``slowdown`` times slower (:func:`overlapped`). Why two parts: a profiler of the running step sees the first
+    inside backward and only the second after it (``LayerCost.in_backward``)."""
     if comm <= 0 or layers <= 0:
-        return 0.0
+        return 0.0, 0.0
     total = max(layer_bytes * layers, 1.0)
     buckets = max(1, math.ceil(total / bucket_bytes))
     sizes = [bucket_bytes] * (buckets - 1) + [total - bucket_bytes * (buckets - 1)]  # in backward order
@@ -653,13 +663,17 @@ def bucketed_sync_exposed(bwd: float, comm: float, layers: int, layer_bytes: flo
         ready.append(compute * min(1.0, filled / total))  # backward done when this bucket is full
         work.append(lat / buckets + traffic * size / total)
     t = done = 0.0  # wall clock, backward compute done
+    ended: float | None = None  # wall clock when backward ended
     running: float | None = None  # the all-reduce in flight: its work left
     k = 0  # next bucket to launch
     while True:
+        if ended is None and done >= compute:
+            ended = t
         if running is None and k < buckets and ready[k] <= done:
             running, k = work[k], k + 1
         if running is None and done >= compute:
-            return (t - compute) / layers
+            assert ended is not None
+            return (ended - compute) / layers, (t - ended) / layers
         if running is None:  # backward alone up to the next bucket
             t, done = t + ready[k] - done, ready[k]
         elif done >= compute:  # the all-reduce alone
@@ -1048,7 +1062,10 @@ class GalvatronCostModel(CostModel):
         if queues:  # async on every backend (gloo too): beside backward at the profiled overlap slowdown,
             # the buckets queued after it paid in full (overlap_sync: no pipeline, so the stage is the whole model)
             if tail_share is None:
-                extra += max(self._sync_exposures(queues, bwd))
+                # the slowest group's; its backward slowed beside them is inside backward (phases only)
+                stretch, after = max(self._sync_splits(queues, bwd), key=sum)
+                extra += stretch + after
+                inside += stretch
             else:
                 sync_comm = sum(q[0] for q in queues)
                 tail = sync_comm * tail_share
@@ -1082,6 +1099,12 @@ class GalvatronCostModel(CostModel):
         return (pieces * bucketed_allreduce_time(self.hw, nb, d, stride, stage_bytes=stage),
                 pieces * bucket_latency(self.hw, nb, d, stride, stage_bytes=stage), params * el)
 
+    def _sync_splits(self, queues: list[tuple[float, float, float]], bwd: float) -> list[tuple[float, float]]:
+        """:meth:`_sync_exposures`, each split into its part inside the last backward and after it
+        (:func:`bucketed_sync_split`)."""
+        return [bucketed_sync_split(bwd, comm, self.model.num_layers, nbytes, self.hw.overlap_slowdown,
+                                    latency=latency) for comm, latency, nbytes in queues]
+
     def _sync_exposures(self, queues: list[tuple[float, float, float]], bwd: float) -> list[float]:
         """Per data group of a block, what its bucketed all-reduces add to the last backward (per layer,
         :func:`bucketed_sync_exposed`), each group simulated as its own queue.
@@ -1091,8 +1114,7 @@ class GalvatronCostModel(CostModel):
         (over the expert-data group) reduce side by side and the step waits for the slower. Measured at 4 gloo
         ranks (moe ep2, costmodel_accuracy.py --model moe at a789094): 8.9 ms waited after backward where one
         queue of both priced 15 ms and the slower group alone 8.8 ms."""
-        return [bucketed_sync_exposed(bwd, comm, self.model.num_layers, nbytes, self.hw.overlap_slowdown,
-                                      latency=latency) for comm, latency, nbytes in queues]
+        return [sum(split) for split in self._sync_splits(queues, bwd)]
 
     def _optimizer_time(self, local_params: float, zero: int, d: int) -> float:
         """Memory-bound optimizer update of this rank's shard (ZeRO SC'20: stages >= 1 shard the update)."""
