@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_galv.plan import LayerStrategy, ModelShape, ParallelPlan
@@ -650,6 +652,15 @@ def test_native_prefetched_gathers_overlap_compute_on_an_inline_backend() -> Non
     assert z3_galvatron.fwd == pytest.approx(fwd + comm)  # Galvatron's runtime: no such prefetch
     asynchronous = GalvatronCostModel(profile(), hardware(bw=1e8, slowdown=1.5), runtime="native")
     assert asynchronous.layer_cost(0, LayerStrategy(dp=2, zero=3), one).fwd == pytest.approx(overlapped(fwd, comm, 1.5))
+    # a measured all-gather overlap prices the prefetched gathers (the all-reduces keep theirs); unmeasured (0),
+    # the all-reduce's stands in -- the case above
+    gathers = GalvatronCostModel(profile(), replace(inline, gather_overlap_slowdown=1.1), runtime="native")
+    g3 = gathers.layer_cost(0, LayerStrategy(dp=2, zero=3), one)
+    assert g3.fwd == pytest.approx(overlapped(fwd, comm - first, 1.1) + first)
+    assert g3.bwd == pytest.approx(overlapped(bwd, comm - first, 1.1) + first + comm - tail)
+    assert g3.fwd < z3.fwd and inline.gather_slowdown == 1.5
+    dp = gathers.layer_cost(0, LayerStrategy(dp=2), one)
+    assert dp.step_extra == pytest.approx(cm.layer_cost(0, LayerStrategy(dp=2), one).step_extra)
 
 
 def test_phases_move_what_backward_hooks_run_into_forward_backward_without_changing_the_step() -> None:

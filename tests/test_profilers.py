@@ -148,6 +148,8 @@ def test_hardware_profiler_two_gloo_ranks() -> None:
     # gloo runs an async all-reduce on its own thread beside the matmuls: between perfect overlap (1) and well
     # past serial (2) on a shared 2-core host, never below 1 or absurd
     assert 1.0 <= hw.overlap_slowdown <= 4.0
+    # and an all-gather's (FSDP2's prefetched parameters), measured on its own, which the cost model prices them by
+    assert 1.0 <= hw.gather_overlap_slowdown <= 4.0 and hw.gather_slowdown == hw.gather_overlap_slowdown
     plans = search(SHAPE, hw, 2, 4e9, global_batch=4)  # analytic profile reserves 1 GiB framework memory
     assert plans[0].world_size == 2
 

@@ -353,6 +353,18 @@ def test_with_width_and_a_matmul_rate_scales_the_matmuls_by_the_weights_and_the_
     assert "matmul_flops" not in prof.with_(matmul_flops=0.0).to_dict() and prof.to_dict()["matmul_flops"] == rate
 
 
+def test_a_hardware_profile_keeps_an_all_gather_overlap_apart_and_serializes_as_before_without_one() -> None:
+    hw = HardwareProfile.uniform(1, 2, 80e9, overlap_slowdown=1.6)
+    assert hw.gather_overlap_slowdown == 0.0 and hw.gather_slowdown == 1.6
+    assert "gather_overlap_slowdown" not in hw.to_dict()  # older profiles read and fingerprint as before
+    measured = HardwareProfile.from_dict({**hw.to_dict(), "gather_overlap_slowdown": 1.1})
+    assert measured.gather_slowdown == 1.1 and measured.overlap_slowdown == 1.6
+    assert HardwareProfile.from_json(measured.to_json()) == measured and measured.fingerprint() != hw.fingerprint()
+    for bad in (0.5, -1.0, float("nan"), float("inf"), True, "1.2"):
+        with pytest.raises(ValueError, match=r"gather_overlap_slowdown=.*0 \(not measured.*>= 1.*HINT"):
+            HardwareProfile.from_dict({**hw.to_dict(), "gather_overlap_slowdown": bad})
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), True, "1e11"])
 def test_a_model_profile_refuses_a_bad_matmul_rate(bad: object) -> None:
     with pytest.raises(ValueError, match=r"matmul_flops=.*finite number >= 0.*HINT"):

@@ -1073,10 +1073,11 @@ class GalvatronCostModel(CostModel):
         extra += exposed
         inside += exposed
         if gathered:
-            if fwd_hidden > 0:  # prefetched gathers beside compute (Galvatron VLDB'23's overlap slowdown)
-                fwd = overlapped(fwd, fwd_hidden, hw.overlap_slowdown)
+            if fwd_hidden > 0:  # prefetched gathers beside compute (Galvatron VLDB'23's overlap slowdown, an
+                # all-gather's: HardwareProfile.gather_slowdown)
+                fwd = overlapped(fwd, fwd_hidden, hw.gather_slowdown)
             if bwd_hidden > 0:
-                bwd = overlapped(bwd, bwd_hidden, hw.overlap_slowdown)
+                bwd = overlapped(bwd, bwd_hidden, hw.gather_slowdown)
             bwd_mb = self._overlap(bwd, bwd_comm)
             if last_rs > 0:  # the last micro-batch's backward also reduce-scatters: its increment, once per step
                 increment = self._overlap(bwd, bwd_comm + last_rs) - bwd_mb

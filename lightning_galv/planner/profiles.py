@@ -111,8 +111,17 @@ class HardwareProfile:
     # whether the runtime's FSDP/ZeRO collectives can run concurrently with compute: on GPUs they go on
     # their own CUDA stream; on CPU (gloo) FSDP2 issues them synchronously, so they add to compute time
     async_collectives: bool = True
+    # as ``overlap_slowdown``, for an all-gather beside compute (FSDP2's prefetched parameter gathers); 0 = not
+    # measured: the all-reduce's. Why its own: an all-gather only moves bytes where an all-reduce also sums
+    # them, so on a CPU whose cores the collective's thread shares with compute the two overlap differently
+    gather_overlap_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.gather_overlap_slowdown, bool) or \
+                not isinstance(self.gather_overlap_slowdown, (int, float)) or \
+                not (self.gather_overlap_slowdown == 0.0 or 1.0 <= self.gather_overlap_slowdown < math.inf):
+            raise bad_value(f"gather_overlap_slowdown={self.gather_overlap_slowdown!r}", "must be 0 (not measured: "
+                            "overlap_slowdown is used) or a finite number >= 1", "use 1.0 for perfect overlap.")
         for attr in ("num_nodes", "gpus_per_node"):
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -137,6 +146,11 @@ class HardwareProfile:
         if not links:
             raise bad_value("links={}", "a hardware profile needs at least one collective measurement",
                             "use HardwareProfile.uniform(...) or run HardwareProfiler.")
+
+    @property
+    def gather_slowdown(self) -> float:
+        """The overlap slowdown of an all-gather beside compute: measured, else the all-reduce's."""
+        return self.gather_overlap_slowdown or self.overlap_slowdown
 
     @property
     def world_size(self) -> int:
@@ -209,7 +223,9 @@ class HardwareProfile:
                 "overlap_slowdown": self.overlap_slowdown, "memory_bandwidth": self.memory_bandwidth,
                 "async_collectives": self.async_collectives,
                 "links": {k: asdict(v) for k, v in sorted(self.links.items())},
-                "p2p": {k: asdict(v) for k, v in sorted(self.p2p.items())}}
+                "p2p": {k: asdict(v) for k, v in sorted(self.p2p.items())},
+                # profiles without a measured all-gather overlap serialize (and fingerprint) as before it existed
+                **({"gather_overlap_slowdown": self.gather_overlap_slowdown} if self.gather_overlap_slowdown else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "HardwareProfile":

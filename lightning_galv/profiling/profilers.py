@@ -1083,8 +1083,8 @@ class HardwareProfiler:
         self.device_memory_bytes = device_memory_bytes or 8 * 2**30
 
     def key(self) -> str:
-        # v3: the overlap coefficient as the inverse of cost.overlapped (see _overlap)
-        return fingerprint({"v": 3, "world": self.world, "backend": dist.get_backend(), "sizes": self.sizes,
+        # v3: the overlap coefficient as the inverse of cost.overlapped (see _overlap); v4: an all-gather's too
+        return fingerprint({"v": 4, "world": self.world, "backend": dist.get_backend(), "sizes": self.sizes,
                             "node": self.gpus_per_node, "torch": torch.__version__})
 
     def _time(self, fn: Callable[[], None]) -> float:
@@ -1144,18 +1144,25 @@ class HardwareProfiler:
                 buf = torch.ones(nbytes // 4, device=self.device)
                 pts.append((nbytes, self._time(lambda: _pingpong(buf, self.rank)) / 2))
             p2p["intra" if self.world <= self.gpus_per_node else "inter"] = LinkFit.fit(pts)
-        overlap = self._overlap()
+        buf = torch.ones(1 << 22, device=self.device)  # 16 MiB: a gradient bucket's size (4 MiB read 1.0-5.3 per round)
+        overlap = self._overlap("all-reduce", lambda op: dist.all_reduce(buf, async_op=op))
+        # an FSDP2 unit's all-gather of 16 MiB (each rank's 1/world of it in, the whole out), as its async unshard
+        shard = torch.ones((1 << 22) // self.world, device=self.device)
+        gathered = torch.empty(shard.numel() * self.world, device=self.device)
+        gather_overlap = self._overlap("all-gather", lambda op: dist.all_gather_into_tensor(gathered, shard,
+                                                                                            async_op=op))
         # FSDP2 and DTensor issue collectives on a side CUDA stream; on CPU they run inline (no overlap)
         prof = HardwareProfile(max(1, self.world // self.gpus_per_node), min(self.gpus_per_node, self.world),
                                self.device_memory_bytes, links, p2p, overlap, 0.0, name=f"profiled:{dist.get_backend()}",
-                               async_collectives=self.device.type == "cuda")
+                               async_collectives=self.device.type == "cuda", gather_overlap_slowdown=gather_overlap)
         if self.cache is not None and self.rank == 0:
             self.cache.save("hardware", self.key(), prof)
         return prof
 
-    def _overlap(self) -> float:
+    def _overlap(self, what: str, collective: Callable[[bool], Any]) -> float:
         """Galvatron's overlap coefficient (VLDB'23, Sec. 3.3), measured as the cost model uses it: ``s`` such that
-        a compute phase of ``t_c`` beside an all-reduce of ``t_m`` takes ``max + (s - 1) * min``
+        a compute phase of ``t_c`` beside a collective of ``t_m`` (``collective(async_op)``: an all-reduce for
+        ``overlap_slowdown``, an all-gather for ``gather_overlap_slowdown``) takes ``max + (s - 1) * min``
         (:func:`~lightning_galv.planner.cost.overlap_slowdown_from`, the inverse of ``cost.overlapped``).
 
         Why this estimator (hardware cache v3): the one before took ``t_both / max(t_c, t_m)``, which equals
@@ -1166,10 +1173,9 @@ class HardwareProfiler:
         to noise, and compute alone, the all-reduce alone and both together are timed interleaved over rounds
         (a slow spell of a shared host touches one sample of each), each pass from a barrier, its slowest
         rank's time; ``s`` is the median of the rounds' values."""
-        _progress("overlap coefficient", self.progress)
+        _progress(f"overlap coefficient ({what})", self.progress)
         a = torch.randn(256, 256, device=self.device)
-        buf = torch.ones(1 << 22, device=self.device)  # 16 MiB: a gradient bucket's size (4 MiB read 1.0-5.3 per round)
-        t_m = self._time(lambda: dist.all_reduce(buf))
+        t_m = self._time(lambda: collective(False))
         t_one = self._time(lambda: (a @ a, None)[1]) or 1e-9
         reps = max(1, min(10_000, round(t_m / t_one)))  # the same on every rank: both times are maxed over ranks
 
@@ -1178,11 +1184,11 @@ class HardwareProfiler:
                 a @ a
 
         def both() -> None:
-            w = dist.all_reduce(buf, async_op=True)
+            w = collective(True)
             compute()
             w.wait()
 
-        runs = [compute, lambda: dist.all_reduce(buf), both]
+        runs = [compute, lambda: collective(False), both]
         rounds = max(15, self.repeats)
         rec = []
         for r in range(rounds + 1):  # round 0 warms up
