@@ -98,14 +98,23 @@ def moe_zero_blocks() -> dict[str, Any]:
     blk = find_parts(model).blocks[0]
     lt = LayerTypeProfile("moe", TimeFit(), TimeFit(), sum(p.numel() for p in blk.parameters()), {"tp1/none": 1.0},
                           32, moe=moe_facts(blk))
-    hw = HardwareProfile.uniform(1, 4, 24e9, intra_bw=1e9, latency_s=1e-5)
+    from dataclasses import replace
+
+    # collectives inline, as gloo runs them (the runtime then prefetches the next unit's gathers asynchronously)
+    hw = replace(HardwareProfile.uniform(1, 4, 24e9, intra_bw=1e9, latency_s=1e-5), async_collectives=False)
     prof = ShardedLayerProfiler(lambda: copy.deepcopy(blk), model.galv_shape(16), hw, batch_sizes=(2,), repeats=1,
                                 progress=False)
     out: dict[str, Any] = {}
-    for key, block, comm in prof._zero_blocks(lt):
+    from lightning_galv.profiling.profilers import ZERO_CHAIN_UNITS
+
+    for key, chain, comm in prof._zero_blocks(lt):
+        units = list(chain.units)  # the blocks, each its own FSDP2 unit under the chain's shared root
+        assert len(units) == ZERO_CHAIN_UNITS and isinstance(chain, FSDPModule), key
+        assert chain._get_fsdp_state()._fsdp_param_group is None, key  # the root manages no parameter itself
+        block = units[0]
         layer = moe_layers(block)[0]
         experts = [e for e in layer.experts if not isinstance(e, ExpertPlaceholder)]
-        y = block(torch.randn(2, 16, 32, requires_grad=True))
+        y = chain(torch.randn(2, 16, 32, requires_grad=True))
         y.backward(torch.ones_like(y))
         out[key] = {
             "block_mesh": (block._get_fsdp_state()._fsdp_param_group.mesh_info.mesh.size()
@@ -115,7 +124,9 @@ def moe_zero_blocks() -> dict[str, Any]:
             "experts_sharded": sorted({hasattr(p, "to_local") for e in experts for p in e.parameters()}),
             "expert_grads": all(p.grad is not None for e in experts for p in e.parameters()),
             # a gradient on the sharded parameters = reduce-scattered (the /nosync twins keep theirs unsharded)
-            "sharded_grads": sorted({p.grad is not None for p in block.parameters() if hasattr(p, "to_local")}),
+            "sharded_grads": sorted({p.grad is not None for p in chain.parameters() if hasattr(p, "to_local")}),
+            # the chain's second unit gathered beside the first's compute (forward; ZeRO-3 backward too)
+            "prefetched": list(prof._prefetched[key]),
             "comm": list(comm(2)),
         }
     return out

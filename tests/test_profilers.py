@@ -572,7 +572,9 @@ def test_moe_zero_blocks_are_wrapped_as_the_runtime_wraps_them_4_ranks() -> None
     expert, plain: its expert-data group is one rank, so the block's state ignores it), as
     ``parallelize._apply_expert_data_parallel`` does; each runs forward and backward. Each has a ``/nosync`` twin,
     wrapped alike, whose backward reduce-scatters nothing, nested expert units included (the overhead of the
-    micro-batches before the last under accumulation), and whose predicted backward has no reduce-scatter."""
+    micro-batches before the last under accumulation), and whose predicted backward has no reduce-scatter. Each is
+    a chain of blocks under a shared FSDP2 root, as ``parallelize()`` runs a model's blocks, whose prefetched
+    gathers are kept apart for the overhead's subtraction."""
     from pathlib import Path
 
     from lightning_galv.testing import run_distributed
@@ -589,6 +591,16 @@ def test_moe_zero_blocks_are_wrapped_as_the_runtime_wraps_them_4_ranks() -> None
                 assert r[f"zero{z}/ep4{twin}"]["experts"] == [None] and r[f"zero{z}/ep4{twin}"]["experts_sharded"] == [False]
         for key, v in r.items():
             assert v["block_mesh"] == 4, (key, v)
+            # the chain's second unit gathers beside the first's compute: half a unit's gathers at two units (the
+            # block's own state in forward; in a ZeRO-3 backward every state, nested expert units included)
+            pf, pb = v["prefetched"]
+            assert 0 < pf < v["comm"][0], (key, v)
+            if key.startswith("zero2"):
+                assert pb == 0.0, (key, v)
+            elif "/edp2" in key:
+                assert pb > pf, (key, v)
+            else:
+                assert pb == pytest.approx(pf), (key, v)
             # the all-to-alls (ep > 1) and the expert units' gathers are part of what the profiler subtracts
             assert v["comm"][0] > 0 and v["comm"][1] >= 0, (key, v["comm"])
             if key.endswith("/nosync"):

@@ -994,7 +994,8 @@ class GalvatronCostModel(CostModel):
         direction has nothing before it, so each block pays 1/layers of its gathers in full (exact when every
         block is a ZeRO-2/3 unit and the ends are not). Assumed, not seen from one layer: that the runtime made
         a shared FSDP2 root, which it does for two or more ZeRO-2/3 units under the model's container
-        (``shared_root_container``); with a single such unit its gathers run inline and are priced low here.
+        (``shared_root_container``), and the ShardedLayerProfiler times its ZeRO blocks so (a chain of two under
+        one root, ``profilers._UnitChain``); with a single such unit its gathers run inline and are priced low here.
         Routed experts' nested states are outside the forward chain (inline in forward, hidden in backward)."""
         hw = self.hw
         native = self.runtime == "native"

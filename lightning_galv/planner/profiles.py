@@ -576,7 +576,10 @@ class LayerTypeProfile:
     # zero_key() -> {"forward": fit, "backward": fit[, "backward_nosync": fit]}: what FSDP2 adds to one pass of
     # the layer beyond the collectives themselves -- copy-in/out of the flat buffers, hooks. "backward_nosync":
     # a backward with gradient sync off (FSDP2's set_requires_gradient_sync(False): the micro-batches before the
-    # last under accumulation), which skips the reduce-scatter's own copies too; missing = "backward". "zero2"/"zero3": the whole (unsharded)
+    # last under accumulation), which skips the reduce-scatter's own copies too; missing = "backward". Per unit of
+    # a chain of such units under one shared FSDP2 root, as parallelize() runs a model's blocks (the root's work
+    # shared among them; until the sharded-profile cache v18, one unit alone, its own root: every root's work
+    # charged per layer). "zero2"/"zero3": the whole (unsharded)
     # layer as one unit; for an MoE block also per expert-parallel degree as the runtime wraps it (experts left
     # plain on a one-rank expert-data group, else FSDP2 units of their own), since much of the work is per unit
     # and per tensor, not per byte. Measured; scaled by the rank's share of the FSDP2-managed parameters of the

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import bad_value
 from ..plan import ModelShape, divisors
-from ..planner.cost import overlap_slowdown_from
+from ..planner.cost import overlap_slowdown_from, overlapped
 from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, MoELayerFacts,
                                 ProfileCache, TimeFit, act_key, fingerprint, link_key, transient_key)
 
@@ -72,6 +72,29 @@ def _payload_bytes(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> 
 
 CKPT_SUFFIX = "/ckpt"  # a timed block's key + this: the same variant, checkpointed
 NOSYNC_SUFFIX = "/nosync"  # a ZeRO key + this: the same FSDP2 block with gradient sync off (accumulation)
+# FSDP2 units the ShardedLayerProfiler chains under one shared root to time a ZeRO-2/3 block (see _UnitChain)
+ZERO_CHAIN_UNITS = 2
+
+
+class _UnitChain(nn.Module):
+    """``n`` copies of a block run one after the other, each its own FSDP2 unit under this module as their shared
+    root, as ``parallelize()`` wraps two or more ZeRO-2/3 blocks (``data_parallel.apply_shared_root``).
+
+    Why a chain and not one unit: a lone FSDP2 unit is its own root, and what a root does per forward and backward
+    (its pre-forward, the post-backward final callback, no prefetch: every gather inline) was charged per layer.
+    Measured (the accuracy benchmark's LLaMA block under ZeRO-3 at 2, 4 and 8 samples, one launch each): two
+    chained units took less than two lone ones by more than prefetching hides at the profiled overlap slowdown --
+    per pass 1-2 ms of forward at 2 gloo ranks, 9 ms of backward at 4 -- while the cost model, fed lone units,
+    priced every ZeRO-3 plan 3-7 % slow (costmodel_accuracy.py at 773eeb5 and f194874)."""
+
+    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.units = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit in self.units:
+            x = unit(x)
+        return x
 
 
 def _progress(msg: str, enabled: bool) -> None:
@@ -520,6 +543,9 @@ class ShardedLayerProfiler:
         # FLOP/s of one dense matmul of the block's FFN shape, timed in the same interleaved rounds as the block
         # variants (0 until fit() has measured it). See :class:`_MatmulProbe`.
         self.matmul_flops = 0.0
+        # per ZeRO key, one unit's (forward, backward) gather seconds the runtime prefetches beside compute
+        # (filled by :meth:`_zero_blocks`, read by :meth:`_zero_overhead`)
+        self._prefetched: dict[str, tuple[float, float]] = {}
 
     def _sync(self) -> None:
         if torch.device(self.device).type == "cuda":
@@ -949,9 +975,11 @@ class ShardedLayerProfiler:
 
     def _zero_blocks(self, layer: LayerTypeProfile | None = None) -> Iterator[tuple[str, nn.Module, Comm]]:
         """The block under FSDP2 with the whole world as its data group, ZeRO-2 and ZeRO-3, keyed
-        :func:`~lightning_galv.planner.profiles.zero_key`, each with its predicted (forward, backward) seconds of
-        the collectives it runs: the all-gathers / reduce-scatters (and an MoE block's router statistics over that
-        group, as in its ``tp1/none`` variant), which :meth:`_zero_overhead` subtracts with the compute.
+        :func:`~lightning_galv.planner.profiles.zero_key`: a chain of ``ZERO_CHAIN_UNITS`` such blocks under one
+        shared root (:class:`_UnitChain`), each with its predicted (forward, backward) seconds of the collectives
+        one unit runs, all inline: the all-gathers / reduce-scatters (and an MoE block's router statistics over
+        that group, as in its ``tp1/none`` variant), which :meth:`_zero_overhead` subtracts with the compute; the
+        part of the gathers the runtime prefetches beside compute is kept in ``self._prefetched[key]``.
 
         An MoE block is also built for every expert-parallel degree as ``parallelize()`` wraps it: experts split
         by ``apply_ep`` (the all-to-alls too are subtracted), each an FSDP2 unit of its own over the expert-data
@@ -969,15 +997,25 @@ class ShardedLayerProfiler:
             return
         factory = self._factory()  # closed by fit() once its blocks are timed
         eps = [1] + (self.ep_degrees(layer) if layer is not None else [])
+        n = ZERO_CHAIN_UNITS
+        # the share of a unit's gathers prefetched beside compute, as the cost model prices a model of n such
+        # blocks (``cost._data_parallel_groups``' ``prefetched``): where collectives run inline (gloo) the runtime
+        # issues the next unit's asynchronously, so all but the first unit of each direction gather beside compute
+        hidden = 0.0 if self.hw.async_collectives else 1.0 - 1.0 / n
         for ep in eps:
             edp = self.world // ep
             for zero in (2, 3):
                 _progress(f"sharded block zero={zero}" + (f" ep={ep}" if ep > 1 else ""), self.progress)
                 s = LayerStrategy(dp=self.world, zero=zero, ep=ep)
-                block, units = self._zero_block(layer, factory, s)
-                el = next(block.parameters()).element_size()
-                gather = sum(self.hw.collective_time("allgather", n, g, st) for n, g, st in units)
-                scatter = sum(self.hw.collective_time("reducescatter", n, g, st) for n, g, st in units)
+                chain, units = self._zero_chain(layer, factory, s, n)
+                el = next(chain.parameters()).element_size()
+                gathers = [self.hw.collective_time("allgather", b, g, st) for b, g, st in units]
+                gather = sum(gathers)
+                scatter = sum(self.hw.collective_time("reducescatter", b, g, st) for b, g, st in units)
+                # forward: the block's own state only (nested expert units gather inline, outside the prefetch
+                # chain); backward (ZeRO-3): every state, in post-forward order
+                key = zero_key(zero, ep, edp)
+                self._prefetched[key] = (gathers[0] * hidden, gather * hidden if zero == 3 else 0.0)
 
                 def comm(b: int, f: float = gather, bw: float = scatter + (gather if zero == 3 else 0.0),
                          s: LayerStrategy = s, el: int = el) -> tuple[float, float]:
@@ -992,14 +1030,27 @@ class ShardedLayerProfiler:
                     f, bw = comm(b)
                     return f, bw - scatter
 
-                yield zero_key(zero, ep, edp), block, comm
-                del block
-                # the same block as the micro-batches before the last of an accumulation run it: no
+                yield key, chain, comm
+                del chain
+                # the same chain as the micro-batches before the last of an accumulation run it: no
                 # reduce-scatter, and none of FSDP2's copies around it (the cost model's "backward_nosync")
-                twin, _ = self._zero_block(layer, factory, s)
-                twin.set_requires_gradient_sync(False)  # type: ignore[operator]  # recurses into expert units
-                yield zero_key(zero, ep, edp) + NOSYNC_SUFFIX, twin, comm_nosync
+                twin, _ = self._zero_chain(layer, factory, s, n)
+                twin.set_requires_gradient_sync(False)  # type: ignore[operator]  # recurses into every unit
+                self._prefetched[key + NOSYNC_SUFFIX] = self._prefetched[key]
+                yield key + NOSYNC_SUFFIX, twin, comm_nosync
                 del twin
+
+    def _zero_chain(self, layer: LayerTypeProfile | None, factory: Any, s: Any, n: int
+                    ) -> tuple[nn.Module, list[tuple[float, int, int]]]:
+        """``n`` blocks each wrapped by :meth:`_zero_block`, chained under a shared FSDP2 root as ``parallelize()``
+        makes one (:func:`~lightning_galv.parallel.data_parallel.apply_shared_root`, which on CPU also issues the
+        prefetched gathers asynchronously), and one block's collectives."""
+        from ..parallel.data_parallel import apply_shared_root
+
+        built = [self._zero_block(layer, factory, s) for _ in range(n)]
+        chain = _UnitChain([block for block, _ in built])
+        apply_shared_root(chain, list(chain.units), factory.data_mesh(s))
+        return chain, built[0][1]
 
     def _zero_block(self, layer: LayerTypeProfile | None, factory: Any, s: Any
                     ) -> tuple[nn.Module, list[tuple[float, int, int]]]:
@@ -1031,30 +1082,38 @@ class ShardedLayerProfiler:
                        measured: Mapping[tuple[str, int], tuple[float, float, float, float]]
                        ) -> dict[str, dict[str, TimeFit]]:
         """``{zero_key: {"forward": fit, "backward": fit, "backward_nosync": fit}}`` for
-        :class:`LayerTypeProfile`.zero_overhead.
+        :class:`LayerTypeProfile`.zero_overhead: FSDP2's own work per unit (flat-buffer copies, hooks, its root's
+        share), beyond the compute and the collectives the cost model prices.
 
-        The FSDP2 blocks of :meth:`_zero_blocks`, timed (in ``measured``) like the sharded variants; minus the
-        predicted collectives and the compute of the same block without FSDP2 (``sharded``: the ``tp1/none``
-        fits, or ``tp1/none/ep<k>`` at ep k), the rest is FSDP2's own work: flat-buffer copies and hooks.
-        """
+        The chains of :meth:`_zero_blocks`, timed (in ``measured``) like the sharded variants; per unit, minus the
+        compute of the same block without FSDP2 (``sharded``: the ``tp1/none`` fits, or ``tp1/none/ep<k>`` at
+        ep k) and its collectives as the cost model prices a unit of a model of ``ZERO_CHAIN_UNITS`` such blocks:
+        inline, but for the prefetched gathers (``self._prefetched``), which overlap the compute at the
+        all-gather's slowdown (``HardwareProfile.gather_slowdown``)."""
         from ..planner.profiles import parse_zero_key, time_key
 
         seq = self.shape.seq_len
+        n = ZERO_CHAIN_UNITS
+        slow = self.hw.gather_slowdown
         out: dict[str, dict[str, TimeFit]] = {}
         nosync: dict[str, TimeFit] = {}
         for key, comm in comms.items():
             base = key.removesuffix(NOSYNC_SUFFIX)
             _, ep, _ = parse_zero_key(base)  # type: ignore[misc]  # keys from zero_key
             plain = sharded[time_key(1, "none", ep)]
+            hid_f, hid_b = self._prefetched[key]
             fwd, bwd = [], []
             for b in self.batch_sizes:
                 tf, tb, _, _ = measured[(key, b)]
                 comm_f, comm_b = comm(b)
-                t = _max_over_ranks([max(0.0, tf - comm_f - plain["forward"](b, seq)),
-                                     max(0.0, tb - comm_b - plain["backward"](b, seq))], self.device)
+                c_f, c_b = plain["forward"](b, seq), plain["backward"](b, seq)
+                # one unit as priced: compute + inline collectives + the prefetched gathers beside the compute
+                t = _max_over_ranks([max(0.0, tf / n - (comm_f - hid_f) - overlapped(c_f, hid_f, slow)),
+                                     max(0.0, tb / n - (comm_b - hid_b) - overlapped(c_b, hid_b, slow))],
+                                    self.device)
                 fwd.append((b, seq, float(t[0])))
                 bwd.append((b, seq, float(t[1])))
-            if key != base:  # its forward is the synced block's: only the backward differs
+            if key != base:  # its forward is the synced chain's: only the backward differs
                 nosync[base] = TimeFit.fit(bwd)
             else:
                 out[key] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
