@@ -710,3 +710,46 @@ def test_stage_sync_time_charges_whole_bucket_latencies_of_groups_no_block_share
     # layer 3 alone over its 2-rank group (paid a quarter of its latency), the ends over 4 ranks (paid ends_paid)
     assert cm.stage_sync_time(plan(tp4, tp4, tp4, tp2dp2), 0, ctx) == pytest.approx(lat * (1 - 0.25 - ends_paid))
     assert GalvatronCostModel(prof, hw).stage_sync_time(plan(tp4, tp4, tp4, tp4), 0, ctx) == 0.0
+
+
+def test_a_plans_only_zero3_unit_pays_its_own_root_and_inline_gathers() -> None:
+    """``lone_unit_time``: a ZeRO-2/3 block priced as one of a shared-root model (gathers prefetched but for 1/layers,
+    the chained units' overhead) costs, as the plan's only such unit, its gathers inline and the overhead measured
+    on one unit alone -- once per plan, at the chunk's edges (``breakdown["transitions"]``). Golden numbers: gathers
+    beside compute at slowdown 1.5 save (2 - 1.5) of the 3/4 hidden, in each direction."""
+    from dataclasses import replace
+
+    from lightning_galv.planner.cost import overlapped, zero3_gather_time
+
+    lt = profile().layer(0)
+    over = {"zero3": {"forward": TimeFit(2 * MS), "backward": TimeFit(3 * MS),
+                      "forward_alone": TimeFit(5 * MS), "backward_alone": TimeFit(7 * MS)}}
+    prof = profile().with_(layer_types=(replace(lt, zero_overhead=over),))
+    hw = replace(hardware(bw=1e9), async_collectives=False, gather_overlap_slowdown=1.5)
+    cm = GalvatronCostModel(prof, hw, runtime="native")
+    dp, z3 = LayerStrategy(dp=2), LayerStrategy(dp=2, zero=3)
+
+    def plan(layers: list[LayerStrategy], **kw: object) -> ParallelPlan:
+        return ParallelPlan(2, tuple(layers), embed=kw.pop("embed", dp), head=kw.pop("head", dp), global_batch=8,
+                            **kw)  # type: ignore[arg-type]
+
+    one = plan([dp, dp, z3, dp])
+    ctx = StageContext(2, 8, 1)
+    g = zero3_gather_time(hw, lt.params * 2.0, 2, 1)  # bf16 parameters over 2 ranks
+    c = 4 * MS  # 4 samples per rank, 1 ms each (the forward; backward 8 ms)
+    assert 0.75 * g < c  # the hidden gathers fit beside the compute: overlapped() is linear there
+    hidden = (overlapped(c, 0.75 * g, 1.5) - c) + (overlapped(2 * c, 0.75 * g, 1.5) - 2 * c)
+    want = (5 - 2) * MS + (7 - 3) * MS + 2 * 0.75 * g - hidden
+    assert cm.lone_unit_time(one, ctx) == pytest.approx(want)
+    assert cm.evaluate(one).breakdown["transitions"] == pytest.approx(want)  # no re-layout in this plan
+    # two units share a root; a ZeRO-3 end shares one with the block; a pipeline keeps a root per unit (its
+    # schedule's timing as before); the textbook runtime has no FSDP2
+    assert cm.lone_unit_time(plan([dp, z3, z3, dp]), ctx) == 0.0
+    assert cm.lone_unit_time(plan([dp, dp, z3, dp], head=z3), ctx) == 0.0
+    piped = ParallelPlan(4, (dp, dp, z3, dp), embed=dp, head=dp, global_batch=8, pp=2, micro_batches=2)
+    assert cm.lone_unit_time(piped, StageContext(2, 4, 2, pp=2)) == 0.0
+    assert GalvatronCostModel(prof, hw).lone_unit_time(one, ctx) == 0.0
+    # a profile without the lone unit measured still prices its gathers inline
+    bare = GalvatronCostModel(profile().with_(layer_types=(replace(lt, zero_overhead={
+        "zero3": {"forward": TimeFit(2 * MS), "backward": TimeFit(3 * MS)}}),)), hw, runtime="native")
+    assert bare.lone_unit_time(one, ctx) == pytest.approx(2 * 0.75 * g - hidden)

@@ -884,7 +884,8 @@ class GalvatronCostModel(CostModel):
         return overlapped(compute, comm, self.hw.overlap_slowdown)
 
     def _block_cost(self, lt: LayerTypeProfile, s: LayerStrategy, mb: int, accumulates: bool = False,
-                    overlap_sync: bool = False) -> LayerCost:
+                    overlap_sync: bool = False, alone: bool = False) -> LayerCost:
+        """``alone``: the block is the plan's only ZeRO-2/3 unit, its own FSDP2 root (:meth:`lone_unit_time`)."""
         m, hw = self.model, self.hw
         b = mb / s.dp
         t = s.tp
@@ -907,17 +908,21 @@ class GalvatronCostModel(CostModel):
         groups = self._param_groups(lt, s, d, dp_stride)
         precision = "fp32" if m.precision == "fp32" else "mixed"
         fwd_t, bwd_t, extra, inside = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t, overlap_sync,
-                                                                 accumulates, prefetched=True, block=True)
+                                                                 accumulates, prefetched=not alone, block=True)
         native = self.runtime == "native"
         entry = zero_overhead_entry(lt, s.zero, t, s.ep, d // s.ep) if native and d > 1 and s.zero >= 2 else None
         if entry is not None:  # FSDP2's own work around its collectives, on this rank's FSDP2-managed share
             over, share = entry
             of, ob = over["forward"](b, m.seq_len) * share, over["backward"](b, m.seq_len) * share
+            if alone and "forward_alone" in over:  # its own root's work too (measured on one unit alone)
+                of, ob = over["forward_alone"](b, m.seq_len) * share, over["backward_alone"](b, m.seq_len) * share
             # the micro-batches before the last reduce-scatter nothing, and skip FSDP2's copies around it too: a
             # 2-rank LLaMA block's backward at 2 samples carried 8.5 ms of FSDP2 work with its reduce-scatter and
             # 2.9 ms without (ZeRO-3, beyond the collectives): charged per micro-batch, the difference priced
             # a 2-micro-batch ZeRO-3 plan 9 % slow (costmodel_accuracy.py at f741c80); once per step here
             first = over["backward_nosync"](b, m.seq_len) * share if accumulates and "backward_nosync" in over else ob
+            if alone and accumulates and "backward_alone" in over and "backward_nosync" in over:
+                first += (over["backward_alone"](b, m.seq_len) - over["backward"](b, m.seq_len)) * share
             fwd_t, bwd_t = fwd_t + of, bwd_t + first  # every micro-batch gathers again (ZeRO-2 and -3 alike)
             extra, inside = extra + ob - first, inside + ob - first
         if native:
@@ -1131,6 +1136,41 @@ class GalvatronCostModel(CostModel):
         if self.runtime == "native":
             return native_transition_time(self.hw, a, b, sample_bytes, ctx.micro_batch)
         return transition_bytes_time(self.hw, a, b, sample_bytes, ctx.micro_batch)
+
+    def chunk_boundary_time(self, plan: ParallelPlan, chunk: int, ctx: StageContext) -> float:
+        """The re-layouts at the chunk's edges (:meth:`boundary_time`), plus :meth:`lone_unit_time`."""
+        return super().chunk_boundary_time(plan, chunk, ctx) + self.lone_unit_time(plan, ctx)
+
+    def lone_unit_time(self, plan: ParallelPlan, ctx: StageContext) -> float:
+        """Native runtime, no pipeline: seconds per micro-batch (fwd + bwd) that a plan's only ZeRO-2/3 unit costs
+        beyond its :meth:`layer_cost`.
+
+        ``layer_cost`` prices a ZeRO-2/3 block as one of a model of such blocks under a shared FSDP2 root
+        (``parallelize`` makes one for two or more units): its gathers prefetched beside compute but for the
+        first unit's share, the root's work split among the units (``LayerTypeProfile.zero_overhead`` is
+        measured so). A single such unit is its own root: every gather inline, the root's pre-forward and
+        post-backward work on it alone (``zero_overhead``'s "forward_alone" / "backward_alone", measured on one
+        unit alone). The difference is charged here, once per plan, at the chunk's edges -- where the step runs
+        it: in the unit's FSDP2 hooks, before its forward and backward. Measured (2 gloo ranks, the accuracy
+        benchmark's LLaMA, one launch): [dp2, tp2, dp2, ulysses2·ckpt] took 20 ms per step more with the third
+        block under ZeRO-3 (it alone), where its layer cost added 10 ms. The search's per-layer tables do not see
+        it (a plan-level term, like :meth:`stage_sync_time`); ``evaluate`` does. An end that is the only
+        ZeRO-2/3 unit is priced by :meth:`end_cost` as before."""
+        if self.runtime != "native" or ctx.pp != 1:
+            return 0.0
+        # FSDP2 states the runtime makes (a one-rank data group's too: parallelize._sharded_modules); the head's
+        # unit is two modules (final norm + head), so a ZeRO-2/3 end always shares a root
+        units = [i for i, s in enumerate(plan.layers) if s.zero >= 2]
+        if len(units) != 1 or any(e is not None and e.zero >= 2 for e in (plan.embed, plan.head)):
+            return 0.0
+        i = units[0]
+        s = plan.layers[i]
+        if s.data_group == 1:  # nothing gathered, no overhead priced either way
+            return 0.0
+        overlap_sync, accumulates = self.context_key(ctx) or (False, False)
+        shared = self.layer_cost(i, s, ctx)
+        alone = self._block_cost(self.model.layer(i), s, ctx.micro_batch, accumulates, overlap_sync, alone=True)
+        return max(0.0, (alone.fwd + alone.bwd) - (shared.fwd + shared.bwd))
 
     def boundary_time(self, entry: LayerStrategy, first: LayerStrategy, last: LayerStrategy, exit_: LayerStrategy,
                       ctx: StageContext) -> float:

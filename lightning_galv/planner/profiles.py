@@ -579,7 +579,8 @@ class LayerTypeProfile:
     # last under accumulation), which skips the reduce-scatter's own copies too; missing = "backward". Per unit of
     # a chain of such units under one shared FSDP2 root, as parallelize() runs a model's blocks (the root's work
     # shared among them; until the sharded-profile cache v18, one unit alone, its own root: every root's work
-    # charged per layer). "zero2"/"zero3": the whole (unsharded)
+    # charged per layer); "forward_alone"/"backward_alone": one unit alone (a plan's only ZeRO-2/3 unit, its own
+    # root, every gather inline: cost.GalvatronCostModel.lone_unit_time). "zero2"/"zero3": the whole (unsharded)
     # layer as one unit; for an MoE block also per expert-parallel degree as the runtime wraps it (experts left
     # plain on a one-rank expert-data group, else FSDP2 units of their own), since much of the work is per unit
     # and per tensor, not per byte. Measured; scaled by the rank's share of the FSDP2-managed parameters of the
@@ -630,11 +631,13 @@ class LayerTypeProfile:
         object.__setattr__(self, "sharded", sharded)
         over = {}
         for key, fits in dict(self.zero_overhead).items():
-            if parse_zero_key(key) is None or set(fits) not in ({"forward", "backward"},
-                                                                {"forward", "backward", "backward_nosync"}):
-                raise bad_value(f"zero_overhead[{key!r}]", "keys are zero_key()s ('zero2'/'zero3', or for an MoE "
-                                "block e.g. 'zero3/ep4', 'zero3/ep2/edp2'), each with 'forward' and 'backward' "
-                                "(and optionally 'backward_nosync')", "record both passes (ShardedLayerProfiler).")
+            names = set(fits) - {"backward_nosync"}
+            if parse_zero_key(key) is None or names not in ({"forward", "backward"},
+                                                            {"forward", "backward", "forward_alone", "backward_alone"}):
+                raise bad_value(f"zero_overhead[{key!r}]={sorted(fits)}", "keys are zero_key()s ('zero2'/'zero3', or "
+                                "for an MoE block e.g. 'zero3/ep4', 'zero3/ep2/edp2'), each with 'forward' and "
+                                "'backward' (optionally 'backward_nosync', and 'forward_alone' with 'backward_alone')",
+                                "record both passes (ShardedLayerProfiler).")
             if key != f"zero{parse_zero_key(key)[0]}" and self.moe is None:
                 raise bad_value(f"zero_overhead[{key!r}]", "expert-parallel keys need an MoE layer type (moe set)",
                                 "profile a dense block's FSDP2 overhead as 'zero2'/'zero3'.")

@@ -74,6 +74,7 @@ CKPT_SUFFIX = "/ckpt"  # a timed block's key + this: the same variant, checkpoin
 NOSYNC_SUFFIX = "/nosync"  # a ZeRO key + this: the same FSDP2 block with gradient sync off (accumulation)
 # FSDP2 units the ShardedLayerProfiler chains under one shared root to time a ZeRO-2/3 block (see _UnitChain)
 ZERO_CHAIN_UNITS = 2
+ALONE_SUFFIX = "/alone"  # a ZeRO key + this: one such block alone, its own FSDP2 root (a plan's only ZeRO-2/3 unit)
 
 
 class _UnitChain(nn.Module):
@@ -1039,6 +1040,12 @@ class ShardedLayerProfiler:
                 self._prefetched[key + NOSYNC_SUFFIX] = self._prefetched[key]
                 yield key + NOSYNC_SUFFIX, twin, comm_nosync
                 del twin
+                # one block alone, its own root: every gather inline, the root's work on this one unit (a plan
+                # whose only ZeRO-2/3 unit it is runs it so: cost.GalvatronCostModel.lone_unit_time)
+                alone, _ = self._zero_block(layer, factory, s)
+                self._prefetched[key + ALONE_SUFFIX] = (0.0, 0.0)
+                yield key + ALONE_SUFFIX, alone, comm
+                del alone
 
     def _zero_chain(self, layer: LayerTypeProfile | None, factory: Any, s: Any, n: int
                     ) -> tuple[nn.Module, list[tuple[float, int, int]]]:
@@ -1083,7 +1090,8 @@ class ShardedLayerProfiler:
                        ) -> dict[str, dict[str, TimeFit]]:
         """``{zero_key: {"forward": fit, "backward": fit, "backward_nosync": fit}}`` for
         :class:`LayerTypeProfile`.zero_overhead: FSDP2's own work per unit (flat-buffer copies, hooks, its root's
-        share), beyond the compute and the collectives the cost model prices.
+        share), beyond the compute and the collectives the cost model prices; "forward_alone" / "backward_alone":
+        the same for a unit that is its own root (the ``ALONE_SUFFIX`` block, its gathers inline).
 
         The chains of :meth:`_zero_blocks`, timed (in ``measured``) like the sharded variants; per unit, minus the
         compute of the same block without FSDP2 (``sharded``: the ``tp1/none`` fits, or ``tp1/none/ep<k>`` at
@@ -1093,12 +1101,13 @@ class ShardedLayerProfiler:
         from ..planner.profiles import parse_zero_key, time_key
 
         seq = self.shape.seq_len
-        n = ZERO_CHAIN_UNITS
         slow = self.hw.gather_slowdown
         out: dict[str, dict[str, TimeFit]] = {}
         nosync: dict[str, TimeFit] = {}
+        alone: dict[str, dict[str, TimeFit]] = {}
         for key, comm in comms.items():
-            base = key.removesuffix(NOSYNC_SUFFIX)
+            n = 1 if key.endswith(ALONE_SUFFIX) else ZERO_CHAIN_UNITS
+            base = key.removesuffix(NOSYNC_SUFFIX).removesuffix(ALONE_SUFFIX)
             _, ep, _ = parse_zero_key(base)  # type: ignore[misc]  # keys from zero_key
             plain = sharded[time_key(1, "none", ep)]
             hid_f, hid_b = self._prefetched[key]
@@ -1113,12 +1122,16 @@ class ShardedLayerProfiler:
                                     self.device)
                 fwd.append((b, seq, float(t[0])))
                 bwd.append((b, seq, float(t[1])))
-            if key != base:  # its forward is the synced chain's: only the backward differs
+            if key.endswith(ALONE_SUFFIX):
+                alone[base] = {"forward_alone": TimeFit.fit(fwd), "backward_alone": TimeFit.fit(bwd)}
+            elif key != base:  # its forward is the synced chain's: only the backward differs
                 nosync[base] = TimeFit.fit(bwd)
             else:
                 out[key] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
         for base, fit in nosync.items():
             out[base]["backward_nosync"] = fit
+        for base, fits in alone.items():
+            out[base].update(fits)
         return out
 
 
