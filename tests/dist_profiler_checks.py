@@ -107,11 +107,17 @@ def moe_zero_blocks() -> dict[str, Any]:
     out: dict[str, Any] = {}
     from lightning_galv.profiling.profilers import ZERO_CHAIN_UNITS
 
+    from lightning_galv.profiling.profilers import ALONE_SUFFIX
+
     for key, chain, comm in prof._zero_blocks(lt):
-        units = list(chain.units)  # the blocks, each its own FSDP2 unit under the chain's shared root
-        assert len(units) == ZERO_CHAIN_UNITS and isinstance(chain, FSDPModule), key
-        assert chain._get_fsdp_state()._fsdp_param_group is None, key  # the root manages no parameter itself
-        block = units[0]
+        if key.endswith(ALONE_SUFFIX):  # one block alone: its own root, managing its parameters
+            assert isinstance(chain, FSDPModule) and chain._get_fsdp_state()._fsdp_param_group is not None, key
+            block = chain
+        else:
+            units = list(chain.units)  # the blocks, each its own FSDP2 unit under the chain's shared root
+            assert len(units) == ZERO_CHAIN_UNITS and isinstance(chain, FSDPModule), key
+            assert chain._get_fsdp_state()._fsdp_param_group is None, key  # the root manages no parameter itself
+            block = units[0]
         layer = moe_layers(block)[0]
         experts = [e for e in layer.experts if not isinstance(e, ExpertPlaceholder)]
         y = chain(torch.randn(2, 16, 32, requires_grad=True))

@@ -302,8 +302,9 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     assert layer.activation(2, "megatron", False) < layer.activation(2, "none", False)
     assert set(layer.zero_overhead) == {"zero2", "zero3"}
     for fits in layer.zero_overhead.values():
-        # and the backward with gradient sync off (accumulation's micro-batches before the last)
-        assert set(fits) == {"forward", "backward", "backward_nosync"}
+        # and the backward with gradient sync off (accumulation's micro-batches before the last), and both passes
+        # of one unit alone (its own root: a plan's only ZeRO-2/3 unit)
+        assert set(fits) == {"forward", "backward", "backward_nosync", "forward_alone", "backward_alone"}
         assert fits["forward"](2, 16) >= 0 and fits["backward"](2, 16) >= 0 and fits["backward_nosync"](2, 16) >= 0
     # the optimizer step's DTensor overhead, per layer, measured for tp and for FSDP2 sharding
     assert set(layer.optimizer_overhead) == {"tp", "zero"}
@@ -582,9 +583,9 @@ def test_moe_zero_blocks_are_wrapped_as_the_runtime_wraps_them_4_ranks() -> None
     ranks = run_distributed(f"{Path(__file__).parent / 'dist_profiler_checks.py'}::moe_zero_blocks", 4, ())
     base = ["zero2", "zero2/ep2/edp2", "zero2/ep4", "zero3", "zero3/ep2/edp2", "zero3/ep4"]
     for r in ranks:
-        assert sorted(r) == sorted(base + [k + "/nosync" for k in base]), sorted(r)
+        assert sorted(r) == sorted(base + [k + twin for k in base for twin in ("/nosync", "/alone")]), sorted(r)
         for z in (2, 3):
-            for twin in ("", "/nosync"):
+            for twin in ("", "/nosync", "/alone"):
                 assert r[f"zero{z}{twin}"]["experts"] == [None] * 4 and r[f"zero{z}{twin}"]["experts_sharded"] == [True]
                 ep2 = r[f"zero{z}/ep2/edp2{twin}"]
                 assert ep2["experts"] == [2, 2] and ep2["experts_sharded"] == [True]
@@ -594,13 +595,15 @@ def test_moe_zero_blocks_are_wrapped_as_the_runtime_wraps_them_4_ranks() -> None
             # the chain's second unit gathers beside the first's compute: half a unit's gathers at two units (the
             # block's own state in forward; in a ZeRO-3 backward every state, nested expert units included)
             pf, pb = v["prefetched"]
-            assert 0 < pf < v["comm"][0], (key, v)
-            if key.startswith("zero2"):
+            if key.endswith("/alone"):  # its own root: every gather inline
+                assert pf == pb == 0.0, (key, v)
+            elif key.startswith("zero2"):
+                assert 0 < pf < v["comm"][0], (key, v)
                 assert pb == 0.0, (key, v)
             elif "/edp2" in key:
-                assert pb > pf, (key, v)
+                assert 0 < pf < v["comm"][0] and pb > pf, (key, v)
             else:
-                assert pb == pytest.approx(pf), (key, v)
+                assert 0 < pf < v["comm"][0] and pb == pytest.approx(pf), (key, v)
             # the all-to-alls (ep > 1) and the expert units' gathers are part of what the profiler subtracts
             assert v["comm"][0] > 0 and v["comm"][1] >= 0, (key, v["comm"])
             if key.endswith("/nosync"):
