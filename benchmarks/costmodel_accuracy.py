@@ -641,7 +641,7 @@ relative error), ModelProfiler (block at 1-4 samples x seq 64/128, head, optimiz
 parameter volume) and ShardedLayerProfiler (the real parallelized block for every (tp, sp) at 2-8 samples:
 per-rank compute with the predicted collectives subtracted, saved activations with/without checkpointing, the
 recompute peak, FSDP2's own overhead per ZeRO stage (per unit of two chained under a shared root since 9fa6f05,
-and of one alone since the commit after 62e5ab1); all variants timed interleaved, 5 rounds). Each world's plans are predicted from that world's
+and of one alone since 6bbbf36); all variants timed interleaved, 5 rounds). Each world's plans are predicted from that world's
 profiles with `GalvatronCostModel(..., runtime="native")`; nothing is fitted to the plans' step times except
 in the calibrated columns. A profile run shifts every prediction of its world alike (the same plan was
 predicted at 243, 303 and 492 ms from three profile runs in issue 17's re-measurement), so with `--fresh-profiles`
