@@ -989,7 +989,8 @@ class ShardedLayerProfiler:
         manages priced those layouts low (``cost.zero_overhead_entry``).
 
         Each is followed by its twin with gradient sync off (key + ``NOSYNC_SUFFIX``), timed for the
-        ``backward_nosync`` overhead: the micro-batches before the last of an accumulation."""
+        ``backward_nosync`` overhead: the micro-batches before the last of an accumulation, and by one block alone
+        (key + ``ALONE_SUFFIX``: its own root, every gather inline), timed for a plan's only ZeRO-2/3 unit."""
         from ..plan import LayerStrategy
         from ..planner.cost import moe_layer_comm
         from ..planner.profiles import zero_key
