@@ -670,7 +670,7 @@ def test_zero_overhead_is_per_unit_of_a_chain_net_of_the_prefetched_gathers(one_
     gathers beside it at the all-gather's slowdown -- the cost model's per-layer price of such a block, inverted.
     A lone unit's reading (everything inline, once) would charge the second unit's hidden gather in full."""
     from lightning_galv.planner.profiles import HardwareProfile, TimeFit
-    from lightning_galv.profiling.profilers import NOSYNC_SUFFIX, ZERO_CHAIN_UNITS, ShardedLayerProfiler
+    from lightning_galv.profiling.profilers import ALONE_SUFFIX, NOSYNC_SUFFIX, ZERO_CHAIN_UNITS, ShardedLayerProfiler
 
     assert ZERO_CHAIN_UNITS == 2  # the golden numbers below are for two units
     hw = replace(HardwareProfile.uniform(1, 1, 24e9, intra_bw=1e9, latency_s=1e-5), async_collectives=False,
@@ -679,20 +679,30 @@ def test_zero_overhead_is_per_unit_of_a_chain_net_of_the_prefetched_gathers(one_
     prof = ShardedLayerProfiler(lambda: nn.Linear(8, 8), shape, hw, batch_sizes=(2, 4), progress=False)
     g, rs = 2e-3, 1e-3  # one unit's gather and reduce-scatter, as predicted
     plain = {"tp1/none": {"forward": TimeFit(10e-3), "backward": TimeFit(20e-3)}}  # compute per pass, flat in b
-    prof._prefetched = {"zero3": (g / 2, g / 2), "zero3" + NOSYNC_SUFFIX: (g / 2, g / 2)}
-    comms = {"zero3": lambda b: (g, g + rs), "zero3" + NOSYNC_SUFFIX: lambda b: (g, g)}
-    # truth: overhead 2 ms forward, 1.0 ms backward (0.6 ms without the reduce-scatter's copies) per unit; the
-    # chain gathers the first unit inline, the second beside the first's compute at slowdown 1.5 (+1 ms)
-    fwd = 2 * (10e-3 + 2e-3) + g + 0.5 * g
-    bwd = 2 * (20e-3 + 1e-3) + 2 * rs + g + 0.5 * g
+    prof._prefetched = {"zero3": (g / 2, g / 2), "zero3" + NOSYNC_SUFFIX: (g / 2, g / 2),
+                        "zero3" + ALONE_SUFFIX: (0.0, 0.0)}
+    comms = {"zero3": lambda b: (g, g + rs), "zero3" + NOSYNC_SUFFIX: lambda b: (g, g),
+             "zero3" + ALONE_SUFFIX: lambda b: (g, g + rs)}
+    # truth: overhead 2 ms forward, 1.0 ms backward (0.6 ms without the reduce-scatter's copies) per unit at 2
+    # samples, 0.5 ms more each at 4; the chain gathers the first unit inline, the second beside the first's compute
+    # at slowdown 1.5 (+1 ms)
+    extra = {2: 0.0, 4: 0.5e-3}
+    fwd = {b: 2 * (10e-3 + 2e-3 + extra[b]) + g + 0.5 * g for b in (2, 4)}
+    bwd = {b: 2 * (20e-3 + 1e-3 + extra[b]) + 2 * rs + g + 0.5 * g for b in (2, 4)}
     bwd_nosync = 2 * (20e-3 + 0.6e-3) + g + 0.5 * g
-    measured = {("zero3", b): (fwd, bwd, 0.0, 0.0) for b in (2, 4)}
-    measured |= {("zero3" + NOSYNC_SUFFIX, b): (fwd, bwd_nosync, 0.0, 0.0) for b in (2, 4)}
+    measured = {("zero3", b): (fwd[b], bwd[b], 0.0, 0.0) for b in (2, 4)}
+    # the twin is timed at the smallest batch only; its difference (-0.4 ms) carries to 4 samples
+    assert prof.sizes("zero3" + NOSYNC_SUFFIX) == (2,) and prof.sizes("zero3") == (2, 4)
+    measured[("zero3" + NOSYNC_SUFFIX, 2)] = (fwd[2], bwd_nosync, 0.0, 0.0)
+    # one block alone, its own root, every gather inline: 2.5 ms forward and 1.8 ms backward of overhead at 2 samples
+    measured[("zero3" + ALONE_SUFFIX, 2)] = (10e-3 + 2.5e-3 + g, 20e-3 + 1.8e-3 + g + rs, 0.0, 0.0)
     over = prof._zero_overhead(plain, comms, measured)["zero3"]
     for b in (2, 4):
-        assert over["forward"](b, 4) == pytest.approx(2e-3)
-        assert over["backward"](b, 4) == pytest.approx(1.0e-3)
-        assert over["backward_nosync"](b, 4) == pytest.approx(0.6e-3)
+        assert over["forward"](b, 4) == pytest.approx(2e-3 + extra[b])
+        assert over["backward"](b, 4) == pytest.approx(1.0e-3 + extra[b])
+        assert over["backward_nosync"](b, 4) == pytest.approx(0.6e-3 + extra[b])
+        assert over["forward_alone"](b, 4) == pytest.approx(2.5e-3 + extra[b])
+        assert over["backward_alone"](b, 4) == pytest.approx(1.8e-3 + extra[b])
     # negative control: nothing prefetched (all inline) reads the hidden gather's charge as FSDP2's work
     prof._prefetched = {k: (0.0, 0.0) for k in comms}
     inline = prof._zero_overhead(plain, comms, measured)["zero3"]

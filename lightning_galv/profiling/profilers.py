@@ -554,7 +554,13 @@ class ShardedLayerProfiler:
 
     def sizes(self, key: str) -> tuple[int, ...]:
         """Sample counts the variant ``key`` (a time key, its checkpointed twin or a ZeRO key) is timed at: its
-        tp degree's entry of ``tp_batch_sizes``, else ``batch_sizes`` (ZeRO and expert-parallel variants are tp 1)."""
+        tp degree's entry of ``tp_batch_sizes``, else ``batch_sizes`` (ZeRO and expert-parallel variants are tp 1).
+        A ZeRO chain's twins (gradient sync off, one block alone) are timed at the smallest count only: what they
+        add to or save from the chain is FSDP2's per-unit, per-step work (the reduce-scatter's copies, a root's
+        hooks), which does not grow with the batch (:meth:`_zero_overhead` carries it to the others), and timing
+        them at every count made a 4-rank MoE profile's round so long that 4 rounds fitted the budget, not 7."""
+        if key.endswith((NOSYNC_SUFFIX, ALONE_SUFFIX)):
+            return (min(self.batch_sizes),)
         m = re.match(r"tp([0-9]+)/", key)
         return self.tp_batch_sizes.get(int(m.group(1)), self.batch_sizes) if m else self.batch_sizes
 
@@ -1098,41 +1104,48 @@ class ShardedLayerProfiler:
         compute of the same block without FSDP2 (``sharded``: the ``tp1/none`` fits, or ``tp1/none/ep<k>`` at
         ep k) and its collectives as the cost model prices a unit of a model of ``ZERO_CHAIN_UNITS`` such blocks:
         inline, but for the prefetched gathers (``self._prefetched``), which overlap the compute at the
-        all-gather's slowdown (``HardwareProfile.gather_slowdown``)."""
+        all-gather's slowdown (``HardwareProfile.gather_slowdown``). The twins (gradient sync off, alone) are
+        timed at one batch (:meth:`sizes`): their fits are the chained unit's, shifted by the difference there."""
         from ..planner.profiles import parse_zero_key, time_key
 
         seq = self.shape.seq_len
         slow = self.hw.gather_slowdown
-        out: dict[str, dict[str, TimeFit]] = {}
-        nosync: dict[str, TimeFit] = {}
-        alone: dict[str, dict[str, TimeFit]] = {}
-        for key, comm in comms.items():
+
+        def per_unit(key: str, comm: Comm, b: int) -> tuple[float, float]:
+            # one unit as priced: compute + inline collectives + the prefetched gathers beside the compute
             n = 1 if key.endswith(ALONE_SUFFIX) else ZERO_CHAIN_UNITS
             base = key.removesuffix(NOSYNC_SUFFIX).removesuffix(ALONE_SUFFIX)
             _, ep, _ = parse_zero_key(base)  # type: ignore[misc]  # keys from zero_key
             plain = sharded[time_key(1, "none", ep)]
             hid_f, hid_b = self._prefetched[key]
-            fwd, bwd = [], []
-            for b in self.batch_sizes:
-                tf, tb, _, _ = measured[(key, b)]
-                comm_f, comm_b = comm(b)
-                c_f, c_b = plain["forward"](b, seq), plain["backward"](b, seq)
-                # one unit as priced: compute + inline collectives + the prefetched gathers beside the compute
-                t = _max_over_ranks([max(0.0, tf / n - (comm_f - hid_f) - overlapped(c_f, hid_f, slow)),
-                                     max(0.0, tb / n - (comm_b - hid_b) - overlapped(c_b, hid_b, slow))],
-                                    self.device)
-                fwd.append((b, seq, float(t[0])))
-                bwd.append((b, seq, float(t[1])))
+            tf, tb, _, _ = measured[(key, b)]
+            comm_f, comm_b = comm(b)
+            c_f, c_b = plain["forward"](b, seq), plain["backward"](b, seq)
+            t = _max_over_ranks([max(0.0, tf / n - (comm_f - hid_f) - overlapped(c_f, hid_f, slow)),
+                                 max(0.0, tb / n - (comm_b - hid_b) - overlapped(c_b, hid_b, slow))], self.device)
+            return float(t[0]), float(t[1])
+
+        chained = {key: {b: per_unit(key, comm, b) for b in self.batch_sizes}
+                   for key, comm in comms.items() if not key.endswith((NOSYNC_SUFFIX, ALONE_SUFFIX))}
+        out: dict[str, dict[str, TimeFit]] = {
+            key: {"forward": TimeFit.fit([(b, seq, f) for b, (f, _) in per_b.items()]),
+                  "backward": TimeFit.fit([(b, seq, bw) for b, (_, bw) in per_b.items()])}
+            for key, per_b in chained.items()}
+        for key, comm in comms.items():
+            base = key.removesuffix(NOSYNC_SUFFIX).removesuffix(ALONE_SUFFIX)
+            if key == base:
+                continue
+            # a twin is timed at one count (:meth:`sizes`): its difference from the chained unit there, carried to
+            # every count of the chain's fit (FSDP2's per-unit work does not grow with the batch)
+            (b0,) = self.sizes(key)
+            f0, bw0 = per_unit(key, comm, b0)
+            df, db = f0 - chained[base][b0][0], bw0 - chained[base][b0][1]
+            shifted = [(b, seq, max(0.0, f + df), max(0.0, bw + db)) for b, (f, bw) in chained[base].items()]
             if key.endswith(ALONE_SUFFIX):
-                alone[base] = {"forward_alone": TimeFit.fit(fwd), "backward_alone": TimeFit.fit(bwd)}
-            elif key != base:  # its forward is the synced chain's: only the backward differs
-                nosync[base] = TimeFit.fit(bwd)
-            else:
-                out[key] = {"forward": TimeFit.fit(fwd), "backward": TimeFit.fit(bwd)}
-        for base, fit in nosync.items():
-            out[base]["backward_nosync"] = fit
-        for base, fits in alone.items():
-            out[base].update(fits)
+                out[base]["forward_alone"] = TimeFit.fit([(b, s, f) for b, s, f, _ in shifted])
+                out[base]["backward_alone"] = TimeFit.fit([(b, s, bw) for b, s, _, bw in shifted])
+            else:  # its forward is the synced chain's: only the backward differs
+                out[base]["backward_nosync"] = TimeFit.fit([(b, s, bw) for b, s, _, bw in shifted])
         return out
 
 
