@@ -547,8 +547,9 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # matmul rate timed beside the variants (ModelProfile.matmul_flops, for with_width); v18: FSDP2's overhead per
     # unit of a chain of units under a shared root, as parallelize() runs them (was one unit, its own root); v19:
     # and one unit alone, its own root (zero_overhead "forward_alone" / "backward_alone": a plan's only ZeRO unit); v20:
-    # the chain's twins (sync off, alone) timed at the smallest batch only, their difference carried to the others
-    what = {"v": 20, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS,
+    # the chain's twins (sync off, alone) timed at the smallest batch only, their difference carried to the others;
+    # v21: the block's core attention timed at two spans over the same tokens (LayerTypeProfile.span_share)
+    what = {"v": 21, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS,
             "budget_s": SHARDED_PROFILE_BUDGET_S, "max_rounds": SHARDED_PROFILE_MAX_ROUNDS}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)

@@ -321,6 +321,9 @@ def test_sharded_layer_profiler_on_two_gloo_ranks() -> None:
     # the matmul rate timed beside the variants: one number on every rank (the slowest rank's passes), of a
     # plausible size for fp32 matmuls on a CPU core shared by two ranks' threads (this machine: ~1e11 on one core)
     assert 1e8 < r["matmul_flops"] < 1e13 and ranks[1]["matmul_flops"] == r["matmul_flops"]
+    # the attention span's share, from the core attention timed beside the variants: one number on every rank
+    assert 0.0 <= layer.span_share <= 0.9
+    assert ModelProfile.from_dict(ranks[1]["layer"]).layer(0).span_share == layer.span_share
     assert moe_prof.optimizer_bandwidth > 0 and moe_prof.optimizer_bandwidth != r["moe_alone_bandwidth"]
     assert ModelProfile.from_dict(ranks[1]["moe"]).optimizer_bandwidth == moe_prof.optimizer_bandwidth
     # automatic mode keeps the matmul rate with the profile (the first block type's), the same on every rank
@@ -424,6 +427,45 @@ def test_sharded_profiler_times_variants_interleaved(one_rank_group: None) -> No
     assert calls == ["x"] * 6 + ["y"] * 6  # 3 rounds (warm-up + 2) x 2 batch sizes each, one block after the other
     assert set(out_layer.sharded) == {"tp1/none", "tp2/none"}
     assert out_layer.sharded["tp1/none"]["forward"](2, 2) > 0.005
+
+
+def test_attention_probe_feeds_the_core_the_same_tokens_over_a_shorter_span(one_rank_group: None) -> None:
+    """The probe cuts the timer's ``[b, s, hidden]`` input into ``pieces`` sequences of ``s / pieces`` tokens each
+    (the same tokens, in order) and calls the block's core attention as the protocol does, ``core(q, k, v)`` on
+    ``[batch, seq, heads, head_dim]`` (k and v with the kv heads); the profiler builds the two probes from the
+    block's ``galv_attention`` and none for a block without one (FLOP-based span then). ``span_share`` is twice the
+    probes' difference over the block's pass, clamped. Golden: 10 ms whole, 8 ms in halves, block 50 ms -> 0.08."""
+    from lightning_galv.models.common import Rotary
+    from lightning_galv.models.llama import LlamaBlock, LlamaConfig
+    from lightning_galv.planner.profiles import HardwareProfile
+    from lightning_galv.plan import ModelShape
+    from lightning_galv.profiling.profilers import ShardedLayerProfiler, _AttentionProbe, span_share
+
+    seen = []
+
+    class Core(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            seen.append((q, k, v))
+            return q
+
+    x = torch.arange(2 * 8 * 16, dtype=torch.float32).reshape(2, 8, 16)  # [b=2, s=8, hidden=16]
+    _AttentionProbe(Core(), heads=4, kv_heads=2, head_dim=4, pieces=2)(x)
+    q, k, v = seen[0]
+    assert q.shape == (4, 4, 4, 4) and k.shape == v.shape == (4, 4, 2, 4)
+    assert torch.equal(q[1].flatten(-2), x[0, 4:]) and torch.equal(q[2].flatten(-2), x[1, :4])  # tokens in order
+    assert torch.equal(k[3].flatten(-2), x[1, 4:, :8])
+    assert span_share(0.010, 0.008, 0.050) == pytest.approx(0.08)
+    assert span_share(0.008, 0.010, 0.050) == 0.0 and span_share(0.5, 0.0, 0.1) == 0.9 and span_share(1, 0, 0) == 0.0
+
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16)
+    shape = ModelShape(2, 32, 4, 2, 64, 64, 16)
+    make = lambda: LlamaBlock(cfg, Rotary(cfg.dim // cfg.n_heads, cfg.max_seq_len))  # noqa: E731
+    hw = HardwareProfile.uniform(1, 1, 1e9)
+    probes = ShardedLayerProfiler(make, shape, hw, progress=False)._attention_probes()
+    assert [(k, p.pieces) for k, p in probes] == [("attention/1", 1), ("attention/2", 2)]
+    y = probes[1][1](torch.randn(3, 16, 32, requires_grad=True))
+    assert y.shape == (6, 8, 4, 8)  # [b * 2, s / 2, heads, head_dim]: the real core ran on the halves
+    assert ShardedLayerProfiler(lambda: torch.nn.Linear(32, 32), shape, hw, progress=False)._attention_probes() == []
 
 
 def test_rounds_within_budget_buys_rounds_for_cheap_blocks_and_keeps_the_bounds() -> None:

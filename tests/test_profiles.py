@@ -247,6 +247,51 @@ def test_with_seq_len_keeps_token_counts_scales_activations_and_prices_the_atten
     assert b.step_time_s > a.step_time_s and b.peak_memory_bytes > a.peak_memory_bytes
 
 
+def test_measured_span_share_carries_a_profile_to_other_sequence_lengths() -> None:
+    """With the attention span's measured share of the per-token time (``span_share``, ShardedLayerProfiler's
+    attention probe), a block carried from 128 to 256 tokens takes 1 + share more per token, to 64 tokens
+    1 - share / 2 -- every compute fit alike (plain, sharded, checkpointed); FSDP2's overhead and the ends by
+    token count as before. Golden: share 0.1 -> x1.1 and x0.95 where FLOPs say x1.04 / x0.98. A profile
+    without the measurement serializes as before it existed; a share outside [0, 1) is refused."""
+    from dataclasses import replace
+
+    from lightning_galv.planner.profiles import attention_time_factor
+
+    lt = replace(_measured_layer(), span_share=0.1)
+    assert lt.span_factor(128, 256) == pytest.approx(1.1) and lt.span_factor(128, 64) == pytest.approx(0.95)
+    assert lt.span_factor(128, 128) == 1.0
+    assert _measured_layer().span_factor(128, 256) == attention_time_factor(256, 786432, 128, 256)
+    prof = ModelProfile("p", SHAPE, (lt,), (0,) * SHAPE.num_layers, precision="fp32")
+    long, short = prof.with_seq_len(256).layer(0), prof.with_seq_len(64).layer(0)
+    assert long.forward(1, 256) == pytest.approx(lt.forward(2, 128) * 1.1)
+    assert long.sharded_fit("backward", 2, "megatron")(2, 256) == pytest.approx(
+        lt.sharded_fit("backward", 2, "megatron")(4, 128) * 1.1)
+    assert short.backward(4, 64) == pytest.approx(lt.backward(2, 128) * 0.95)
+    assert long.zero_overhead["zero3"]["forward"](1, 256) == pytest.approx(lt.zero_overhead["zero3"]["forward"](2, 128))
+    assert long.span_share == 0.1  # a share of the time at the profiled length: carried on unchanged
+    assert ModelProfile.from_json(prof.to_json()).layer(0).span_share == 0.1
+    assert "span_share" not in ModelProfile("p", SHAPE, (_measured_layer(),), (0,) * SHAPE.num_layers).to_dict()[
+        "layer_types"][0]
+    for bad in (1.0, -0.1, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match=r"span_share=.*\[0, 1\).*HINT"):
+            replace(lt, span_share=bad)
+
+
+def test_at_width_carries_the_span_share_with_the_attention_work() -> None:
+    """The span's work per token grows with the width alone (4 h s FLOPs), the block's by its fits: its share of
+    the per-token time is carried as ``share * r * before / after``. Golden, without a matmul rate (every fit by
+    the FLOP ratio f): share 0.1 to twice the width -> 0.1 * 2 / f."""
+    from dataclasses import replace
+
+    from lightning_galv.planner.profiles import block_flops_per_token
+
+    lt = replace(_measured_layer(), span_share=0.1)
+    wide = lt.at_width(512, 4 * 786432, 128)
+    f = block_flops_per_token(512, 4 * 786432, 128) / block_flops_per_token(256, 786432, 128)
+    assert wide.span_share == pytest.approx(0.1 * 2 / f)
+    assert _measured_layer().at_width(512, 4 * 786432, 128).span_share == 0.0
+
+
 def test_with_seq_len_counts_only_the_experts_a_token_visits() -> None:
     """An MoE block's linear FLOPs per token are its dense weights plus top_k of its E experts."""
     from lightning_galv.planner.profiles import attention_time_factor

@@ -606,8 +606,19 @@ class LayerTypeProfile:
     # repeated, unless the block saves something after it (dropout's mask does). ShardedLayerProfiler measures
     # it by the collectives' payload bytes; missing = 1.0 (all repeated, Galvatron's assumption).
     recompute_comm: Mapping[str, float] = field(default_factory=dict)
+    # share (0..1) of the unsharded block's per-token forward + backward time at the profiled sequence length that
+    # grows in proportion to the sequence length: the attention span's part, what :meth:`at_seq_len` carries.
+    # Measured by ShardedLayerProfiler's attention probe (the block's own core attention timed at two sequence
+    # lengths over the same tokens); 0 = not measured: FLOP-based (:func:`attention_time_factor`).
+    span_share: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.span_share, bool) or not isinstance(self.span_share, (int, float)) or \
+                not (0.0 <= self.span_share < 1.0):
+            raise bad_value(f"span_share={self.span_share!r}", "a share of the block's per-token time, a number "
+                            "in [0, 1)", "let ShardedLayerProfiler's attention probe measure it (or leave it at 0: "
+                            "unmeasured = FLOP-based).")
+        object.__setattr__(self, "span_share", float(self.span_share))
         if isinstance(self.moe, Mapping):
             object.__setattr__(self, "moe", MoELayerFacts(**self.moe))
         if self.moe is not None and self.moe.params > self.params:
@@ -665,12 +676,30 @@ class LayerTypeProfile:
         m = self.moe
         return float(self.params - (m.num_experts - m.top_k) * m.expert_params)
 
+    def span_factor(self, seq_from: int, seq_to: int) -> float:
+        """Time per token of a block pass at ``seq_to`` over that at ``seq_from``: the measured span-proportional
+        share (``span_share``) times ``seq_to / seq_from``, the rest as it is; without a measurement, by FLOPs
+        (:func:`attention_time_factor`).
+
+        Why measured: by FLOPs attention is ~8 % of a dense width-256 block's forward work at 128 tokens, so
+        doubling the sequence would add 4 % per token; on CPU the block's core attention (RoPE and the causal
+        scaled-dot-product kernel) runs at a lower rate than its matmuls, and on one rank its span-proportional part
+        was 10.5 % of the block's per-token time (2 runs) -- the block's time per token at 256 over 128 read 1.09
+        and 1.13, where the FLOP rule says 1.04. costmodel_accuracy.py's held-out sequence lengths read it: at
+        47b1834 every 2-rank plan carried to 256 tokens was under-priced (-5.3 %, -6.2 %) and the one carried to 64
+        over-priced (+3.3 %)."""
+        if seq_from == seq_to:
+            return 1.0
+        if self.span_share > 0:
+            return 1.0 + self.span_share * (seq_to / seq_from - 1.0)
+        return attention_time_factor(self.hidden, self.active_params, seq_from, seq_to)
+
     def at_seq_len(self, seq_from: int, seq_to: int) -> "LayerTypeProfile":
         """This layer type measured at ``seq_from``, carried to ``seq_to`` (see :meth:`ModelProfile.with_seq_len`):
-        every compute fit by its token count times :func:`attention_time_factor`, FSDP2's overhead by its token
+        every compute fit by its token count times :meth:`span_factor`, FSDP2's overhead by its token
         count alone (its work is per parameter and per call, not per attention span), every activation entry in
         proportion to the sequence length (each saved tensor of a block with fused attention is ``[b, s, ...]``)."""
-        f = attention_time_factor(self.hidden, self.active_params, seq_from, seq_to)
+        f = self.span_factor(seq_from, seq_to)
         r = seq_to / seq_from
 
         def fits(table: Mapping[str, Mapping[str, TimeFit]], factor: float) -> dict[str, dict[str, TimeFit]]:
@@ -691,7 +720,8 @@ class LayerTypeProfile:
         the FLOP ratio (:func:`block_flops_per_token`); the per-call launch overhead as measured either way --,
         FSDP2's overhead in proportion to the parameters it copies, every activation entry in
         proportion to the width (a block's saved tensors are ``[b, s, h]`` or ``[b, s, ffn]``, and the FFN is
-        taken to keep its ratio to ``h``), the optimizer's per-tensor DTensor overhead as it is (same tensors)."""
+        taken to keep its ratio to ``h``), the optimizer's per-tensor DTensor overhead as it is (same tensors), the
+        attention span's share of the per-token time (``span_share``) as its work grows with the width."""
         if self.moe is not None:
             raise bad_value(f"layer type {self.name!r}", "an MoE block's experts, router and all-to-all rows do not "
                             "follow one width ratio", "profile the MoE model at the width you plan for.")
@@ -712,7 +742,13 @@ class LayerTypeProfile:
             return int(m.group(1)) if m else 1
 
         sharded = {k: {kind: wider(fit, kind, tp_of(k)) for kind, fit in v.items()} for k, v in self.sharded.items()}
-        return replace(self, forward=wider(self.forward, "forward"), backward=wider(self.backward, "backward"),
+        fwd, bwd = wider(self.forward, "forward"), wider(self.backward, "backward")
+        # the attention span's per-token work grows with the width alone (4 h s FLOPs a token), the whole block's
+        # as the fits above carried it: the span's share of the new per-token time
+        before = self.forward.per_token + self.backward.per_token
+        after = fwd.per_token + bwd.per_token
+        span = min(0.99, self.span_share * r * before / after) if self.span_share > 0 and after > 0 else 0.0
+        return replace(self, forward=fwd, backward=bwd, span_share=span,
                        recompute=None if self.recompute is None else wider(self.recompute, "recompute"),
                        params=params, hidden=hidden,
                        params_sp=None if self.params_sp is None else round(self.params_sp * rp),
@@ -996,6 +1032,8 @@ class ModelProfile:
                 lt.pop("optimizer_overhead", None)
             if not lt.get("recompute_comm"):  # and profiles without measured recompute collectives
                 lt.pop("recompute_comm", None)
+            if not lt.get("span_share"):  # and profiles without a measured attention span share
+                lt.pop("span_share", None)
         for attr in ("embed_backward", "head_backward"):  # and profiles whose ends' backwards were not measured
             if d[attr] is None:
                 d.pop(attr)
@@ -1034,7 +1072,8 @@ class ModelProfile:
         every sequence length it plans for; this is the first-order rule that needs no second profile:
 
         - compute: a measured point keeps its token count (``b * s``), times the per-token growth of the
-          attention span (:func:`attention_time_factor`); the ends (embedding, head and loss) by token count;
+          attention span (:meth:`LayerTypeProfile.span_factor`: measured where the profiler timed the block's
+          core attention, else by FLOPs); the ends (embedding, head and loss) by token count;
         - memory: activation bytes per sample in proportion to ``seq_len`` (fused attention saves no ``s x s``
           scores; a model whose attention materializes them would be under-priced above the profiled length);
         - communication: the cost model sizes every collective from the shape's sequence length already.

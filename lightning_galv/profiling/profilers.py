@@ -31,7 +31,8 @@ from ..errors import bad_value
 from ..plan import ModelShape, divisors
 from ..planner.cost import overlap_slowdown_from, overlapped
 from ..planner.profiles import (COLLECTIVES, HardwareProfile, LayerTypeProfile, LinkFit, ModelProfile, MoELayerFacts,
-                                ProfileCache, TimeFit, act_key, fingerprint, link_key, transient_key)
+                                ProfileCache, TimeFit, act_key, fingerprint, link_key, time_key,
+                                transient_key)
 
 
 Comm = Callable[[int], tuple[float, float]]  # samples -> predicted (forward, backward) collective seconds
@@ -618,6 +619,8 @@ class ShardedLayerProfiler:
         probe_b = max(self.batch_sizes)
         probe = [(_MatmulProbe.KEY, _MatmulProbe(self.shape.hidden, self.shape.ffn_hidden,
                                                  next(self.make_block().parameters()).dtype, self.device), probe_b)]
+        attention = self._attention_probes()
+        probe += [(key, module, probe_b) for key, module in attention]
         if held:
             _progress(f"timing {len(held)} blocks x {max(len(self.sizes(k)) for k, _ in held)} batch sizes, "
                       f"{self.repeats} interleaved rounds" + (
@@ -629,6 +632,11 @@ class ShardedLayerProfiler:
         del held
         tf, tb, _, _ = measured.pop((_MatmulProbe.KEY, probe_b))
         self.matmul_flops = probe[0][1].flops(probe_b * self.shape.seq_len) / max(tf + tb, 1e-12)
+        span = 0.0
+        if attention:
+            whole, halves = (sum(measured.pop((key, probe_b))[:2]) for key, _ in attention)
+            blk = measured.get((time_key(1, "none"), probe_b))
+            span = span_share(whole, halves, blk[0] + blk[1]) if blk is not None else 0.0
         self._close_factories()
         computed: dict[tuple[str, int], tuple[float, float]] = {}
         for key, comm_of in comms.items():
@@ -662,8 +670,32 @@ class ShardedLayerProfiler:
                                                  for b, (_, bw) in zip(sizes, ck)])
             sharded[key] = fits
         zero = self._zero_overhead(sharded, {k: c for k, c in comms.items() if k.startswith("zero")}, measured)
-        prof = replace(layer, sharded=sharded, activation_bytes=acts, recompute_comm=repeated)
+        prof = replace(layer, sharded=sharded, activation_bytes=acts, recompute_comm=repeated, span_share=span)
         return replace(prof, zero_overhead=zero, optimizer_overhead=self._optimizer_overhead(layer))
+
+    def _attention_probes(self) -> list[tuple[str, nn.Module]]:
+        """The block's core attention at the full sequence and in halves (:class:`_AttentionProbe`), or none when
+        the block names no core attention (``galv_attention``) or the sequence does not halve: then the cost model
+        carries the block to other sequence lengths by FLOPs."""
+        block = self.make_block().to(self.device)
+        path = getattr(block, "galv_attention", None)
+        sh = self.shape
+        if not isinstance(path, str) or sh.seq_len < 2 or sh.seq_len % 2 or sh.hidden % sh.num_heads:
+            return []
+        try:
+            core = block.get_submodule(path)
+        except AttributeError:
+            return []
+        d = sh.hidden // sh.num_heads
+        probes = [(f"attention/{k}", _AttentionProbe(core, sh.num_heads, sh.num_kv_heads, d, k)) for k in (1, 2)]
+        x = torch.randn(1, sh.seq_len, sh.hidden, device=self.device)
+        try:  # a core attention that takes other inputs than the protocol's (q, k, v) is not probed
+            with torch.no_grad():
+                for _, probe in probes:
+                    probe(x)
+        except (RuntimeError, ValueError, TypeError):
+            return []
+        return probes
 
     def _variant_blocks(self, layer: LayerTypeProfile, acts: dict[str, float], repeated: dict[str, float]
                         ) -> Iterator[tuple[str, nn.Module, Comm]]:
@@ -1314,6 +1346,39 @@ class _MatmulProbe(nn.Module):
     def flops(self, tokens: int) -> float:
         """Forward + backward FLOPs at ``tokens`` tokens: 2 per weight and token forward, 4 backward."""
         return 6.0 * tokens * self.proj.weight.numel()
+
+
+class _AttentionProbe(nn.Module):
+    """A copy of a block's core attention (the submodule its ``galv_attention`` names, called ``core(q, k, v)`` on
+    ``[b, s, heads, head_dim]``), fed from the timer's ``[b, s, hidden]`` input cut into ``pieces`` shorter
+    sequences: ``[b * pieces, s / pieces, hidden]`` -- the same tokens over a ``pieces`` times shorter span.
+
+    Why: ``LayerTypeProfile.span_factor`` carries a block's time to another sequence length, and only the
+    attention's work per token grows with the span. Timed whole at two spans over the same tokens, the core
+    attention's difference is that growth (RoPE, the head copies and the kernel's per-row work cancel); timing
+    the whole block at two spans would leave the same few-percent difference inside the block's own noise.
+    Timed in the rounds that time the block variants (every rank busy), as :class:`_MatmulProbe`."""
+
+    def __init__(self, core: nn.Module, heads: int, kv_heads: int, head_dim: int, pieces: int) -> None:
+        super().__init__()
+        self.core, self.heads, self.kv_heads, self.head_dim, self.pieces = core, heads, kv_heads, head_dim, pieces
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        x = x.reshape(b * self.pieces, s // self.pieces, -1)  # [b * pieces, s / pieces, hidden]
+        q = x[..., : self.heads * self.head_dim].unflatten(-1, (self.heads, self.head_dim))  # [b', s', heads, d]
+        kv = x[..., : self.kv_heads * self.head_dim].unflatten(-1, (self.kv_heads, self.head_dim))  # [b', s', kv, d]
+        return self.core(q, kv, kv)
+
+
+def span_share(whole_s: float, halves_s: float, block_s: float) -> float:
+    """Share of a block pass's time that grows in proportion to the sequence length, from its core attention
+    timed over the same tokens at the full span (``whole_s``) and at half of it (``halves_s``), and the block's
+    own pass (``block_s``) at those tokens: per token the attention takes ``a + c * s``, so ``c * s`` -- what
+    doubling the span adds -- is twice the difference. Clamped to [0, 0.9] (noise can invert a tiny difference)."""
+    if not block_s > 0:
+        return 0.0
+    return min(0.9, max(0.0, 2.0 * (whole_s - halves_s) / block_s))
 
 
 def rounds_within_budget(round_s: float, budget_s: float, least: int, most: int) -> int:
