@@ -729,7 +729,11 @@ class LayerTypeProfile:
         r, rp = hidden / self.hidden, params / self.params
 
         def fits(table: Mapping[str, Mapping[str, TimeFit]], factor: float) -> dict[str, dict[str, TimeFit]]:
-            return {k: {kind: fit.scaled(factor) for kind, fit in v.items()} for k, v in table.items()}
+            # the whole fit, its constant too: FSDP2's work beside its collectives is per byte it copies, whatever
+            # the batch (scaling the per-token slope only, as until 0d94279, kept a narrower model's copies at the
+            # profiled width's: the 4-rank dp4 zero3 plan at width 192 read +7 to +9 % in two 10-launch runs of
+            # costmodel_accuracy.py, +1.7 % re-predicted with the whole fit scaled)
+            return {k: {kind: fit.times(factor) for kind, fit in v.items()} for k, v in table.items()}
 
         def wider(fit: TimeFit, kind: str, tp: int = 1) -> TimeFit:
             if matmul_flops <= 0:
