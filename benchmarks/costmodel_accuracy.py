@@ -652,12 +652,14 @@ and the range over the launches' profiles.
 In-sample plans run the profiled shape; held-out cases change the global batch (16), the depth (2 or 6
 blocks; the profile's block repeated), the sequence length (64 or 256 tokens at global batch 16 or 4, the
 tokens per step of the profiled shape; the profile carried there by `ModelProfile.with_seq_len`: each measured
-point read at its token count, block passes times the attention span's FLOP growth, activations in proportion
-to the length; their speed probes stay at the profiled length, so that probe and reference time one pass) or the
+point read at its token count, block passes times the attention span's growth -- since 0d94279 its share of the
+block's time measured by the ShardedLayerProfiler's attention probe (`LayerTypeProfile.span_factor`), before it the
+span's share of the FLOPs --, activations in proportion to the length; their speed probes stay at the profiled length, so that probe and reference time one pass) or the
 width (192 or 384 at heads of the profiled size and the FFN at 3x, the profile carried by
 `ModelProfile.with_width`: per-token work split by the matmul rate timed beside the profile's block variants
 into the weights' matmuls, times the weight ratio, and the rest, times the width ratio (until 2026-12-07: all of
-it times the block's forward FLOP ratio), the measured per-call overhead kept, activations and the ends in proportion to the width but for the head's logits; probed at the profiled
+it times the block's forward FLOP ratio), the measured per-call overhead kept, FSDP2's overhead times the weight ratio (since 9cc12e4 the whole fit;
+before, its per-token slope only), activations and the ends in proportion to the width but for the head's logits; probed at the profiled
 width).
 
 Speed correction: the VM's speed drifts (the same launch ran 45 ms and 75 ms per forward minutes apart), so a
