@@ -653,8 +653,9 @@ In-sample plans run the profiled shape; held-out cases change the global batch (
 blocks; the profile's block repeated), the sequence length (64 or 256 tokens at global batch 16 or 4, the
 tokens per step of the profiled shape; the profile carried there by `ModelProfile.with_seq_len`: each measured
 point read at its token count, block passes times the attention span's growth -- since 0d94279 its share of the
-block's time measured by the ShardedLayerProfiler's attention probe (`LayerTypeProfile.span_factor`), before it the
-span's share of the FLOPs --, activations in proportion to the length; their speed probes stay at the profiled length, so that probe and reference time one pass) or the
+block's time measured by the ShardedLayerProfiler's attention probe (`LayerTypeProfile.span_factor`; a tensor-parallel
+variant by its own share, `variant_span_factor`, since the commit after e559375), before it the span's share of the
+FLOPs --, activations in proportion to the length; their speed probes stay at the profiled length, so that probe and reference time one pass) or the
 width (192 or 384 at heads of the profiled size and the FFN at 3x, the profile carried by
 `ModelProfile.with_width`: per-token work split by the matmul rate timed beside the profile's block variants
 into the weights' matmuls, times the weight ratio, and the rest, times the width ratio (until 2026-12-07: all of

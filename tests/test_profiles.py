@@ -250,7 +250,7 @@ def test_with_seq_len_keeps_token_counts_scales_activations_and_prices_the_atten
 def test_measured_span_share_carries_a_profile_to_other_sequence_lengths() -> None:
     """With the attention span's measured share of the per-token time (``span_share``, ShardedLayerProfiler's
     attention probe), a block carried from 128 to 256 tokens takes 1 + share more per token, to 64 tokens
-    1 - share / 2 -- every compute fit alike (plain, sharded, checkpointed); FSDP2's overhead and the ends by
+    1 - share / 2 (a tp variant by its own share of the unsharded span seconds); FSDP2's overhead and the ends by
     token count as before. Golden: share 0.1 -> x1.1 and x0.95 where FLOPs say x1.04 / x0.98. A profile
     without the measurement serializes as before it existed; a share outside [0, 1) is refused."""
     from dataclasses import replace
@@ -264,8 +264,15 @@ def test_measured_span_share_carries_a_profile_to_other_sequence_lengths() -> No
     prof = ModelProfile("p", SHAPE, (lt,), (0,) * SHAPE.num_layers, precision="fp32")
     long, short = prof.with_seq_len(256).layer(0), prof.with_seq_len(64).layer(0)
     assert long.forward(1, 256) == pytest.approx(lt.forward(2, 128) * 1.1)
+    # a tp2 variant: the unsharded pass's span seconds over 2 against its own pass at its largest batch (4 samples;
+    # no tp1/none variant here, so the unsharded fits): 0.1 * (3e-3 + 6e-3) / (2 * (7e-3 + 1e-2)) = 0.02647
+    g = 1 + 0.1 * 9e-3 / (2 * 1.7e-2)
+    assert lt.variant_span_factor("tp2/megatron", 128, 256) == pytest.approx(g)
     assert long.sharded_fit("backward", 2, "megatron")(2, 256) == pytest.approx(
-        lt.sharded_fit("backward", 2, "megatron")(4, 128) * 1.1)
+        lt.sharded_fit("backward", 2, "megatron")(4, 128) * g)
+    assert lt.variant_span_factor("tp1/none", 128, 256) == pytest.approx(1.1)  # unsharded: the share itself
+    flops = _measured_layer()  # no measured share: every sharding by the FLOP factor alike
+    assert flops.variant_span_factor("tp2/megatron", 128, 256) == flops.span_factor(128, 256)
     assert short.backward(4, 64) == pytest.approx(lt.backward(2, 128) * 0.95)
     assert long.zero_overhead["zero3"]["forward"](1, 256) == pytest.approx(lt.zero_overhead["zero3"]["forward"](2, 128))
     assert long.span_share == 0.1  # a share of the time at the profiled length: carried on unchanged
