@@ -461,11 +461,11 @@ def test_attention_probe_feeds_the_core_the_same_tokens_over_a_shorter_span(one_
     shape = ModelShape(2, 32, 4, 2, 64, 64, 16)
     make = lambda: LlamaBlock(cfg, Rotary(cfg.dim // cfg.n_heads, cfg.max_seq_len))  # noqa: E731
     hw = HardwareProfile.uniform(1, 1, 1e9)
-    probes = ShardedLayerProfiler(make, shape, hw, progress=False)._attention_probes()
+    probes = ShardedLayerProfiler(make, shape, hw, progress=False)._attention_probes(make())
     assert [(k, p.pieces) for k, p in probes] == [("attention/1", 1), ("attention/2", 2)]
     y = probes[1][1](torch.randn(3, 16, 32, requires_grad=True))
     assert y.shape == (6, 8, 4, 8)  # [b * 2, s / 2, heads, head_dim]: the real core ran on the halves
-    assert ShardedLayerProfiler(lambda: torch.nn.Linear(32, 32), shape, hw, progress=False)._attention_probes() == []
+    assert ShardedLayerProfiler(make, shape, hw, progress=False)._attention_probes(torch.nn.Linear(32, 32)) == []
 
 
 def test_rounds_within_budget_buys_rounds_for_cheap_blocks_and_keeps_the_bounds() -> None:

@@ -617,9 +617,11 @@ class ShardedLayerProfiler:
                 measured.update(self._time_blocks([(key, block)]))
             del block
         probe_b = max(self.batch_sizes)
+        fresh = self.make_block().to(self.device)  # one more block: the probes' dtype and core attention
         probe = [(_MatmulProbe.KEY, _MatmulProbe(self.shape.hidden, self.shape.ffn_hidden,
-                                                 next(self.make_block().parameters()).dtype, self.device), probe_b)]
-        attention = self._attention_probes()
+                                                 next(fresh.parameters()).dtype, self.device), probe_b)]
+        attention = self._attention_probes(fresh)
+        del fresh
         probe += [(key, module, probe_b) for key, module in attention]
         if held:
             _progress(f"timing {len(held)} blocks x {max(len(self.sizes(k)) for k, _ in held)} batch sizes, "
@@ -673,11 +675,10 @@ class ShardedLayerProfiler:
         prof = replace(layer, sharded=sharded, activation_bytes=acts, recompute_comm=repeated, span_share=span)
         return replace(prof, zero_overhead=zero, optimizer_overhead=self._optimizer_overhead(layer))
 
-    def _attention_probes(self) -> list[tuple[str, nn.Module]]:
-        """The block's core attention at the full sequence and in halves (:class:`_AttentionProbe`), or none when
+    def _attention_probes(self, block: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``block``'s core attention at the full sequence and in halves (:class:`_AttentionProbe`), or none when
         the block names no core attention (``galv_attention``) or the sequence does not halve: then the cost model
         carries the block to other sequence lengths by FLOPs."""
-        block = self.make_block().to(self.device)
         path = getattr(block, "galv_attention", None)
         sh = self.shape
         if not isinstance(path, str) or sh.seq_len < 2 or sh.seq_len % 2 or sh.hidden % sh.num_heads:
