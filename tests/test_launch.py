@@ -7,10 +7,12 @@ crash reports of both.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +35,22 @@ def _facts(tag: str) -> dict[str, Any]:
 
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle the rank made: its collector must still free it
+    gone = weakref.ref(a)
+    del a, b
+    gc.collect()
     print(f"rank {dist.get_rank()} says {tag}")  # no flush: the log must get it unbuffered
     return {"sum": t.item(), "lightning_rank": rank_zero_only.rank, "tmp": tempfile.gettempdir(),
             "cwd": os.getcwd(), "on_path": os.getcwd() in sys.path, "tag": os.environ.get("GALV_TEST_TAG"),
             "threads": torch.get_num_threads(), "numpy_draw": float(numpy.random.rand()),
             "main": sys.modules["__main__"].__spec__.name, "hash": hash("galv-launch"),
-            "stdin": os.path.realpath("/proc/self/fd/0"), "pid": os.getpid()}
+            "stdin": os.path.realpath("/proc/self/fd/0"), "pid": os.getpid(), "frozen": gc.get_freeze_count(),
+            "cycle_freed": gone() is None}
 
 
 def _crash(how: str) -> None:
@@ -96,8 +108,13 @@ def test_a_forked_rank_sees_what_a_fresh_interpreter_sees(method: str, tmp_path:
         assert r["cwd"] == str(work) and r["on_path"], r  # python -m puts the working folder on the path
         assert r["tag"] == method and r["threads"] == 1, r
         assert r["main"] == "lightning_galv.testing", r
+        assert r["cycle_freed"], r
         if method == "fork":
             assert r["stdin"] == "/dev/null", r  # not the server's pipe to its client
+            # the server's imports are frozen out of the collector's walk (torch + Lightning: ~450k objects)
+            assert r["frozen"] > 100_000, r
+        else:
+            assert r["frozen"] == 0, r
     # each rank its own string-hash seed (sets of strings iterate differently on each rank, as under torchrun)
     if "PYTHONHASHSEED" in os.environ:
         assert res[0]["hash"] == res[1]["hash"]
