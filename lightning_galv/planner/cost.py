@@ -634,6 +634,8 @@ def bucketed_sync_exposed(bwd: float, comm: float, layers: int, layer_bytes: flo
     return sum(bucketed_sync_split(bwd, comm, layers, layer_bytes, slowdown, latency, bucket_bytes))
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a search prices the same layer in the same group many times: a model of many
+# gigabytes fills thousands of buckets, and the loop below walks each (pure: its floats decide the answer)
 def bucketed_sync_split(bwd: float, comm: float, layers: int, layer_bytes: float, slowdown: float,
                         latency: float = 0.0, bucket_bytes: float = GRAD_BUCKET_BYTES) -> tuple[float, float]:
     """Per layer: (how much longer the last backward runs beside its all-reduces, what they take after it ends),

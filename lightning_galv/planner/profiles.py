@@ -143,6 +143,9 @@ class HardwareProfile:
                 raise bad_value(f"p2p key {k}", "must be 'intra' or 'inter'", "key p2p fits by node locality.")
             p2p[k] = v if isinstance(v, LinkFit) else LinkFit(**v)
         object.__setattr__(self, "p2p", p2p)
+        # link() answers from this memo: a search asks for the same few links millions of times, and the fallback
+        # scan parses every key (not a field: equality, hashing and serialization see the links only)
+        object.__setattr__(self, "_link_memo", {})
         if not links:
             raise bad_value("links={}", "a hardware profile needs at least one collective measurement",
                             "use HardwareProfile.uniform(...) or run HardwareProfiler.")
@@ -163,6 +166,14 @@ class HardwareProfile:
 
     def link(self, op: str, size: int, consecutive: bool, intra_node: bool) -> LinkFit:
         """Best available fit: exact key, else same op/locality (nearest size), else all-reduce's."""
+        memo = self.__dict__.setdefault("_link_memo", {})
+        key = (op, size, consecutive, intra_node)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = self._find_link(op, size, consecutive, intra_node)
+        return hit
+
+    def _find_link(self, op: str, size: int, consecutive: bool, intra_node: bool) -> LinkFit:
         if op not in COLLECTIVES:
             raise bad_value(op, f"unknown collective (known: {COLLECTIVES})", "use 'allreduce', 'alltoall', ...")
         for o in (op, "allreduce"):
@@ -170,9 +181,9 @@ class HardwareProfile:
                 hit = self.links.get(link_key(o, size, c, intra_node))
                 if hit is not None:
                     return hit
+        parsed = [(_parse_link_key(k), v) for k, v in self.links.items()]
         for o in (op, "allreduce"):
-            same = [(_parse_link_key(k)[1], v) for k, v in self.links.items()
-                    if _parse_link_key(k)[0] == o and _parse_link_key(k)[3] == intra_node]
+            same = [(key[1], v) for key, v in parsed if key[0] == o and key[3] == intra_node]
             if same:
                 return min(same, key=lambda sv: (abs(math.log(sv[0] / size)), -sv[0]))[1]
         # no measurement with this locality at all: the slowest link we know (conservative)
