@@ -461,3 +461,20 @@ def test_scaling_a_fit_keeps_its_launch_overhead_and_never_turns_a_point_negativ
     fit = TimeFit(1e-3, 1e-6, 0.0, ((32.0, 5e-4), (64.0, 2e-3)), 32.0).scaled(2.0)
     assert [t for t, _ in fit.points] == [32.0, 64.0] and [y for _, y in fit.points] == pytest.approx([5e-4, 3e-3])
     assert (fit.const, fit.per_token) == (1e-3, 2e-6)
+
+
+def test_link_lookups_are_memoized_per_profile_and_follow_a_replaced_profile() -> None:
+    """``HardwareProfile.link`` answers repeated lookups from a memo; the memo is the instance's own, so a profile
+    made by ``dataclasses.replace`` with other links answers from those, and it takes no part in equality."""
+    from dataclasses import replace
+
+    slow, fast = LinkFit(bandwidth=1e9, latency_s=1e-5), LinkFit(bandwidth=8e9, latency_s=1e-5)
+    hw = HardwareProfile(1, 8, 2**30, links={"allreduce/2/consec/intra": slow, "allreduce/8/consec/intra": fast})
+    assert hw.link("allgather", 3, True, True) is slow  # the all-reduce's fit at the nearest size (log distance)
+    assert hw.link("allgather", 3, True, True) is slow  # again, from the memo
+    assert hw.link("allgather", 4, True, True) is fast  # a tie in log distance: the larger group's
+    assert hw.link("allreduce", 8, False, True) is fast  # the other rank order when this one is not measured
+    again = HardwareProfile(1, 8, 2**30, links=dict(hw.links))
+    assert again == hw  # the memo is not part of the profile's value
+    other = replace(hw, links={"allreduce/2/consec/intra": fast})
+    assert other.link("allgather", 3, True, True) is fast and hw.link("allgather", 3, True, True) is slow
