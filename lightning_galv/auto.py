@@ -56,6 +56,34 @@ SHARDED_PROFILE_ROUNDS = 4
 # takes many (the MoE accuracy benchmark's decoder at 2 ranks: 13 [9, 16] rounds), a large one keeps the minimum.
 SHARDED_PROFILE_BUDGET_S = 20.0
 SHARDED_PROFILE_MAX_ROUNDS = 16
+# a user's budget instead, in seconds (0: SHARDED_PROFILE_ROUNDS rounds, no more): see profile_budget_s()
+PROFILE_BUDGET_ENV = "GALV_PROFILE_BUDGET_S"
+
+
+def profile_budget_s() -> float | None:
+    """Seconds of timing per layer type that automatic mode's sharded profile may fill with more rounds:
+    ``$GALV_PROFILE_BUDGET_S`` if set, else :data:`SHARDED_PROFILE_BUDGET_S`; ``None`` (from ``0``) for exactly
+    :data:`SHARDED_PROFILE_ROUNDS` rounds.
+
+    Why a knob: the extra rounds buy precision for small, cheap blocks (a noisy entry's median), and cost up to the
+    budget per layer type on every fresh profile -- 20 s of a 2-rank ``galv demo --auto`` whose training takes
+    14 s on a 2-core VM. Someone iterating on a small model, or a test suite that checks behaviour rather than the
+    profile's precision, can trade that precision away; the benchmarks keep the default. An environment variable
+    rather than an argument because every way in reads it alike (the strategy, ``galv profile`` / ``search``,
+    the tuner's trials, recipes), as ``$GALV_CACHE_DIR`` is read. Profiles taken under different budgets are
+    cached apart (the budget is part of the key)."""
+    raw = os.environ.get(PROFILE_BUDGET_ENV, "").strip()
+    if not raw:
+        return SHARDED_PROFILE_BUDGET_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 and value != float("inf")):  # (NaN fails the first test)
+        raise bad_value(f"{PROFILE_BUDGET_ENV}={raw}", "must be a number of seconds >= 0",
+                        f"e.g. {PROFILE_BUDGET_ENV}=20 (the default), or 0 for exactly {SHARDED_PROFILE_ROUNDS} timed "
+                        "rounds per layer type; unset it for the default")
+    return value or None
 
 
 def parse_bytes(value: str | int | float) -> float:
@@ -528,6 +556,7 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     from .profiling.profilers import ShardedLayerProfiler
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    budget_s = profile_budget_s()  # (before any collective: a bad value raises alike on every rank, nothing waits)
     links = {k: v for k, v in hw.to_dict().items() if k not in ("device_memory_bytes", "memory_bandwidth", "name")}
     # v2: MoE layer types also carry fits measured under expert parallelism (tp1/none/ep<k>)
     # v3: and the optimizer step's DTensor overhead (LayerTypeProfile.optimizer_overhead); v4: timed after a backward;
@@ -542,7 +571,7 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # at once (ShardedLayerProfiler.optimizer_bandwidth) replaces the one rank 0 measured alone; v13: tp variants
     # timed at the per-rank batch they run (``tp_sizes``), and every fit keeps its measured points (TimeFit.points);
     # v14: each pass's slowest rank, then the median over rounds (was each rank's median, then the largest); v15: more
-    # rounds while they fit in a time budget (SHARDED_PROFILE_BUDGET_S, up to SHARDED_PROFILE_MAX_ROUNDS); v16: FSDP2's
+    # rounds while they fit in a time budget (profile_budget_s(), up to SHARDED_PROFILE_MAX_ROUNDS); v16: FSDP2's
     # backward overhead with gradient sync off too (zero_overhead "backward_nosync"); v17: the profile carries the
     # matmul rate timed beside the variants (ModelProfile.matmul_flops, for with_width); v18: FSDP2's overhead per
     # unit of a chain of units under a shared root, as parallelize() runs them (was one unit, its own root); v19:
@@ -550,7 +579,7 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
     # the chain's twins (sync off, alone) timed at the smallest batch only, their difference carried to the others;
     # v21: the block's core attention timed at two spans over the same tokens (LayerTypeProfile.span_share)
     what = {"v": 21, "profile": profile.to_dict(), "hw": links, "world": world, "rounds": SHARDED_PROFILE_ROUNDS,
-            "budget_s": SHARDED_PROFILE_BUDGET_S, "max_rounds": SHARDED_PROFILE_MAX_ROUNDS}
+            "budget_s": budget_s, "max_rounds": SHARDED_PROFILE_MAX_ROUNDS}
     if tuple(parts.sp_modes) != tuple(SP_MODES):  # measured only for what the model runs (keys unchanged otherwise)
         what["sp_modes"] = list(parts.sp_modes)
     if tuple(batch_sizes) != (1, 2):
@@ -575,7 +604,7 @@ def sharded_profile(model: nn.Module, parts: ModelParts, profile: "ModelProfile"
         block = parts.blocks[profile.layer_type_of.index(j)]
         profiler = ShardedLayerProfiler(lambda b=block: copy.deepcopy(b).float(), profile.shape, hw,
                                         batch_sizes=batch_sizes, tp_batch_sizes=tp_sizes,
-                                        repeats=SHARDED_PROFILE_ROUNDS, time_budget_s=SHARDED_PROFILE_BUDGET_S,
+                                        repeats=SHARDED_PROFILE_ROUNDS, time_budget_s=budget_s,
                                         max_repeats=SHARDED_PROFILE_MAX_ROUNDS,
                                         progress=verbose, sp_kinds=sp_kinds, device=str(torch.device(device)))
         types.append(profiler.fit(lt))

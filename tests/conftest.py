@@ -12,6 +12,12 @@ One environment for the whole session, set before any rank starts: this checkout
 factories) and the Hugging Face hubs offline (tests use local data only). Why here rather than per test:
 ranks fork from servers keyed by their environment (``lightning_galv.forkserver``), and every distinct
 environment costs a set of servers that each import torch and Lightning again (~11 s of CPU apiece).
+
+Automatic mode profiles with exactly 4 timed rounds per layer type (``GALV_PROFILE_BUDGET_S=0``, unless the
+caller set it): the tests check what automatic mode does, not how precise its profile is, and a tiny model's
+blocks would otherwise fill the whole default budget (~20 s per fresh profile, a dozen of them in the suite). The
+budgeted rounds are tested on their own (test_profilers), one CLI test profiles under the default budget, and the
+benchmarks that judge the profiles' precision run without this setting.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     _FIRST + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in _FIRST])
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GALV_PROFILE_BUDGET_S", "0")
 
 
 @pytest.fixture(autouse=True)

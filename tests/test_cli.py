@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,10 +138,12 @@ def test_profile_then_search_write_the_cache_the_table_and_the_plan(
 
     env = {"GALV_CACHE_DIR": str(tmp_path / "cache")}
     monkeypatch.setenv("GALV_CACHE_DIR", env["GALV_CACHE_DIR"])
+    monkeypatch.delenv("GALV_PROFILE_BUDGET_S")  # the default budget, as a user's first profile runs (conftest sets 0)
     monkeypatch.chdir(tmp_path)
     galv(["profile", "--devices", "2"])
     prof = capsys.readouterr().out
     assert "fwd ms/sample" in prof and "allreduce/2/consec" in prof, prof
+    assert "4 interleaved rounds (up to 16 within 20 s)" in prof, prof
     # rank 0's progress is shown as it measures (not a terminal here: lines, no bar)
     assert "[galv profile] allreduce group 2" in prof and "[galv profile] block fwd+bwd" in prof, prof
     cached = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").glob("*.json"))
@@ -169,7 +172,8 @@ def test_profile_then_search_write_the_cache_the_table_and_the_plan(
 def test_demo_auto_beyond_one_epoch_prints_its_plan_once_and_the_loss(tmp_path: Path) -> None:
     """2 CPU ranks, automatic mode, 4 steps of a 2-batch epoch: the plan is printed once, the loss every step
     shown, the known per-step library warning shows once (rank 0, first step) instead of per rank and step, and the
-    run ends with its final loss."""
+    run ends with its final loss -- and, its batch being larger than the validation split, says why it has no
+    validation loss."""
     out = _galv("demo", "--devices", "2", "--auto", "--batch-size", "1024", "--steps", "4", cwd=tmp_path,
                 env={"GALV_CACHE_DIR": str(tmp_path / "cache")})
     text = out.stdout + out.stderr
@@ -177,6 +181,14 @@ def test_demo_auto_beyond_one_epoch_prints_its_plan_once_and_the_loss(tmp_path: 
     assert text.count("ParallelPlan: world 2") == 1, text
     assert "step    4  loss" in text and "final train_loss" in text, text
     assert text.count(LEAFSPEC) == 1, text
+    # 512 samples per rank: the validation split has no full batch, and the run says so (once printed a NaN loss
+    # after Lightning's "Total length of `DataLoader` across ranks is zero")
+    m = re.search(r"no val_loss: the validation split's (\d+) windows give (\d+) per data shard, fewer than one "
+                  r"batch of 512 \(HINT: a --batch-size of at most (\d+) validates\)", text)
+    assert m and -(-int(m[1]) // 2) == int(m[2]) < 512 and int(m[3]) == 2 * int(m[2]), text[-3000:]
+    assert "nan" not in text.split("final train_loss")[1] and "across ranks is zero" not in text, text[-3000:]
+    # the session's GALV_PROFILE_BUDGET_S=0 (conftest) reached the ranks: the minimum rounds, no budget
+    assert re.search(r"\[galv profile\] timing .* 4 interleaved rounds$", text, re.M), text
 
 
 def test_fit_error_is_one_line_per_rank(tmp_path: Path) -> None:

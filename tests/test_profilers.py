@@ -483,6 +483,27 @@ def test_rounds_within_budget_buys_rounds_for_cheap_blocks_and_keeps_the_bounds(
             rounds_within_budget(*args)  # type: ignore[arg-type]
 
 
+def test_automatic_modes_profile_budget_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$GALV_PROFILE_BUDGET_S``: unset or empty -> the default budget, ``0`` -> no budget (the minimum rounds),
+    a positive number -> that budget; anything else is refused naming the variable, before any rank starts when
+    the strategy is automatic (a strategy with a plan never profiles, so it does not read it)."""
+    from lightning_galv import GalvatronStrategy
+    from lightning_galv.auto import SHARDED_PROFILE_BUDGET_S, profile_budget_s
+
+    monkeypatch.delenv("GALV_PROFILE_BUDGET_S", raising=False)
+    assert profile_budget_s() == SHARDED_PROFILE_BUDGET_S == 20.0
+    for raw, want in (("", 20.0), (" 7.5 ", 7.5), ("0", None), ("0.0", None), ("120", 120.0)):
+        monkeypatch.setenv("GALV_PROFILE_BUDGET_S", raw)
+        assert profile_budget_s() == want, raw
+    for raw in ("-1", "nan", "inf", "20s", "fast"):
+        monkeypatch.setenv("GALV_PROFILE_BUDGET_S", raw)
+        with pytest.raises(ValueError, match=rf"GALV_PROFILE_BUDGET_S={raw}.*seconds >= 0.*HINT"):
+            profile_budget_s()
+        with pytest.raises(ValueError, match="GALV_PROFILE_BUDGET_S"):
+            GalvatronStrategy()
+        GalvatronStrategy(tp=1)  # not automatic: the variable plays no part
+
+
 def test_a_time_budget_sets_the_rounds_from_the_first_timed_round(one_rank_group: None) -> None:
     """With ``time_budget_s`` the profiler times the warm-up and one round, then as many rounds in all as the
     budget holds at that round's duration (between ``repeats`` and ``max_repeats``); without it, ``repeats``."""

@@ -88,6 +88,11 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--batch-size {args.batch_size}: must be divisible by the plan's {shards} data shards. "
                          f"HINT: use a multiple of {shards}.")
     data = ByteCorpus(seq_len=DEMO_MODEL["max_seq_len"], batch_size=args.batch_size // shards)
+    # validation drops partial batches (a pipeline splits every batch into its micro-batches), so a per-shard batch
+    # larger than the validation split's share has nothing to validate: say so instead of reporting a NaN loss
+    data.setup("fit")  # (tokenizes the shipped corpus, a second: the ranks' own setup reads the same windows)
+    val_per_shard = -(-len(data.val) // shards)  # the distributed sampler pads every shard to the ceiling
+    validates = val_per_shard >= data.batch_size
     model = CausalLM(lr=3e-3, **(DEMO_MOE if args.model == "moe" else DEMO_MODEL))
     from ..callbacks.loss_log import LossLog
 
@@ -103,15 +108,19 @@ def main(argv: list[str] | None = None) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                         max_epochs=-1, callbacks=callbacks, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=4, val_check_interval=args.steps, check_val_every_n_epoch=None,
+                        limit_val_batches=4 if validates else 0, val_check_interval=args.steps,
+                        check_val_every_n_epoch=None,
                         num_sanity_val_steps=0)
     trainer.fit(model, datamodule=data)
     if args.timeline and trainer.is_global_zero:
         print(f"wrote {args.timeline}" if Path(args.timeline).is_file() else
               f"no timeline written: the plan has pp={strategy.plan.pp if strategy.plan else '?'} (needs pp > 1)")
     if trainer.is_global_zero:
-        print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.3f}, "
-              f"val_loss {float(trainer.callback_metrics.get('val_loss', float('nan'))):.3f}")
+        val = (f"val_loss {float(trainer.callback_metrics.get('val_loss', float('nan'))):.3f}" if validates else
+               f"no val_loss: the validation split's {len(data.val)} windows give {val_per_shard} per data shard, "
+               f"fewer than one batch of {data.batch_size} (HINT: a --batch-size of at most "
+               f"{val_per_shard * shards} validates)")
+        print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.3f}, {val}")
 
 
 if __name__ == "__main__":

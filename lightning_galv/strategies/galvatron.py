@@ -72,6 +72,8 @@ class GalvatronStrategy(ParallelStrategy):
             the device's capacity).
         memory_margin: fraction of ``memory_budget`` the automatic planner keeps free for temporaries the
             cost model does not itemize (None: the planner's default, 2 %).
+            (How long automatic mode may spend timing each layer type is ``$GALV_PROFILE_BUDGET_S``,
+            :func:`lightning_galv.auto.profile_budget_s`.)
         save_distributed_checkpoint: sharded DCP folder (True) or one full ``.ckpt`` file (False).
         start_method: ``"subprocess"`` re-runs the script per rank (like torchrun); ``"spawn"``/``"fork"``
             start ranks with multiprocessing (notebooks).
@@ -139,6 +141,10 @@ class GalvatronStrategy(ParallelStrategy):
         if shortcuts:  # validate early: a typo must fail at construction, not after the launch
             LayerStrategy(**{**shortcuts, "tp": shortcuts.get("tp", 1)})
         self._memory_budget = memory_budget
+        if self._plan_spec is None and not shortcuts:  # automatic: a bad $GALV_PROFILE_BUDGET_S fails before a launch
+            from ..auto import profile_budget_s
+
+            profile_budget_s()
         if memory_margin is not None and (isinstance(memory_margin, bool) or not isinstance(memory_margin, (int, float))
                                           or not 0 <= memory_margin < 1):
             raise ValueError(f"memory_margin={memory_margin!r}: must be a fraction in [0, 1). "
