@@ -2,7 +2,8 @@
 
 Every section is stamped when written (issue 17): the commit it was measured at (``+uncommitted`` when the
 work tree differed from it), the date, the 1-, 5- and 15-minute load averages when it wrote (the longer ones
-cover most of a benchmark's run), and the exact command line -- so a reader can re-run the figure and knows
+cover most of a benchmark's run), and the exact command line, with the ``GALV_*`` settings that change what is
+measured (e.g. ``GALV_PROFILE_BUDGET_S``) in front of it -- so a reader can re-run the figure and knows
 how busy the machine was.
 """
 
@@ -16,6 +17,9 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+# GALV_* variables that do not change a measurement (where files go, the test launcher's start method)
+_NOT_MEASURED = {"GALV_CACHE_DIR", "GALV_JUDGE", "GALV_START_METHOD", "GALV_TEST_THREADS", "GALV_TEST_ABORT_MARKER",
+                 "GALV_TEST_TAG"}
 HERE = Path(__file__).resolve().parent
 
 
@@ -42,7 +46,11 @@ def stamp(argv: list[str] | None = None) -> str:
     """The line every section carries: commit, date, load average at start and now, command."""
     argv = sys.argv if argv is None else argv
     script = os.path.relpath(os.path.abspath(argv[0]), HERE.parent) if argv and argv[0] else "?"
-    cmd = " ".join(["python", script, *map(shlex.quote, argv[1:])])
+    # settings the package reads from the environment that change what is measured (automatic mode's profile
+    # budget, GALV_PROFILE_BUDGET_S) are part of the command; where caches and rank logs go is not
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+           if k.startswith("GALV_") and k not in _NOT_MEASURED]
+    cmd = " ".join([*env, "python", script, *map(shlex.quote, argv[1:])])
     one, five, fifteen = os.getloadavg()
     return (f"*Run at commit {commit()}, {datetime.date.today()}, load average over the last 1 / 5 / 15 min when "
             f"written {one:.1f} / {five:.1f} / {fifteen:.1f} on {os.cpu_count()} cores; command `{cmd}`.*")
