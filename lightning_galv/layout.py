@@ -168,14 +168,29 @@ class MeshFactory:
             return world["dp", "tp"]
 
     def data_mesh(self, s: LayerStrategy) -> "DeviceMesh":
-        """1-D mesh over which ``s`` reduces gradients (dp, or dp*tp for Ulysses)."""
+        """1-D mesh over which ``s`` reduces gradients and ZeRO shards (dp, or dp*tp for Ulysses), its ranks in
+        ascending order.
+
+        Why ascending: a 1-D mesh's process group numbers its ranks in ascending order, and FSDP2 keeps shard
+        ``i`` on group rank ``i`` (``get_local_rank``), while DTensor -- and with it DCP's checkpoint offsets and
+        the state-dict gathers -- places shard ``c`` on mesh coordinate ``c``. Flattening ``(dp, tp)`` row-major
+        gave a Ulysses layer with strided tp groups the order ``[0, 2, 1, 3]``: training stayed exact (FSDP2 agrees
+        with itself), but a sharded checkpoint held such a layer's rows 1 and 2 swapped, so it loaded wrongly
+        under any other plan (found by a random-plan hunt, tests/test_reshard.py pair U). The dp slices of the
+        world mesh are ascending already (:meth:`RankLayout.grid`); a Ulysses data group is every rank of the
+        stage."""
         mesh = self.mesh(s)
         if not s.ulysses:
             return mesh["dp"]
         name = f"dp_tp_{s.tp}_{s.dp}_{int(s.tp_consecutive)}"
         if name not in self._flat:
+            import torch
+            from torch.distributed.device_mesh import DeviceMesh
+
+            grids = torch.tensor([self.layout.grid(s, stage) for stage in range(self.layout.pp)], dtype=torch.int)
+            ranks = torch.sort(grids.reshape(self.layout.pp, s.dp * s.tp), dim=-1).values  # [pp, dp*tp], ascending
             with self._tracking():
-                flat = mesh._flatten(name)
+                flat = DeviceMesh(self.device_type, ranks, mesh_dim_names=("pp", name))[name]
             if self.timeout is not None:
                 from .parallel.timeouts import set_mesh_timeout
 
@@ -186,8 +201,8 @@ class MeshFactory:
     def expert_mesh(self, s: LayerStrategy) -> "DeviceMesh":
         """This rank's ``("edp", "ep")`` mesh for an MoE layer under ``s`` (``s.ep > 1``).
 
-        The layer's data group (dp ranks of this rank's tp index; dp*tp ranks for Ulysses, in the
-        order of :meth:`data_mesh`) is cut into consecutive EP groups of ``ep`` ranks; ``edp`` joins
+        The layer's data group (dp ranks of this rank's tp index; dp*tp ranks for Ulysses, flattened
+        row-major from ``(dp, tp)``) is cut into consecutive EP groups of ``ep`` ranks; ``edp`` joins
         the ranks at the same position of every EP group, which hold the same experts.
         """
         import torch

@@ -39,6 +39,10 @@ P = ParallelPlan.uniform(1, SMALL_LAYERS, L(dp=1))                              
 # pipeline whose second stage has no expert-parallel layer: a full save must still pick one collective on all
 # ranks (it hung on a per-stage answer, found by a random-plan hunt)
 Q = ParallelPlan(4, (L(dp=2, ep=2), L(dp=2), L(dp=2, zero=1)), pp=2, micro_batches=2, pp_division=(1, 2))
+# Ulysses over strided tp groups, ZeRO-3 / ZeRO-2: FSDP2 shards over the stage's ranks in ascending order (a
+# flattened (dp, tp) mesh [0, 2, 1, 3] once stored rows 1 and 2 of these layers swapped; found by a random-plan hunt)
+U = ParallelPlan(4, (L(tp=2, dp=2, sp="ulysses", zero=3, tp_consecutive=False), L(dp=4),
+                     L(tp=2, dp=2, sp="ulysses", zero=2, tp_consecutive=False)))
 MOE = {"kind": "moe", "name": "_moe"}
 FSEP = {"expert_sharding": "full"}  # LAER-MoE's fully sharded experts: every expert's rows on every EP rank
 
@@ -85,6 +89,9 @@ def states(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("save_A", "save_under", dict(plan=A.to_dict(), tmpdir=sharded, full=False)),
         ("save_C", "save_under", dict(plan=C.to_dict(), tmpdir=full, full=True)),
         ("A_to_B", "load_under", dict(plan=B.to_dict(), tmpdir=sharded, full=False)),
+        ("A_to_U", "load_under", dict(plan=U.to_dict(), tmpdir=sharded, full=False)),
+        ("save_U", "save_under", dict(plan=U.to_dict(), tmpdir=sharded, full=False, name="_u")),
+        ("U_to_B", "load_under", dict(plan=B.to_dict(), tmpdir=sharded, full=False, name="_u")),
         ("C_to_D", "load_under", dict(plan=D.to_dict(), tmpdir=full, full=True)),
         ("save_G", "save_under", dict(plan=G.to_dict(), tmpdir=sharded, full=False, **MOE)),
         ("save_J", "save_under", dict(plan=J.to_dict(), tmpdir=full, full=True, **MOE)),
@@ -116,7 +123,7 @@ def states(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("pair", ["A_to_B", "A_to_E", "C_to_D", "C_to_F", "G_to_H", "G_to_M", "G_to_P", "J_to_K",
+@pytest.mark.parametrize("pair", ["A_to_B", "A_to_U", "U_to_B", "A_to_E", "C_to_D", "C_to_F", "G_to_H", "G_to_M", "G_to_P", "J_to_K",
                                   "J_to_N", "J_to_P", "Q_to_H", "Q_to_P", "R_to_H", "R_to_P", "G_to_Kf",
                                   "J_to_Nf"])
 def test_reshard_on_load(states: dict, pair: str) -> None:
