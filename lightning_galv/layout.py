@@ -77,6 +77,27 @@ class RankLayout:
         _, t = self.coords(s, rank)
         return [row[t] for row in self.grid(s, self.stage_of(rank))]
 
+    def expert_grid(self, s: LayerStrategy) -> list[Any]:
+        """Global ranks of an MoE layer under ``s`` (``s.ep > 1``), arranged ``[pp][edp][ep]`` for Ulysses and
+        ``[pp][tp_index][edp][ep]`` otherwise.
+
+        An EP group is a run of ``ep`` consecutive ranks of the layer's data group (dp ranks of one tp index; for
+        Ulysses every rank of the stage, flattened row-major from ``(dp, tp)``); ``edp`` joins the ranks at the same
+        position of every EP group, which hold the same experts. Every dimension is ascending -- inside an EP
+        group, and the EP groups ordered by their smallest rank, which makes each ``edp`` column ascending too --
+        because a 1-D mesh's process group numbers its ranks in ascending order (FSDP2's shard ``i`` and the
+        dispatcher's all-to-alls go by that) while DTensor places shard ``c`` on mesh coordinate ``c``. With strided
+        tp groups the row-major order is not ascending (world 8, Ulysses tp4 x dp2, ep2: edp ``[0, 4, 1, 5]``
+        before the groups were ordered). Which ranks form an EP or edp group does not change with the order."""
+        k = s.ep
+        out: list[Any] = []
+        for stage in range(self.pp):
+            g = self.grid(s, stage)  # [dp][tp]
+            datas = [[r for row in g for r in row]] if s.ulysses else [[row[t] for row in g] for t in range(s.tp)]
+            blocks = [sorted(sorted(data[i:i + k]) for i in range(0, len(data), k)) for data in datas]
+            out.append(blocks[0] if s.ulysses else blocks)
+        return out
+
     def batch_shard(self, s: LayerStrategy, rank: int) -> tuple[int, int]:
         """(shard index, shard count) of the batch that ``rank`` holds under ``s``."""
         return self.coords(s, rank)[0], s.dp
@@ -201,29 +222,17 @@ class MeshFactory:
     def expert_mesh(self, s: LayerStrategy) -> "DeviceMesh":
         """This rank's ``("edp", "ep")`` mesh for an MoE layer under ``s`` (``s.ep > 1``).
 
-        The layer's data group (dp ranks of this rank's tp index; dp*tp ranks for Ulysses, flattened
-        row-major from ``(dp, tp)``) is cut into consecutive EP groups of ``ep`` ranks; ``edp`` joins
-        the ranks at the same position of every EP group, which hold the same experts.
+        Its ranks are :meth:`RankLayout.expert_grid`'s: EP groups of consecutive data-group ranks, every
+        dimension ascending (a strided Ulysses data group, e.g. ``[0, 2, 1, 3]``, once gave a rank the rows of
+        another rank's experts: fully sharded and fused expert tensors).
         """
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
         key = ("ep", s.tp, s.dp, s.tp_consecutive, s.ulysses, s.ep)
         if key not in self._flat:
-            k, pp = s.ep, self.layout.pp
-            grids = torch.tensor([self.layout.grid(s, stage) for stage in range(pp)], dtype=torch.int)  # [pp, dp, tp]
-            if s.ulysses:
-                ranks = grids.reshape(pp, s.dp * s.tp // k, k)  # data group = (dp, tp) flattened row-major
-                names: tuple[str, ...] = ("pp", "edp", "ep")
-            else:
-                ranks = grids.permute(0, 2, 1).reshape(pp, s.tp, s.dp // k, k)  # [pp, tp, edp, ep]
-                names = ("pp", "tpx", "edp", "ep")
-            # ascending inside each EP group: the ep dim's process group numbers its ranks in ascending order
-            # (that is what get_local_rank() and the dispatcher's all-to-alls use), while DTensor places shard c
-            # on mesh coordinate c; a strided Ulysses data group ([0, 2, 1, 3]) would otherwise give a rank the
-            # rows of another rank's experts (fully sharded and fused expert tensors). Which ranks form an EP
-            # group is unchanged, and any order within it is valid.
-            ranks = torch.sort(ranks, dim=-1).values
+            ranks = torch.tensor(self.layout.expert_grid(s), dtype=torch.int)  # [pp, edp, ep] / [pp, tp, edp, ep]
+            names: tuple[str, ...] = ("pp", "edp", "ep") if s.ulysses else ("pp", "tpx", "edp", "ep")
             with self._tracking():
                 built = DeviceMesh(self.device_type, ranks, mesh_dim_names=names)
             if self.timeout is not None:

@@ -159,6 +159,43 @@ def test_rank_layout_consecutive_and_strided() -> None:
     assert lay.batch_shard(L(tp=2, dp=2), 6) == (1, 2)
 
 
+def test_expert_grid_is_ascending_in_every_dimension_and_keeps_the_groups() -> None:
+    """Every layout up to 64 ranks (pp 1/2/4, tp, strided or consecutive, Ulysses or not, each ep): the EP
+    groups are runs of ``ep`` consecutive ranks of the data group (dp ranks of one tp index, or the whole stage
+    row-major for Ulysses), the edp groups the ranks at one position of every EP group -- and every EP and edp
+    group lists its ranks in ascending order, as its process group numbers them (DTensor and DCP go by the
+    mesh coordinate, FSDP2 by the group rank: they must agree). World 8, Ulysses tp4 x dp2 strided, ep2 had
+    the edp group [0, 4, 1, 5]."""
+    cases = 0
+    for world in (2, 4, 8, 16, 32, 64):
+        for pp in (p for p in (1, 2, 4) if world % p == 0):
+            n = world // pp
+            for tp in (t for t in (1, 2, 4, 8, 16) if n % t == 0):
+                for cons in (True, False):
+                    for ulysses in ((False, True) if tp > 1 else (False,)):
+                        dp = n // tp
+                        for ep in (e for e in (2, 4, 8, 16) if (dp * tp if ulysses else dp) % e == 0):
+                            s = L(tp=tp, dp=dp, tp_consecutive=cons, sp="ulysses" if ulysses else "none", ep=ep)
+                            lay = RankLayout(world, pp)
+                            grid = lay.expert_grid(s)
+                            for stage in range(pp):
+                                g = lay.grid(s, stage)
+                                datas = ([[r for row in g for r in row]] if ulysses else
+                                         [[row[t] for row in g] for t in range(tp)])
+                                blocks = [grid[stage]] if ulysses else grid[stage]
+                                assert len(blocks) == len(datas)
+                                for data, groups in zip(datas, blocks):
+                                    want = {frozenset(data[i:i + ep]) for i in range(0, len(data), ep)}
+                                    assert {frozenset(x) for x in groups} == want, (world, pp, s.short())
+                                    edp = [list(col) for col in zip(*groups)]
+                                    for one in (*groups, *edp):
+                                        assert one == sorted(one), (world, pp, s.short(), groups)
+                            cases += 1
+    assert cases > 400
+    assert RankLayout(8).expert_grid(L(tp=4, dp=2, sp="ulysses", tp_consecutive=False, ep=2)) == \
+        [[[0, 2], [1, 3], [4, 6], [5, 7]]]
+
+
 def test_strategy_argument_errors() -> None:
     with pytest.raises(ValueError, match="HINT"):
         GalvatronStrategy(plan=HETERO, tp=2)

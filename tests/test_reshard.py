@@ -154,6 +154,27 @@ def test_reshard_random_plans(random_states: dict, pair: str) -> None:
     _assert_same_state(random_states[f"save_{name}"], random_states[pair])
 
 
+# 8 ranks: experts of Ulysses layers over strided tp groups, ZeRO-3 over their expert-data groups (edp [0, 4, 1, 5]
+# before the EP groups were ordered: 24 expert tensors loaded into the wrong rows), loaded under plain data parallelism
+V = ParallelPlan(8, (L(tp=4, dp=2, sp="ulysses", zero=3, tp_consecutive=False, ep=2), L(dp=8),
+                     L(tp=4, dp=2, sp="ulysses", zero=3, tp_consecutive=False, ep=2)))
+W = ParallelPlan(8, (L(dp=8, ep=2), L(dp=8), L(dp=8, ep=2)))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_reshard_experts_of_strided_ulysses_layers_8_ranks(tmp_path: Path) -> None:
+    """FSDP2 keeps shard i on group rank i, DTensor (so DCP) puts shard c at mesh coordinate c: the expert-data
+    mesh must list its ranks in ascending order (RankLayout.expert_grid) or a sharded checkpoint's experts come
+    back permuted under another plan."""
+    out = run_distributed(CHECKS, 8, ([
+        ("save_V", "save_under", dict(plan=V.to_dict(), tmpdir=str(tmp_path), full=False, **{**MOE, "name": "_v"})),
+        ("V_to_W", "load_under", dict(plan=W.to_dict(), tmpdir=str(tmp_path), full=False, **{**MOE, "name": "_v"})),
+    ],), init_process_group=False, timeout=900)[0]
+    _assert_same_state(out["save_V"], out["V_to_W"])
+    assert sum(".experts." in k and k.endswith("w1.weight") for k in out["save_V"]["weights"]) == 8
+
+
 def test_random_reshard_pairs_are_varied() -> None:
     """What the random pairs draw (a pure check, no processes): both kinds, both formats, plans that differ."""
     assert {s["kind"] for _, s, _, _ in RANDOM} == {"llama", "moe"}
