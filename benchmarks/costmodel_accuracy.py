@@ -8,12 +8,13 @@
    warm-up and the per-rank peak of live tensor bytes (torch MemTracker; see that module).
 3. Print the table with relative errors and write it into benchmarks/RESULTS.md.
 
-    python benchmarks/costmodel_accuracy.py [--quick] [--no-write] [--model moe]
+    python benchmarks/costmodel_accuracy.py [--quick] [--no-write] [--model moe|moe-wide]
 
 ``--model moe`` (issue 11: prediction vs measurement for expert parallelism) runs the same procedure on the MoE
 decoder (every block MoE, 8 SwiGLU experts, top-2, dropless) with dp-only, ep=2 and ep=4 plans, profiled as
 automatic mode profiles it (one layer type per block kind, the MoE layer's facts read from the module) and
-written to its own RESULTS.md section.
+written to its own RESULTS.md section; ``--model moe-wide`` does the same for an MoE decoder of the dense model's
+size (its FFNs as 8 experts of half the width, top-2), whose passes are long enough to time on this VM.
 
 The cost model is never fitted to the measured step times of the plans below: every number it uses
 comes from the two profiles.
@@ -48,6 +49,19 @@ MiB = 2**20
 MOE_CFG = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=256, max_seq_len=64,
                num_experts=8, top_k=2, expert_hidden=256, moe_every=1)
 MOE_SEQ = 64
+# The dense model above with each FFN replaced by 8 experts of which 2 are active per token, each of half the dense
+# FFN's width, so a token's active FFN width equals the dense one (768). Why a second MoE model: the small one's
+# speed reference is a 6-7 ms pass and its steps take ~60 ms, and on this VM a pass that short jitters by ~10 %
+# (in the 20-launch run at 045cbe2 both a profile's own ratio prediction / reference and a measurement's step /
+# probe spread with sd 7-11 % over launches, against 1-2 % for the dense model's 55 ms pass and 0.5 s steps).
+MOE_WIDE_CFG = dict(vocab_size=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768, max_seq_len=128,
+                    num_experts=8, top_k=2, expert_hidden=384, moe_every=1)
+MOE_WIDE_SEQ = SEQ
+# --model -> (config, sequence length, RESULTS.md section, memory-budget grid in MiB (start, stop, step)); each grid
+# is fixed from the model's size (~0.4x to ~2.3x its full fp32 training state), never from the predictions
+MODELS = {"llama": (CFG, SEQ, "costmodel", (24, 128, 4)),
+          "moe": (MOE_CFG, MOE_SEQ, "costmodel_moe", (24, 128, 4)),
+          "moe-wide": (MOE_WIDE_CFG, MOE_WIDE_SEQ, "costmodel_moe_wide", (64, 384, 8))}
 
 
 def moe_plans() -> list[tuple[str, ParallelPlan]]:
@@ -307,7 +321,9 @@ def main() -> None:
     ap.add_argument("--launches", type=int, default=5,
                     help="independent launches per world size (fresh processes; plan order rotated each launch)")
     ap.add_argument("--only", nargs="*", help="measure only these plan names (diagnosis; implies --no-write)")
-    ap.add_argument("--model", choices=("llama", "moe"), default="llama")
+    ap.add_argument("--model", choices=tuple(MODELS), default="llama",
+                    help="llama: the dense reference model; moe: the small MoE decoder (dim 128); moe-wide: the dense "
+                         "model with 8 experts of half its FFN width, top-2, in every block")
     ap.add_argument("--sharded-rounds", type=int, default=5,
                     help="ShardedLayerProfiler rounds of the dense model's profiles (more: less noise per variant, "
                          "a longer profile); the least it takes with --sharded-budget")
@@ -321,15 +337,15 @@ def main() -> None:
 
         args.sharded_budget = SHARDED_PROFILE_BUDGET_S
     budget = args.sharded_budget or None
-    moe = args.model == "moe"
-    cfg, seq = (MOE_CFG, MOE_SEQ) if moe else (CFG, SEQ)
+    moe = args.model != "llama"
+    cfg, seq, _, grid = MODELS[args.model]
     cases = [Case(n, p, cfg, seq) for n, p in (moe_plans() if moe else plans())]
     if not moe:
         cases += heldout_cases()
     if args.only:
         cases = [c for c in cases if c.name in args.only]
     if moe and args.profiles == str(HERE / ".costmodel_profiles.json"):
-        args.profiles = str(HERE / ".costmodel_profiles_moe.json")
+        args.profiles = str(HERE / f".costmodel_profiles_{args.model.replace('-', '_')}.json")
     launches = 1 if args.quick else args.launches
     t_start = time.perf_counter()
     from lightning_galv.testing import run_distributed
@@ -415,7 +431,7 @@ def main() -> None:
                          load=statistics.median(r["load"] for r in runs), **memory[c.name]))
     for per_variant in (True, False):
         calibrate(rows, launch_profiles, per_variant)
-    report = (table(rows, launches, steps, warmup, fresh) + "\n\n" + offset_line(launch_profiles) + "\n"
+    report = (table(rows, launches, steps, warmup, fresh, grid) + "\n\n" + offset_line(launch_profiles) + "\n"
               + rounds_line(launch_profiles))
     print(report)
     if args.only:
@@ -432,7 +448,7 @@ def main() -> None:
         # cost model tried -- against the same measurements later
         (HERE / "data" / f"costmodel_{args.model}_profiles.json").write_text(json.dumps(
             [{w: (m.to_dict(), h.to_dict()) for w, (m, h) in lp.items()} for lp in launch_profiles]))
-        write_results(report, moe, args.sharded_rounds, budget)
+        write_results(report, args.model, args.sharded_rounds, budget)
 
 
 def calibrate(rows: list[dict], launch_profiles: list[dict[int, tuple[ModelProfile, HardwareProfile]]],
@@ -532,11 +548,13 @@ def phase_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def budget_sweep(rows: list[dict]) -> str:
-    """The feasibility check against budgets on a fixed grid (every 4 MiB from 24 to 128 MiB), chosen without
-    looking at the predictions: a plan "fits" when the search would keep it (prediction within the budget less
-    the search's margin) and really fits when its measured peak is within the budget."""
-    grid = [b * MiB for b in range(24, 129, 4)]
+def budget_sweep(rows: list[dict], grid_mib: tuple[int, int, int] = (24, 128, 4)) -> str:
+    """The feasibility check against budgets on a fixed grid (by default every 4 MiB from 24 to 128 MiB; per model
+    in ``MODELS``), chosen without looking at the predictions: a plan "fits" when the search would keep it
+    (prediction within the budget less the search's margin) and really fits when its measured peak is within the
+    budget."""
+    lo_mib, hi_mib, step_mib = grid_mib
+    grid = [b * MiB for b in range(lo_mib, hi_mib + 1, step_mib)]
     out = []
     for label, rs in (("in-sample", [r for r in rows if not r["heldout"]]), ("held-out", [r for r in rows if r["heldout"]])):
         if not rs:
@@ -552,11 +570,12 @@ def budget_sweep(rows: list[dict]) -> str:
                     false_nofit += 1
         out.append(f"{label}: {pairs} (plan, budget) pairs, {len(false_fit)} false \"fits\""
                    f"{' (' + ', '.join(false_fit) + ')' if false_fit else ''}, {false_nofit} false \"does not fit\"")
-    return (f"Feasibility against budgets on a fixed grid (24-128 MiB every 4 MiB; the search keeps "
+    return (f"Feasibility against budgets on a fixed grid ({lo_mib}-{hi_mib} MiB every {step_mib} MiB; the search keeps "
             f"{DEFAULT_MEMORY_MARGIN:.0%} free), live-tensor peaks: " + "; ".join(out) + ".")
 
 
-def table(rows: list[dict], launches: int, steps: int, warmup: int, fresh: bool = False) -> str:
+def table(rows: list[dict], launches: int, steps: int, warmup: int, fresh: bool = False,
+          grid_mib: tuple[int, int, int] = (24, 128, 4)) -> str:
     from _stats import interval
 
     head = ("| plan | held out | predicted" + (": median [min, max] over the launches' profiles" if fresh else "") +
@@ -622,7 +641,7 @@ def table(rows: list[dict], launches: int, steps: int, warmup: int, fresh: bool 
                   f"{_boot([r for r in out if r['world'] == w], 'eas')}" for w in (2, 4)
                   if any(r["world"] == w for r in ins)) + ".",
               offsets_line(ins),
-              budget_sweep(rows),
+              budget_sweep(rows, grid_mib),
               phase_table(rows),
               f"Factors fitted on all in-sample plans of each world (first launch): {facts}."]
     prof = ("a fresh profile per launch and world size, taken right before that launch's plans run"
@@ -698,8 +717,18 @@ of its world -- out of sample either way. Two forms: with a compute factor per m
 collective scale, memory slack)."""
 
 
-MOE_NOTES = """Model: the MoE decoder, dim 128, 4 blocks all MoE (8 SwiGLU experts of width 256, top-2, dropless,
-aux/z-loss on), attention 4 heads (2 kv), vocab 256, seq 64, fp32, Adam, global batch 8, random tokens (the
+MOE_MODEL_LINES = {
+    "moe": """Model: the MoE decoder, dim 128, 4 blocks all MoE (8 SwiGLU experts of width 256, top-2, dropless,
+aux/z-loss on), attention 4 heads (2 kv), vocab 256, seq 64, fp32, Adam, global batch 8, random tokens (the""",
+    "moe-wide": """Model: the dense section's model with every FFN replaced by 8 SwiGLU experts of width 384 (half the dense
+FFN's 768), top-2 (so a token's active FFN width is the dense one), dropless, aux/z-loss on: dim 256, 4 blocks all
+MoE, attention 8 heads (4 kv), vocab 512, seq 128, fp32, Adam, global batch 8. Why this model besides the small one
+(`--model moe`, dim 128, seq 64): that one's speed reference is a 6-7 ms pass and its steps take ~60 ms; on this VM
+a pass that short jitters, and in its 20-launch run at 045cbe2 both a profile's own ratio prediction / reference and
+a measurement's step / probe spread with sd 7-11 % over launches (1-2 % for the dense model). Random tokens (the""",
+}
+
+MOE_NOTES = """{model}
 router then spreads tokens nearly evenly, which is what the cost model assumes: balanced routing). Profiles as
 automatic mode takes them (HardwareProfiler incl. all-to-all, ModelProfiler per block kind with the MoE facts,
 then each block kind as the runtime shards it by the ShardedLayerProfiler, `auto.sharded_profile`, which for an
@@ -719,7 +748,7 @@ its fit until 257c0e1, then its raw median; until 0a74b18 the median of probes t
 dense block's, while the steps' probes timed the MoE block)."""
 
 
-def write_results(report: str, moe: bool = False, rounds: int = 5, budget_s: float | None = None) -> None:
+def write_results(report: str, model: str = "llama", rounds: int = 5, budget_s: float | None = None) -> None:
     from _results import write_section
 
     timing = (f"timed interleaved, {rounds} rounds" if budget_s is None else
@@ -727,9 +756,10 @@ def write_results(report: str, moe: bool = False, rounds: int = 5, budget_s: flo
               f"{max(rounds, SHARDED_PROFILE_MAX_ROUNDS)} (`profiling.profilers.rounds_within_budget`; the line under "
               "the table gives the rounds taken)")
 
-    if moe:
-        write_section("costmodel_moe", "## Cost-model accuracy for MoE / expert parallelism "
-                      f"(benchmarks/costmodel_accuracy.py --model moe)\n\n{MOE_NOTES}\n\n{report}")
+    if model != "llama":
+        notes = MOE_NOTES.replace("{model}", MOE_MODEL_LINES[model])
+        write_section(MODELS[model][2], "## Cost-model accuracy for MoE / expert parallelism "
+                      f"(benchmarks/costmodel_accuracy.py --model {model})\n\n{notes}\n\n{report}")
         return
     write_section("costmodel", "## Cost-model accuracy on this machine (benchmarks/costmodel_accuracy.py)\n\n"
                   f"{NOTES.replace('timed interleaved, 5 rounds', timing)}\n\n{report}")

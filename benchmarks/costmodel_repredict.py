@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _results import write_section  # noqa: E402
-from costmodel_accuracy import (CFG, MOE_CFG, MOE_SEQ, SEQ, Case, heldout_cases, moe_plans, plans,  # noqa: E402
+from costmodel_accuracy import (CFG, MODELS, SEQ, Case, heldout_cases, moe_plans, plans,  # noqa: E402
                                 profile_for)
 
 from lightning_galv.planner.cost import GalvatronCostModel  # noqa: E402
@@ -36,15 +36,18 @@ def _load(x: object, cls: type) -> object:
     return cls.from_dict(x) if isinstance(x, dict) else cls.from_json(x)  # type: ignore[attr-defined]
 
 
-def _cases() -> dict[str, Case]:
-    """Every plan costmodel_accuracy.py measures, dense (held-out ones too) and MoE, by name."""
-    return ({n: Case(n, p, CFG, SEQ) for n, p in plans()} | {c.name: c for c in heldout_cases()}
-            | {n: Case(n, p, MOE_CFG, MOE_SEQ) for n, p in moe_plans()})
+def _cases(model: str = "llama") -> dict[str, Case]:
+    """Every plan costmodel_accuracy.py measures for ``model`` (its --model), by name: the dense ones (held-out
+    ones too) for "llama", else the MoE plans on that MoE model (the MoE models share plan names)."""
+    if model == "llama":
+        return {n: Case(n, p, CFG, SEQ) for n, p in plans()} | {c.name: c for c in heldout_cases()}
+    cfg, seq = MODELS[model][:2]
+    return {n: Case(n, p, cfg, seq) for n, p in moe_plans()}
 
 
-def repredict(data: list[dict], profiles: list[dict]) -> list[tuple[str, str, float, float]]:
-    """(plan, held out, stored median error, re-predicted median error) per stored plan."""
-    cases = _cases()
+def repredict(data: list[dict], profiles: list[dict], model: str = "llama") -> list[tuple[str, str, float, float]]:
+    """(plan, held out, stored median error, re-predicted median error) per stored plan of ``model``."""
+    cases = _cases(model)
     out = []
     for r in data:
         if r["name"] not in cases:
@@ -62,10 +65,10 @@ def repredict(data: list[dict], profiles: list[dict]) -> list[tuple[str, str, fl
     return out
 
 
-def phases(data: list[dict], profiles: list[dict]) -> list[tuple[str, list[float]]]:
+def phases(data: list[dict], profiles: list[dict], model: str = "llama") -> list[tuple[str, list[float]]]:
     """Per plan without a pipeline, medians over launches (ms, at profile speed): fwd+bwd stored prediction, now,
     measured; per-step part stored prediction, now, measured."""
-    cases = _cases()
+    cases = _cases(model)
     out = []
     for r in data:
         case = cases[r["name"]]
@@ -102,7 +105,7 @@ def summary(rows: list[tuple[str, str, float, float]], col: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=("llama", "moe"), default="llama",
+    ap.add_argument("--model", choices=tuple(MODELS), default="llama",
                     help="whose stored run to re-predict by default (costmodel_accuracy.py --model)")
     ap.add_argument("--data", help="default: benchmarks/data/costmodel_<model>.json")
     ap.add_argument("--profiles", help="default: benchmarks/data/costmodel_<model>_profiles.json")
@@ -113,10 +116,11 @@ def main() -> None:
     args = ap.parse_args()
     args.data = args.data or str(HERE / "data" / f"costmodel_{args.model}.json")
     args.profiles = args.profiles or str(HERE / "data" / f"costmodel_{args.model}_profiles.json")
-    args.section = args.section or ("costmodel_repredict" + ("_moe" if args.model == "moe" else ""))
+    args.section = args.section or ("costmodel_repredict" + ("" if args.model == "llama"
+                                                             else "_" + args.model.replace("-", "_")))
     data, profs = json.loads(Path(args.data).read_text()), json.loads(Path(args.profiles).read_text())
-    rows = repredict(data, profs)
-    ph = phases(data, profs)
+    rows = repredict(data, profs, args.model)
+    ph = phases(data, profs, args.model)
     ph_lines = ["| plan | fwd+bwd predicted: stored / now | measured | per step predicted: stored / now | measured |",
                 "|---|---|---|---|---|"]
     ph_lines += [f"| {n} | {v[0]:.0f} / {v[1]:.0f} ms | {v[2]:.0f} ms | {v[3]:.0f} / {v[4]:.0f} ms | {v[5]:.0f} ms |"

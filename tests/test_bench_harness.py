@@ -77,8 +77,9 @@ def test_step_parts_prediction_adds_up_to_the_step_for_every_stored_plan() -> No
     from lightning_galv.planner.profiles import HardwareProfile, ModelProfile
 
     data_dir = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
-    cases, checked = _cases(), 0
+    checked = 0
     for model in ("llama", "moe"):
+        cases = _cases(model)
         profiles = json.loads((data_dir / f"costmodel_{model}_profiles.json").read_text())
         for r in json.loads((data_dir / f"costmodel_{model}.json").read_text()):
             case = cases[r["name"]]
