@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from costmodel_accuracy import CFG, MOE_CFG, MOE_SEQ, SEQ
+from costmodel_accuracy import MODELS
 from costmodel_ranks import make_model
 from lightning_galv.layout import MeshFactory, RankLayout
 from lightning_galv.parallel.parallelize import parallelize
@@ -48,14 +48,15 @@ def _sums(events: list[tuple[str, int, float]]) -> tuple[float, float]:
 
 def measure(plan_dict: dict, steps: int, model_kind: str = "moe") -> dict[str, float]:
     """Medians (seconds) on this rank for the plan ``plan_dict`` (one stage, one micro-batch) of the MoE decoder
-    (``model_kind="moe"``) or the dense LLaMA (``"dense"``) of costmodel_accuracy.py. ``overlap``: steps as the
+    (``model_kind="moe"``), its dense-sized one (``"moe-wide"``) or the dense LLaMA (``"dense"``) of
+    costmodel_accuracy.py. ``overlap``: steps as the
     runtime runs them (gradient all-reduce buckets launched from backward hooks); ``after``: the same steps with
     the sync switched off during backward and run after it; ``alone``: each of the model's own (parallelized)
     blocks, fresh random input at the per-rank batch its strategy runs, ``y.backward(ones)``, sync off -- the
     profilers' protocol -- summed over the blocks."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    cfg, seq = (MOE_CFG, MOE_SEQ) if model_kind == "moe" else (CFG, SEQ)
+    cfg, seq = MODELS["llama" if model_kind == "dense" else model_kind][:2]
     plan = ParallelPlan.from_dict(plan_dict)
     model = make_model(cfg)
     rt = parallelize(model, plan, MeshFactory(RankLayout(plan.world_size, 1), "cpu", rank))

@@ -45,6 +45,8 @@ from lightning_galv.testing import run_distributed  # noqa: E402
 # the default plans per model (names of costmodel_accuracy.py's plans); ``--plans`` takes any of them that runs
 # one stage and one micro-batch
 PLANS = {"moe": ("2r moe dp2", "2r moe ep2", "2r moe ep2·ckpt", "4r moe dp4", "4r moe ep4", "4r moe ep4·ckpt"),
+         "moe-wide": ("2r moe dp2", "2r moe ep2", "2r moe ep2·ckpt", "4r moe dp4", "4r moe ep2", "4r moe ep4",
+                      "4r moe ep4·zero3", "4r moe ep2·tp2 attn"),
          "dense": ("2r dp2", "2r dp2·zero3", "2r tp2", "2r tp+sp2", "2r dp2·ckpt", "4r dp4", "4r tp2·dp2", "4r tp4")}
 
 
@@ -54,7 +56,7 @@ def selected(names: list[str] | None, model: str = "moe") -> dict[int, list[tupl
     forward and backward per step)."""
     if model not in PLANS:
         raise ValueError(f"--model {model!r}: not a model of this benchmark. HINT: choose from {sorted(PLANS)}")
-    known = dict(moe_plans() if model == "moe" else plans())
+    known = dict(plans() if model == "dense" else moe_plans())
     runnable = {n for n, p in known.items() if p.pp == 1 and p.micro_batches == 1}
     bad = [n for n in names or () if n not in runnable]
     if bad:
@@ -134,6 +136,9 @@ def main() -> None:
         if args.model == "moe":
             write_section("moe_block_insitu", "## MoE blocks inside a training step vs alone "
                           "(benchmarks/moe_block_insitu.py)\n\n" + NOTES + "\n\n" + report)
+        elif args.model == "moe-wide":
+            write_section("moe_wide_block_insitu", "## Blocks of the dense-sized MoE decoder inside a training step "
+                          "vs alone (benchmarks/moe_block_insitu.py --model moe-wide)\n\n" + NOTES + "\n\n" + report)
         else:
             write_section("dense_block_insitu", "## Dense blocks inside a training step vs alone "
                           "(benchmarks/moe_block_insitu.py --model dense)\n\n" + NOTES + "\n\n" + report)

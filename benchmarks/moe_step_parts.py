@@ -18,7 +18,7 @@ No speed correction: profile and measurement are minutes apart in one launch seq
 slowest rank's median; the table gives the median over launches and the 95 % t-interval of the mean of the
 per-launch (predicted / measured) ratios.
 
-    python benchmarks/moe_step_parts.py [--model moe|dense] [--launches 5] [--steps 10] [--no-write]
+    python benchmarks/moe_step_parts.py [--model moe|moe-wide|dense] [--launches 5] [--steps 10] [--no-write]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 
 from _results import write_section  # noqa: E402
 from _stats import interval  # noqa: E402
-from costmodel_accuracy import MOE_CFG, MOE_SEQ, moe_plans, plans, profile_world  # noqa: E402
+from costmodel_accuracy import MODELS, moe_plans, plans, profile_world  # noqa: E402
 from moe_block_insitu import launches, parse_args, selected  # noqa: E402
 
 from lightning_galv.planner.cost import GalvatronCostModel, StageContext  # noqa: E402
@@ -74,10 +74,11 @@ def _ci(xs: list[float]) -> str:
 
 def main() -> None:
     args = parse_args(__doc__)
-    moe = args.model == "moe"
+    moe = args.model != "dense"
     by_name = dict(moe_plans() if moe else plans())
     rows: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {}
-    fresh = ((lambda world: profile_world(world, MOE_CFG, MOE_SEQ, "profile_machine_moe")) if moe  # noqa: E731
+    cfg, seq = MODELS[args.model if moe else "llama"][:2]
+    fresh = ((lambda world: profile_world(world, cfg, seq, "profile_machine_moe")) if moe  # noqa: E731
              else (lambda world: profile_world(world)))
     for (model, hw), names, slowest in launches(args.launches, args.steps, selected(args.plans, args.model),
                                                 before=fresh, model=args.model):  # type: ignore[misc]
@@ -105,9 +106,12 @@ def main() -> None:
     report = "\n".join(lines)
     print(report)
     if not args.no_write and not args.plans:
-        if moe:
+        if args.model == "moe":
             write_section("moe_step_parts", "## MoE step parts, predicted vs measured (benchmarks/moe_step_parts.py)"
                           "\n\n" + NOTES + "\n\n" + report)
+        elif moe:
+            write_section("moe_wide_step_parts", "## MoE step parts of the dense-sized MoE decoder, predicted vs "
+                          "measured (benchmarks/moe_step_parts.py --model moe-wide)\n\n" + WIDE_NOTES + "\n\n" + report)
         else:
             write_section("dense_step_parts", "## Dense step parts, predicted vs measured "
                           "(benchmarks/moe_step_parts.py --model dense)\n\n" + DENSE_NOTES + "\n\n" + report)
@@ -116,6 +120,11 @@ def main() -> None:
 NOTES = """Model, batch and plans: costmodel_accuracy.py's MoE ones (dim 128, 4 MoE blocks of 8 experts, top-2, seq 64,
 global batch 8). A ratio below 1 is a part the cost model under-predicts. "ends" is measured as fwd+bwd less the
 blocks, so it also holds what runs between blocks (the runtime's re-layouts at the ends, hook overhead)."""
+
+WIDE_NOTES = """Model, batch and plans: costmodel_accuracy.py's `--model moe-wide` ones (its dense model, dim 256, seq 128,
+with every FFN as 8 experts of width 384, top-2; global batch 8). A ratio below 1 is a part the cost model
+under-predicts. "ends" is measured as fwd+bwd less the blocks, so it also holds what runs between blocks (the
+runtime's re-layouts at the ends, hook overhead)."""
 
 DENSE_NOTES = """Model, batch and plans: costmodel_accuracy.py's dense ones (reference LLaMA, dim 256, 4 blocks, seq 128,
 global batch 8). A ratio below 1 is a part the cost model under-predicts. "ends" is measured as fwd+bwd less the
