@@ -729,7 +729,10 @@ a measurement's step / probe spread with sd 7-11 % over launches (1-2 % for the 
 }
 
 MOE_NOTES = """{model}
-router then spreads tokens nearly evenly, which is what the cost model assumes: balanced routing). Profiles as
+the cost model assumes balanced routing, as the profiler's random hidden states give it; the benchmark's batch
+does not: at the models' initialization the busiest EP rank gets 1.1-1.6x its group's mean of routed copies, section
+"Routing skew" (benchmarks/moe_routing_skew.py; until 2026-12-08 this note said random tokens give even routing,
+which was never measured). Profiles as
 automatic mode takes them (HardwareProfiler incl. all-to-all, ModelProfiler per block kind with the MoE facts,
 then each block kind as the runtime shards it by the ShardedLayerProfiler, `auto.sharded_profile`, which for an
 MoE block also times every expert-parallel degree, and FSDP2's overhead at each of them as the runtime wraps the

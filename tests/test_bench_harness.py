@@ -112,3 +112,16 @@ def test_the_raw_timing_recorder_passes_the_profilers_extra_runs_through(one_ran
                                 [(_MatmulProbe.KEY, _MatmulProbe(4, 8, torch.float32, "cpu"), 3)])
     assert set(out) == {("tp1/none", 1), ("matmul", 3)} and calls == [out] and rounds == [1]
     assert "recording" not in ShardedLayerProfiler._time_blocks.__qualname__  # the profiler's own again
+
+
+def test_routing_skew_takes_the_busiest_rank_of_the_worst_ep_group() -> None:
+    """moe_routing_skew.skew: per EP group (consecutive data shards) the busiest owner's routed copies over the
+    group's mean; experts owned in consecutive runs of E / ep, as the runtime's dispatcher places them."""
+    from moe_routing_skew import skew
+
+    # 4 samples, 4 experts; samples 0-1 route to experts 0 and 1 only, samples 2-3 evenly
+    counts = [[3, 1, 0, 0], [2, 2, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+    assert skew(counts, 2, 2) == pytest.approx(12 / 8)  # one group of 4 samples: owner 0 has 3+1+2+2+1+1+1+1 = 12
+    assert skew(counts, 2, 4) == pytest.approx(8 / 4)  # group 0 (samples 0-1): owner 0 holds all 8 copies
+    assert skew(counts, 4, 4) == pytest.approx(7 / 4)  # expert 0 alone: 3+2+1+1 of 16 / 4
+    assert skew([[1, 1, 1, 1]] * 4, 4, 4) == 1.0
