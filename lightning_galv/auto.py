@@ -271,12 +271,14 @@ class AutoSearch:
 def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torch.device,
               memory_budget: str | int | float | None = None, loader_batch: int | None = None,
               pipeline: bool = False, memory_margin: float | None = None, verbose: bool = True,
-              vocab_parallel_loss: bool = False) -> AutoSearch:
+              vocab_parallel_loss: bool = False, routing_skew: "Mapping[int, float] | None" = None) -> AutoSearch:
     """Search a plan for ``model`` on this machine over every pipeline degree and micro-batch count the
     run supports; ``loader_batch`` is the per-shard batch of the training loader, ``pipeline`` whether
     the LightningModule implements the pipeline hooks, ``memory_margin`` the fraction of the budget the
     search keeps free (None: the planner's default, 2 %), ``vocab_parallel_loss`` whether the loss takes
-    vocab-sharded logits (priced, and set on the plan). Models without the block protocol get a plain
+    vocab-sharded logits (priced, and set on the plan), ``routing_skew`` the busiest EP rank's routed copies over
+    the mean per ep on the training data (``profiling.measure_routing_skew``; priced for the MoE layer types,
+    ``ModelProfile.with_routing_skew``; None: balanced routing). Models without the block protocol get a plain
     data-parallel plan (no profile, no search)."""
     from .planner import HardwareProfile
     from .planner.search import DEFAULT_MEMORY_MARGIN
@@ -294,6 +296,8 @@ def auto_plan(model: nn.Module, parts: ModelParts, world_size: int, device: torc
         return AutoSearch(plan, None, None, budget, margin, loader_batch, "model without the block protocol: data parallel")
     profile, hw = measure_profiles(model, parts, world_size, budget, verbose, loader_batch=loader_batch,
                                    device=device)
+    if routing_skew:  # the same profile on every rank: all raise alike for a model without MoE layer types
+        profile = profile.with_routing_skew(routing_skew)
     box: list[Any] = [None]
     error: BaseException | None = None
     if rank == 0:

@@ -115,9 +115,10 @@ def test_the_raw_timing_recorder_passes_the_profilers_extra_runs_through(one_ran
 
 
 def test_routing_skew_takes_the_busiest_rank_of_the_worst_ep_group() -> None:
-    """moe_routing_skew.skew: per EP group (consecutive data shards) the busiest owner's routed copies over the
-    group's mean; experts owned in consecutive runs of E / ep, as the runtime's dispatcher places them."""
-    from moe_routing_skew import skew
+    """profiling.routing.skew_of (moe_routing_skew.py's rule): per EP group (consecutive data shards) the busiest
+    owner's routed copies over the group's mean; experts owned in consecutive runs of E / ep, as the runtime's
+    dispatcher places them."""
+    from lightning_galv.profiling.routing import skew_of as skew
 
     # 4 samples, 4 experts; samples 0-1 route to experts 0 and 1 only, samples 2-3 evenly
     counts = [[3, 1, 0, 0], [2, 2, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]

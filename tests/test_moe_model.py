@@ -554,3 +554,39 @@ def test_expert_parallel_plans_are_validated_at_creation_and_against_the_model()
                              parts)
     with pytest.raises(ValueError, match=r"head strategy ep=2: expert parallelism applies to MoE layers only"):
         check_plan_for_model(ParallelPlan(4, (LayerStrategy(dp=4),) * 3, head=LayerStrategy(dp=4, ep=2)), parts)
+
+
+def test_routing_skew_is_the_busiest_ep_ranks_share_over_the_mean(monkeypatch: pytest.MonkeyPatch) -> None:
+    """profiling.measure_routing_skew routes one global batch and reads, per ep, the busiest rank's routed copies
+    over its EP group's mean (EP groups = consecutive data shards, rank r owning experts [r E/ep, (r+1) E/ep)).
+    A router that sends samples 0-1 to experts 0 and 1 and samples 2-3 to experts 2 and 3 loads one rank of each
+    2-shard EP group with everything (2.0) and is balanced over 4 ranks (1.0) or over one group of 2 shards."""
+    from lightning_galv.profiling import measure_routing_skew
+
+    torch.manual_seed(0)
+    model = MoEDecoder(MoEConfig(**{**SMALL, "num_experts": 4, "top_k": 2}))
+    seq, real = 8, MoELayer.route
+
+    def halves(self: MoELayer, x: torch.Tensor) -> Any:
+        logits, probs, weights, ids = real(self, x)  # [T, E], [T, E], [T, k], [T, k]
+        first = torch.arange(x.shape[0]) // seq < 2  # [T] tokens of samples 0 and 1
+        ids = torch.where(first[:, None], torch.tensor([0, 1]), torch.tensor([2, 3]))  # [T, 2]
+        return logits, probs, torch.full_like(weights, 0.5), ids
+
+    monkeypatch.setattr(MoELayer, "route", halves)
+    tokens = torch.randint(0, SMALL["vocab_size"], (4, seq))
+    assert measure_routing_skew(model, lambda: model(tokens), 4, 4) == {2: 2.0, 4: 1.0}
+    assert measure_routing_skew(model, lambda: model(tokens), 4, 2) == {2: 1.0}
+    assert measure_routing_skew(model, lambda: model(tokens), 4, 4, ep_degrees=(2,)) == {2: 2.0}
+    assert all("route" not in layer.__dict__ for layer in model.modules() if isinstance(layer, MoELayer))
+    monkeypatch.undo()
+    balanced = measure_routing_skew(model, lambda: model(tokens), 4, 4)  # the real (untrained) router
+    assert set(balanced) == {2, 4} and all(v >= 1.0 for v in balanced.values())
+    with pytest.raises(ValueError, match="shards must split.*HINT:"):
+        measure_routing_skew(model, lambda: model(tokens), 4, 3)
+    with pytest.raises(ValueError, match="ep=3.*HINT:"):
+        measure_routing_skew(model, lambda: model(tokens), 4, 4, ep_degrees=(3,))
+    with pytest.raises(ValueError, match="exactly once.*HINT:"):
+        measure_routing_skew(model, lambda: None, 4, 4)
+    with pytest.raises(ValueError, match="no MoELayer.*HINT:"):
+        measure_routing_skew(nn.Linear(2, 2), lambda: None, 4, 4)

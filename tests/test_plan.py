@@ -205,6 +205,13 @@ def test_strategy_argument_errors() -> None:
         GalvatronStrategy(start_method="thread")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="vocab_parallel_loss=1.*HINT"):
         GalvatronStrategy(vocab_parallel_loss=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="routing_skew.*HINT"):
+        GalvatronStrategy(routing_skew={1: 1.2})  # ep 1 has no EP group
+    with pytest.raises(ValueError, match="routing_skew.*HINT"):
+        GalvatronStrategy(routing_skew={2: 0.8})  # the busiest rank holds at least the mean
+    with pytest.raises(ValueError, match="routing_skew.*given plan.*HINT"):
+        GalvatronStrategy(plan=HETERO, routing_skew={2: 1.2})  # only the search prices it
+    assert GalvatronStrategy(routing_skew={4: 1.4, 2: 1.2})._routing_skew == {2: 1.2, 4: 1.4}
 
 
 def _trainer_error(**kw) -> str:

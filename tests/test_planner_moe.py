@@ -138,6 +138,51 @@ def test_alltoall_time_by_hand_grows_with_ep() -> None:
     assert [round(a2a[ep] * 1e3, 3) for ep in (2, 4, 8)] == [0.285, 0.344, 0.403]  # ms per all-to-all
 
 
+def test_routing_skew_adds_the_busiest_ranks_expert_work_by_hand() -> None:
+    """A measured routing skew (MoELayerFacts.routing_skew) makes the busiest EP rank push (skew - 1) x its mean
+    routed copies more through one expert's weights, at the profile's matmul rate: forward 2 FLOPs per weight,
+    backward 4, a checkpointed layer's recompute the forward again. Balanced routing (no skew) and ep = 1 (every
+    expert local: the rank's tokens x top_k whatever the routing) are unchanged, and so is a profile without a
+    measured matmul rate."""
+    rate = 100e12
+    base = mixtral().with_(matmul_flops=rate)
+    skewed = base.with_routing_skew({2: 1.2, 4: 1.5})
+    plain, cm = GalvatronCostModel(base, a100()), GalvatronCostModel(skewed, a100())
+    copies = 4096 * 2  # one sample of 4096 tokens per rank, top-2
+    for ep, k in ((2, 1.2), (4, 1.5), (8, 1.0)):  # ep 8 was not measured: balanced
+        for ck in (False, True):
+            s = LayerStrategy(dp=64, ep=ep, checkpoint=ck)
+            a, b = plain.layer_cost(0, s, CTX), cm.layer_cost(0, s, CTX)
+            extra = (k - 1) * copies * EXPERT / rate
+            assert b.fwd - a.fwd == pytest.approx(2 * extra, rel=1e-9, abs=1e-15)
+            assert b.bwd - a.bwd == pytest.approx((4 + (2 if ck else 0)) * extra, rel=1e-9, abs=1e-15)
+            assert (b.states, b.act, b.transient) == (a.states, a.act, a.transient)
+    assert round((1.5 - 1) * copies * EXPERT / rate * 6 * 1e3, 3) == 43.293  # ms per layer and micro-batch at ep 4: 0.5 x 8192 copies x 176 M weights x 6 FLOPs / 100 TFLOP/s
+    s1 = LayerStrategy(dp=64)
+    assert cm.layer_cost(0, s1, CTX) == plain.layer_cost(0, s1, CTX)
+    no_rate = mixtral().with_routing_skew({4: 1.5})
+    s4 = LayerStrategy(dp=64, ep=4)
+    unrated = GalvatronCostModel(no_rate, a100()).layer_cost(0, s4, CTX)
+    assert unrated == GalvatronCostModel(mixtral(), a100()).layer_cost(0, s4, CTX)
+    # Ulysses: a rank routes 1/tp of the sequence
+    su = LayerStrategy(tp=2, dp=32, sp="ulysses", ep=4)
+    d = cm.layer_cost(0, su, CTX).fwd - plain.layer_cost(0, su, CTX).fwd
+    assert d == pytest.approx(2 * 0.5 * (copies * 2 / 2) * EXPERT / rate, rel=1e-9)  # 2 samples per data shard / tp 2
+
+
+def test_routing_skew_round_trips_and_is_validated() -> None:
+    skewed = mixtral(MIXED).with_routing_skew({4: 1.5, 2: 1.25})
+    assert skewed.layer(1).moe.routing_skew == ((2, 1.25), (4, 1.5)) and skewed.layer(0).moe is None
+    assert ModelProfile.from_json(skewed.to_json()) == skewed
+    assert '"routing_skew"' not in mixtral().to_json()  # unmeasured: serialized as before the field existed
+    assert skewed.with_routing_skew({}) == mixtral(MIXED)
+    for bad in ({1: 1.2}, {2: 0.9}, {2: float("nan")}, {2.5: 1.2}, [(2, 1.1), (2, 1.2)], "x"):
+        with pytest.raises(ValueError, match="routing_skew.*HINT:"):
+            replace(FACTS, routing_skew=bad)
+    with pytest.raises(ValueError, match="no MoE|has none.*HINT:"):
+        ModelProfile.from_shape(SHAPE).with_routing_skew({2: 1.2})
+
+
 def test_expert_gradients_sync_over_the_expert_data_group_by_hand() -> None:
     """ZeRO-0 (textbook model): the dense part all-reduces over the 64 data ranks, the experts over the 64/ep
     ranks ep apart that hold the same experts (one bucket each), overlapped with the last backward; the
@@ -467,6 +512,19 @@ def test_activations_measured_under_ep_are_priced_never_below_the_experts_whole_
 def test_contract_on_mixtral_profiles(runtime: str, layers: str) -> None:
     prof = mixtral(None if layers == "all" else MIXED)
     check_cost_model(GalvatronCostModel(prof, a100(1), runtime=runtime), prof, world_size=8)
+
+
+def test_contract_holds_with_a_routing_skew_and_expert_parallelism_gets_dearer() -> None:
+    """A skewed profile keeps every contract rule (the search's bounds among them), and every ep's forward gets
+    dearer under its skew, never cheaper."""
+    prof = mixtral().with_(matmul_flops=150e12)
+    skewed = prof.with_routing_skew({2: 1.3, 4: 1.6, 8: 2.0})
+    check_cost_model(GalvatronCostModel(skewed, a100(1), runtime="native"), skewed, world_size=8)
+    for ep in (2, 4, 8):
+        s = LayerStrategy(dp=8, ep=ep)
+        ctx = StageContext(8, 8, 1)
+        assert GalvatronCostModel(skewed, a100(1)).layer_cost(0, s, ctx).fwd > \
+            GalvatronCostModel(prof, a100(1)).layer_cost(0, s, ctx).fwd
 
 
 def test_plan_show_prints_ep(capsys: pytest.CaptureFixture[str]) -> None:

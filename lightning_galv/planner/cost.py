@@ -491,6 +491,19 @@ def ep_backward_comm(hw: HardwareProfile, a2a_bytes: float, ep: int, stride: int
     return 2.0 * hw.collective_time("alltoall", a2a_bytes, ep, stride)
 
 
+def ep_skew_time(moe: MoELayerFacts, tokens: float, ep: int, matmul_flops: float) -> tuple[float, float]:
+    """(forward, backward) seconds the busiest rank of an EP group spends on experts beyond a balanced rank: its
+    (skew - 1) x mean routed copies (tokens x top_k) through one expert's weights at the profiled matmul rate, 2
+    FLOPs per weight forward and 4 backward (Kaplan et al. '20); the group waits for it in the combine all-to-all
+    (Lepikhin et al. ICLR'21 Sec. 2.2; the imbalance LAER-MoE re-lays experts against). 0 when balanced or the
+    matmul rate was not measured."""
+    skew = moe.skew(ep)
+    if skew <= 1.0 or matmul_flops <= 0:
+        return 0.0, 0.0
+    flops = (skew - 1.0) * tokens * moe.top_k * moe.expert_params
+    return 2.0 * flops / matmul_flops, 4.0 * flops / matmul_flops
+
+
 def router_stats_time(hw: HardwareProfile, num_experts: int, d: int, stride: int) -> float:
     """Per MoE forward, with or without ep: one all-reduce of 2(E+1) float64 (counts, token count, probability
     and z sums) over the data group, so the balancing loss is the global batch's (Switch, Fedus et al. JMLR'22,
@@ -907,6 +920,10 @@ class GalvatronCostModel(CostModel):
             moe_f, moe_b = self._moe_comm(lt, s, b, dp_stride)
             fwd_t += moe_f
             bwd_t += moe_b + moe_f * repeated
+            if s.ep > 1:  # the busiest EP rank's extra expert work under the measured routing skew
+                sk_f, sk_b = ep_skew_time(lt.moe, b * seq / (t if s.ulysses else 1), s.ep, m.matmul_flops)
+                fwd_t += sk_f
+                bwd_t += sk_b + (sk_f if s.checkpoint else 0.0)  # a recompute runs the experts again
         groups = self._param_groups(lt, s, d, dp_stride)
         precision = "fp32" if m.precision == "fp32" else "mixed"
         fwd_t, bwd_t, extra, inside = self._data_parallel_groups(groups, s.zero, fwd_t, bwd_t, overlap_sync,

@@ -480,6 +480,28 @@ def act_key(tp: int, sp: str, checkpoint: bool, ep: int = 1) -> str:
     return time_key(tp, sp, ep) + ("/ckpt" if checkpoint else "")
 
 
+def _raise(exc: Exception) -> Any:
+    raise exc
+
+
+def check_routing_skew(value: Any) -> tuple[tuple[int, float], ...]:
+    """``value`` ({ep: factor} or (ep, factor) pairs) as sorted pairs, or a ``ValueError`` with a HINT: every ep an
+    int >= 2, once; every factor finite and >= 1 (the busiest EP rank's routed copies over the mean)."""
+    pairs = value.items() if isinstance(value, Mapping) else value
+    try:
+        skew = tuple(sorted((int(e), float(f)) for e, f in pairs
+                            if not isinstance(e, bool) and float(e).is_integer() or _raise(TypeError())))
+    except (TypeError, ValueError):
+        raise bad_value(f"routing_skew={value!r}", "must be (ep, factor) pairs, ep an int",
+                        "pass e.g. ((2, 1.2), (4, 1.4)), or a dict {ep: factor}.") from None
+    for (e, f), (e0, _) in zip(skew, ((None, None),) + skew):
+        if e < 2 or e == e0 or not (math.isfinite(f) and f >= 1.0):
+            raise bad_value(f"routing_skew={value!r}", "needs distinct ep >= 2, each with a finite factor >= 1 "
+                            "(the busiest rank over the mean)",
+                            "measure it with lightning_galv.profiling.measure_routing_skew.")
+    return skew
+
+
 @dataclass(frozen=True)
 class MoELayerFacts:
     """What the cost model must know of a block's Mixture-of-Experts layer beyond its measured time and memory.
@@ -503,8 +525,15 @@ class MoELayerFacts:
     # DTensor overhead (LayerTypeProfile.optimizer_overhead) splits by it, since expert parallelism leaves
     # the experts plain tensors where their expert-data group is one rank (0: unknown, charged whole)
     expert_tensor_share: float = 0.0
+    # ((ep, factor), ...): under expert parallelism over ep ranks, the busiest rank's routed copies over its EP
+    # group's mean, measured by routing real training data (``profiling.measure_routing_skew``); () = balanced.
+    # The profiler times the block on random hidden states, which route nearly evenly, and the busiest rank sets
+    # an EP group's pace: an untrained MoE decoder's routers gave 1.2-1.5x on the accuracy benchmark's batch, and
+    # expert-parallel plans priced for balanced routing read 4-10 % fast (benchmarks/moe_routing_skew.py).
+    routing_skew: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "routing_skew", check_routing_skew(self.routing_skew))
         if not (isinstance(self.expert_tensor_share, (int, float)) and 0.0 <= self.expert_tensor_share < 1.0):
             raise bad_value(f"expert_tensor_share={self.expert_tensor_share}", "must be a number in [0, 1)",
                             "count the routed experts' parameter tensors over the block's (moe_facts does).")
@@ -523,6 +552,11 @@ class MoELayerFacts:
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise bad_value(f"capacity_factor={self.capacity_factor}", "must be > 0 or None (dropless)",
                             "use None unless the model drops tokens.")
+
+    def skew(self, ep: int) -> float:
+        """The busiest rank's routed copies over the mean at expert-parallel degree ``ep`` (1.0: balanced or not
+        measured at that degree)."""
+        return dict(self.routing_skew).get(ep, 1.0)
 
     @property
     def routed_params(self) -> int:
@@ -1067,6 +1101,8 @@ class ModelProfile:
         for lt in d["layer_types"]:  # dense layer types serialize exactly as before MoE existed
             if lt.get("moe") is None:
                 lt.pop("moe", None)
+            elif not lt["moe"].get("routing_skew"):  # and MoE facts without a measured routing skew
+                lt["moe"].pop("routing_skew", None)
             if lt.get("params_sp") is None:  # and profiles without a separate Megatron-SP parameter size too
                 lt.pop("params_sp", None)
             if not lt.get("optimizer_overhead"):  # and profiles without a measured DTensor optimizer overhead
@@ -1103,6 +1139,17 @@ class ModelProfile:
 
     def with_(self, **changes: Any) -> "ModelProfile":
         return replace(self, **changes)
+
+    def with_routing_skew(self, skew: Mapping[int, float]) -> "ModelProfile":
+        """This profile with every MoE layer type's ``MoELayerFacts.routing_skew`` set to ``skew`` ({ep: busiest
+        rank's routed copies over the mean}, e.g. from ``profiling.measure_routing_skew``): what the training data
+        does to expert parallelism, which the profiler's random inputs do not show. ``{}`` restores balance."""
+        if not any(lt.moe is not None for lt in self.layer_types):
+            raise bad_value(f"routing_skew={dict(skew)!r}", "applies to MoE layer types and this profile has none",
+                            "profile an MoE model (LayerTypeProfile.moe set), or drop the skew.")
+        types = tuple(lt if lt.moe is None else replace(lt, moe=replace(lt.moe, routing_skew=tuple(skew.items())))
+                      for lt in self.layer_types)
+        return replace(self, layer_types=types)
 
     def with_seq_len(self, seq_len: int) -> "ModelProfile":
         """This profile carried to another sequence length: plan for a sequence length that was not profiled.

@@ -97,6 +97,11 @@ class GalvatronStrategy(ParallelStrategy):
             expert whole on one rank of its EP group) or ``"full"`` (every expert sharded over the EP group, as
             LAER-MoE's FSEP; any rank can then materialize any expert from all ranks alike, which
             :class:`~lightning_galv.callbacks.ExpertRelayout` uses). Checkpoints load across both.
+        routing_skew: automatic mode, MoE models: ``{ep: factor}``, how much more routed work the busiest rank of
+            an expert-parallel group gets than the mean on your data (measure it with
+            :func:`lightning_galv.profiling.measure_routing_skew` on a batch or two). The profiler times the
+            experts on random inputs, which route evenly; real data does not, and the busiest rank sets an EP
+            group's pace. ``None``: priced as balanced.
     """
 
     strategy_name = "galvatron"
@@ -119,6 +124,7 @@ class GalvatronStrategy(ParallelStrategy):
         vocab_parallel_loss: bool | None = None,
         grad_bucket_mb: float = 25.0,
         expert_sharding: Literal["owner", "full"] = "owner",
+        routing_skew: Mapping[int, float] | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -166,6 +172,15 @@ class GalvatronStrategy(ParallelStrategy):
         from ..parallel.expert import check_expert_sharding
 
         self.expert_sharding = check_expert_sharding(expert_sharding)  # may be set until setup (ExpertRelayout)
+        if routing_skew is not None:  # validated before the launch; priced in automatic mode only
+            from ..planner.profiles import check_routing_skew
+
+            if self._plan_spec is not None or shortcuts:
+                raise ValueError(f"routing_skew={routing_skew!r} with a given plan: it only changes what automatic "
+                                 "mode's search prices. HINT: drop routing_skew, or drop the plan to let the search "
+                                 "weigh expert parallelism with it.")
+            routing_skew = dict(check_routing_skew(routing_skew))
+        self._routing_skew = routing_skew
         self._process_group_backend = process_group_backend
         self._timeout = None if timeout is None else check_timeout(timeout)
         self._num_nodes = 1
@@ -427,7 +442,8 @@ class GalvatronStrategy(ParallelStrategy):
         self.auto = auto_plan(self.model, parts, self.world_size, self.root_device, self._memory_budget,
                               loader_batch=_loader_batch_size(trainer), pipeline=pipeline,
                               memory_margin=self._memory_margin,
-                              vocab_parallel_loss=bool(self._vocab_parallel_loss_choice()))
+                              vocab_parallel_loss=bool(self._vocab_parallel_loss_choice()),
+                              routing_skew=self._routing_skew)
         return self.auto.plan
 
     # -- gradients and steps: all forwarded to the runtime ----------------------------------------
