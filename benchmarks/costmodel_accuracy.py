@@ -324,6 +324,10 @@ def main() -> None:
     ap.add_argument("--model", choices=tuple(MODELS), default="llama",
                     help="llama: the dense reference model; moe: the small MoE decoder (dim 128); moe-wide: the dense "
                          "model with 8 experts of half its FFN width, top-2, in every block")
+    ap.add_argument("--routing-skew", choices=("balanced", "measured"), default="balanced",
+                    help="MoE models: price balanced routing (the profile as taken), or give the cost model the "
+                         "routing skew measured on the plans' own batch (profiling.measure_routing_skew, "
+                         "ModelProfile.with_routing_skew); written to its own section and data files")
     ap.add_argument("--sharded-rounds", type=int, default=5,
                     help="ShardedLayerProfiler rounds of the dense model's profiles (more: less noise per variant, "
                          "a longer profile); the least it takes with --sharded-budget")
@@ -347,6 +351,16 @@ def main() -> None:
     if moe and args.profiles == str(HERE / ".costmodel_profiles.json"):
         args.profiles = str(HERE / f".costmodel_profiles_{args.model.replace('-', '_')}.json")
     launches = 1 if args.quick else args.launches
+    skews: dict[int, dict[int, float]] = {}
+    if args.routing_skew == "measured":
+        if not moe:
+            raise ValueError("--routing-skew measured: the dense model has no experts. HINT: add --model moe or "
+                             "--model moe-wide.")
+        from moe_routing_skew import world_skew
+
+        skews = {w: world_skew(args.model, w) for w in (2, 4)}
+        print("routing skew measured on the plans' batch:", skews, flush=True)
+    tag = args.model + ("_skew" if skews else "")
     t_start = time.perf_counter()
     from lightning_galv.testing import run_distributed
 
@@ -386,6 +400,9 @@ def main() -> None:
                       flush=True)
             else:
                 launch_profiles[launch][world] = cached[world]
+            if skews:  # what the training data does to expert parallelism, which the profile's inputs do not show
+                m, h = launch_profiles[launch][world]
+                launch_profiles[launch][world] = (m.with_routing_skew(skews[world]), h)
             k = launch * len(batch) // launches  # rotate the order: no plan always runs first or last
             order = batch[k:] + batch[:k]
             t0 = time.perf_counter()
@@ -443,12 +460,12 @@ def main() -> None:
         dump = [{k: v for k, v in r.items() if k not in ("plan", "case", "cal", "cal_nv")} | {"plan": r["plan"].to_dict()}
                 for r in rows]
         (HERE / "data").mkdir(exist_ok=True)
-        (HERE / "data" / f"costmodel_{args.model}.json").write_text(json.dumps(dump, indent=1, default=float))
+        (HERE / "data" / f"costmodel_{tag}.json").write_text(json.dumps(dump, indent=1, default=float))
         # the profiles these predictions came from (per launch), so the table can be re-derived -- or another
         # cost model tried -- against the same measurements later
-        (HERE / "data" / f"costmodel_{args.model}_profiles.json").write_text(json.dumps(
+        (HERE / "data" / f"costmodel_{tag}_profiles.json").write_text(json.dumps(
             [{w: (m.to_dict(), h.to_dict()) for w, (m, h) in lp.items()} for lp in launch_profiles]))
-        write_results(report, args.model, args.sharded_rounds, budget)
+        write_results(report, args.model, args.sharded_rounds, budget, skews)
 
 
 def calibrate(rows: list[dict], launch_profiles: list[dict[int, tuple[ModelProfile, HardwareProfile]]],
@@ -751,7 +768,8 @@ its fit until 257c0e1, then its raw median; until 0a74b18 the median of probes t
 dense block's, while the steps' probes timed the MoE block)."""
 
 
-def write_results(report: str, model: str = "llama", rounds: int = 5, budget_s: float | None = None) -> None:
+def write_results(report: str, model: str = "llama", rounds: int = 5, budget_s: float | None = None,
+                  skews: dict[int, dict[int, float]] | None = None) -> None:
     from _results import write_section
 
     timing = (f"timed interleaved, {rounds} rounds" if budget_s is None else
@@ -761,8 +779,17 @@ def write_results(report: str, model: str = "llama", rounds: int = 5, budget_s: 
 
     if model != "llama":
         notes = MOE_NOTES.replace("{model}", MOE_MODEL_LINES[model])
-        write_section(MODELS[model][2], "## Cost-model accuracy for MoE / expert parallelism "
-                      f"(benchmarks/costmodel_accuracy.py --model {model})\n\n{notes}\n\n{report}")
+        flag = ""
+        if skews:
+            flag = " --routing-skew measured"
+            notes += ("\n\nRouting skew: each world's profiles carry the skew measured on the plans' own batch "
+                      "(`profiling.measure_routing_skew`, every rank a data shard; `ModelProfile.with_routing_skew`), "
+                      "which the cost model prices as the busiest EP rank's extra expert work at the profile's matmul "
+                      "rate (`cost.ep_skew_time`): " + "; ".join(
+                          f"{w} ranks " + ", ".join(f"ep{e} {f:.2f}" for e, f in sk.items()) for w, sk in skews.items())
+                      + ". The same batch, measured before any plan runs: no step time enters it.")
+        write_section(MODELS[model][2] + ("_skew" if skews else ""), "## Cost-model accuracy for MoE / expert "
+                      f"parallelism (benchmarks/costmodel_accuracy.py --model {model}{flag})\n\n{notes}\n\n{report}")
         return
     write_section("costmodel", "## Cost-model accuracy on this machine (benchmarks/costmodel_accuracy.py)\n\n"
                   f"{NOTES.replace('timed interleaved, 5 rounds', timing)}\n\n{report}")
