@@ -1,20 +1,19 @@
-"""How unevenly the MoE accuracy benchmark's routers load the expert-parallel ranks, and how much of the expert-
-parallel plans' error that would explain (issue 17).
+"""How unevenly the MoE accuracy benchmark's routers load the expert-parallel ranks, and what pricing that skew
+does to the expert-parallel plans' errors (issue 17).
 
-The cost model prices an MoE block from the ShardedLayerProfiler's timing of that block on random hidden states,
-where the untrained router spreads the routed copies nearly evenly; it assumes the same of training
-(``MoELayerFacts``: "balanced routing makes the per-rank expert compute independent of expert parallelism").
-Under expert parallelism the busiest rank of an EP group sets the pace: the others wait for it in the combine
-all-to-all. This script routes the benchmark's own global batch (``costmodel_accuracy.py``'s data: seed 123,
-random tokens; the model at its seed-0 initialization, which is what the plans train from: 7 steps at lr 1e-4
-barely move the routers) through each MoE layer and reports, per EP degree, the busiest rank's routed copies over
-the EP group's mean (experts placed as the runtime places them: rank r of an EP group owns E/ep consecutive
-experts; EP groups as ``RankLayout.expert_grid`` forms them: consecutive data shards).
+The ShardedLayerProfiler times an MoE block on random hidden states, where the untrained router spreads the routed
+copies nearly evenly, and without a measured skew the cost model prices training the same way. Under expert
+parallelism the busiest rank of an EP group sets the pace: the others wait for it in the combine all-to-all. This
+script routes the benchmark's own global batch (``costmodel_accuracy.py``'s data: seed 123, random tokens; the
+model at its seed-0 initialization, which is what the plans train from: 7 steps at lr 1e-4 barely move the
+routers) through each MoE layer and reports, per plan, the busiest rank's routed copies over the EP group's mean
+(``profiling.routing.skew_of``: experts placed as the runtime places them, rank r of an EP group owning E/ep
+consecutive experts; EP groups as ``RankLayout.expert_grid`` forms them, consecutive data shards).
 
-Then a what-if on a stored accuracy run (``benchmarks/data/costmodel_<model>.json`` and its profiles): each plan's
-prediction plus, per MoE layer under ep, (skew - 1) x the layer's expert share of its forward + backward compute
-(``cost.moe_compute_share``, a FLOP share, applied to the measured sharded fits). It is a diagnostic of what
-balanced routing leaves out, not the cost model's prediction; the cost model does not read the skew.
+Then it re-predicts a stored accuracy run (``benchmarks/data/costmodel_<model>.json`` and its per-launch profiles,
+taken without a skew) with this checkout's cost model, as profiled and given each world's skew
+(``profiling.measure_routing_skew``, ``ModelProfile.with_routing_skew``, priced by ``cost.ep_skew_time``), against
+the same measurements.
 
     python benchmarks/moe_routing_skew.py [--model moe-wide] [--no-write]
 """
@@ -165,12 +164,12 @@ def main() -> None:
                       f"{args.model})\n\n{NOTES}\n\n{report}")
 
 
-NOTES = """Why: the cost model assumes balanced routing, and the benchmark's notes said random tokens give it. They do
-not at this model's initialization: the routers see embedded tokens, not random hidden states, and some experts
-draw more copies than others. Under expert parallelism the busiest rank's experts set the pace. The what-if adds
-the extra expert compute alone (not the longer all-to-all into the busiest rank); the FLOP share is an upper
-estimate of the experts' share of a block's time on CPU, where per-expert dispatch and small matmuls cost more
-per FLOP than attention's."""
+NOTES = """Why: the cost model priced balanced routing, and the accuracy benchmark's notes said random tokens give it
+(never measured until this script). They do not at the models' initialization: the routers see embedded tokens, not
+random hidden states, and some experts draw more copies than others. Under expert parallelism the busiest rank's
+experts set the pace. `cost.ep_skew_time` prices the busiest rank's extra copies through one expert's weights at
+the profile's matmul rate; it leaves out the longer all-to-all into that rank, and it prices the wait in full,
+which ranks sharing cores may not pay (4 ranks on 2 cores here)."""
 
 
 if __name__ == "__main__":
