@@ -55,27 +55,11 @@ def _model_and_batch(model_name: str):  # type: ignore[no-untyped-def]
 
 def routed_counts(model_name: str) -> list[list[list[int]]]:
     """Per MoE layer, per sample of the benchmark's global batch: routed copies per expert ``[layer][sample][E]``
-    (one process, the whole model, no capacity: routing does not depend on the plan)."""
-    import torch
-
-    from lightning_galv.models.moe import MoELayer
+    (``profiling.routing.routed_counts``: one process, the whole model, no capacity)."""
+    from lightning_galv.profiling.routing import routed_counts as counts_of
 
     model, tokens = _model_and_batch(model_name)
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    caught: list[torch.Tensor] = []
-    for layer in layers:
-        route = layer.route
-
-        def spy(x: torch.Tensor, route=route):  # type: ignore[no-untyped-def]
-            out = route(x)
-            caught.append(out[3])  # [T, k] expert ids, T = batch x seq row-major
-            return out
-
-        layer.route = spy  # type: ignore[method-assign]
-    with torch.no_grad():
-        model(tokens)
-    e = MODELS[model_name][0]["num_experts"]
-    return [[torch.bincount(row, minlength=e).tolist() for row in ids.reshape(GLOBAL_BATCH, -1)] for ids in caught]
+    return counts_of(model, lambda: model(tokens), GLOBAL_BATCH)
 
 
 def world_skew(model_name: str, world: int) -> dict[int, float]:

@@ -37,32 +37,16 @@ def skew_of(counts: list[list[int]], ep: int, shards: int) -> float:
     return worst
 
 
-def measure_routing_skew(model: nn.Module, run: Callable[[], Any], samples: int, data_shards: int,
-                         ep_degrees: tuple[int, ...] | None = None) -> dict[int, float]:
-    """{ep: busiest rank's routed copies over the mean}, averaged over the model's MoE layers, for one global batch.
-
-    ``run()`` runs the model's forward on one global batch of ``samples`` samples (no gradient needed; e.g.
-    ``lambda: model(tokens)``); ``data_shards``: how many data shards the plans split it into (the data-parallel
-    ranks; a plan's EP groups take consecutive shards). ``ep_degrees``: default every degree >= 2 that divides
-    both the shards and the experts. Routing does not depend on the plan (no capacity is applied here), so one
-    process suffices. The mean over layers is what the cost model needs: each layer adds (skew - 1) of its work.
-    """
+def routed_counts(model: nn.Module, run: Callable[[], Any], samples: int) -> list[list[list[int]]]:
+    """Routed copies per expert of each sample, per MoE layer: ``[layer][sample][expert]``, from one ``run()`` of
+    the model's forward on a batch of ``samples`` samples (no gradient; no capacity applied, so it does not depend
+    on the plan). The layers' ``route`` is spied on for the call and restored after."""
     from ..models.moe import MoELayer
 
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     if not layers:
         raise bad_value(f"{type(model).__name__}", "has no MoELayer to route through",
                         "measure the routing skew of an MoE model (lightning_galv.models.MoEDecoder, HF Mixtral).")
-    if samples < 1 or data_shards < 1 or samples % data_shards:
-        raise bad_value(f"samples={samples}, data_shards={data_shards}", "the shards must split the batch evenly",
-                        "pass the global batch's sample count and a data-shard count that divides it.")
-    experts = layers[0].num_experts
-    degrees = ep_degrees if ep_degrees is not None else tuple(
-        e for e in range(2, data_shards + 1) if data_shards % e == 0 and experts % e == 0)
-    for e in degrees:
-        if e < 2 or data_shards % e or any(layer.num_experts % e for layer in layers):
-            raise bad_value(f"ep={e}", f"must be >= 2 and divide the {data_shards} data shards and every MoE "
-                            "layer's experts", "pick ep_degrees from the plans' expert-parallel degrees.")
     caught: list[torch.Tensor] = []
     own = {id(layer): layer.__dict__["route"] for layer in layers if "route" in layer.__dict__}  # restored after
     for layer in layers:
@@ -85,15 +69,35 @@ def measure_routing_skew(model: nn.Module, run: Callable[[], Any], samples: int,
     if len(caught) != len(layers):
         raise bad_value(f"{len(caught)} routings for {len(layers)} MoE layers", "run() must call the model's "
                         "forward exactly once", "pass e.g. lambda: model(tokens).")
-    out: dict[int, float] = {}
-    for e in degrees:
-        per_layer = []
-        for layer, ids in zip(layers, caught):
-            if ids.numel() % samples:
-                raise bad_value(f"{ids.shape[0]} routed tokens", f"not a whole number per sample of {samples}",
-                                "pass the sample count of the batch run() feeds the model.")
-            rows = ids.reshape(samples, -1)  # [samples, tokens per sample x k]
-            counts = [torch.bincount(r, minlength=layer.num_experts).tolist() for r in rows]
-            per_layer.append(skew_of(counts, e, data_shards))
-        out[e] = statistics.fmean(per_layer)
+    out = []
+    for layer, ids in zip(layers, caught):
+        if ids.numel() % samples:
+            raise bad_value(f"{ids.shape[0]} routed tokens", f"not a whole number per sample of {samples}",
+                            "pass the sample count of the batch run() feeds the model.")
+        rows = ids.reshape(samples, -1)  # [samples, tokens per sample x k]
+        out.append([torch.bincount(r, minlength=layer.num_experts).tolist() for r in rows])
     return out
+
+
+def measure_routing_skew(model: nn.Module, run: Callable[[], Any], samples: int, data_shards: int,
+                         ep_degrees: tuple[int, ...] | None = None) -> dict[int, float]:
+    """{ep: busiest rank's routed copies over the mean}, averaged over the model's MoE layers, for one global batch.
+
+    ``run()`` runs the model's forward on one global batch of ``samples`` samples (no gradient needed; e.g.
+    ``lambda: model(tokens)``); ``data_shards``: how many data shards the plans split it into (the data-parallel
+    ranks; a plan's EP groups take consecutive shards). ``ep_degrees``: default every degree >= 2 that divides
+    both the shards and the experts. Routing does not depend on the plan (no capacity is applied here), so one
+    process suffices. The mean over layers is what the cost model needs: each layer adds (skew - 1) of its work.
+    """
+    if samples < 1 or data_shards < 1 or samples % data_shards:
+        raise bad_value(f"samples={samples}, data_shards={data_shards}", "the shards must split the batch evenly",
+                        "pass the global batch's sample count and a data-shard count that divides it.")
+    counts = routed_counts(model, run, samples)
+    experts = [len(layer[0]) for layer in counts]
+    degrees = ep_degrees if ep_degrees is not None else tuple(
+        e for e in range(2, data_shards + 1) if data_shards % e == 0 and all(n % e == 0 for n in experts))
+    for e in degrees:
+        if e < 2 or data_shards % e or any(n % e for n in experts):
+            raise bad_value(f"ep={e}", f"must be >= 2 and divide the {data_shards} data shards and every MoE "
+                            "layer's experts", "pick ep_degrees from the plans' expert-parallel degrees.")
+    return {e: statistics.fmean(skew_of(c, e, data_shards) for c in counts) for e in degrees}
